@@ -1,0 +1,322 @@
+"""The shared implementation of `ActivationProbe`.
+
+An adapter subclasses `ProbeBase` and supplies three things: the trainable
+leaves (`_trainable`), a call of the model that reports each submodule call to
+the active `Session` (`_run`), and the pytree plumbing. Everything else —
+discovery by abstract evaluation, selection, epsilons, patches, the loss
+checks, assembling the result — is here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._result import ForwardResult, ProbeResult
+from ._selection import check_selection, matches_pattern, select
+from ._session import Session
+from ._sites import Site, is_array, zeros_like_struct
+
+#: The axis name of the probe's own `jax.vmap` with `vmap=True`, for models
+#: whose layers reduce over the batch (BatchNorm).
+BATCH_AXIS = "batch"
+
+
+class ProbeBase:
+    """Implements `sites`, `value_and_grad` and `apply` for every adapter."""
+
+    vmap: bool = False
+
+    # -- what an adapter supplies ------------------------------------------------
+
+    def _trainable(self) -> Any:
+        """The pytree differentiated for `grads`."""
+        raise NotImplementedError
+
+    def _run(
+        self, trainable: Any, args: tuple, kwargs: dict, session: Session
+    ) -> tuple[Any, Any]:
+        """Call the model on one batch (one example with `vmap=True`).
+
+        Must report every submodule call to `session` (`enter`/`exit`) and
+        return `(outputs, state)`, `state` being `None` where there is none.
+        """
+        raise NotImplementedError
+
+    def _check_call(self, args: tuple, kwargs: dict) -> None:
+        """Adapter-specific validation of the call arguments, before any work."""
+
+    def _format_grads(self, grads: Any) -> Any:
+        """Parameter gradients in the library's own structure."""
+        return grads
+
+    # -- the protocol ------------------------------------------------------------
+
+    def sites(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self._check_inputs(args, kwargs)
+        discovered, _ = self._discover(args, kwargs)
+        return {s.name: s.value_struct for s in discovered if s.differentiable}
+
+    def apply(
+        self,
+        *args: Any,
+        at: Any = None,
+        patch: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ForwardResult:
+        check_selection(at)
+        _check_patch_kind(patch)
+        self._check_inputs(args, kwargs)
+        discovered, _ = self._discover(args, kwargs)
+        chosen = select(at, discovered)
+        patches = _resolve_patches(patch, discovered)
+        outputs, state, activations, _ = self._call(
+            self._trainable(), args, kwargs, chosen, {}, patches, False
+        )
+        return ForwardResult(outputs, _in_order(activations, chosen), state)
+
+    def value_and_grad(
+        self,
+        loss_fn: Callable[[Any], Any],
+        *args: Any,
+        at: Any = None,
+        has_aux: bool = False,
+        patch: Mapping[str, Any] | None = None,
+        with_inputs: bool = False,
+        **kwargs: Any,
+    ) -> ProbeResult:
+        if not callable(loss_fn):
+            raise TypeError(
+                "`loss_fn` must be a function `outputs -> scalar` (or `(scalar, "
+                f"aux)` with has_aux=True); got {type(loss_fn).__name__}. The "
+                "model's inputs come after it: probe.value_and_grad(loss_fn, x)."
+            )
+        check_selection(at)
+        _check_patch_kind(patch)
+        self._check_inputs(args, kwargs)
+        discovered, loss_struct = self._discover(args, kwargs, loss_fn)
+        _check_loss(loss_struct, has_aux)
+        chosen = select(at, discovered)
+        patches = _resolve_patches(patch, discovered)
+        epsilons = {site.name: zeros_like_struct(site.value_struct) for site in chosen}
+
+        def objective(trainable, epsilons):
+            outputs, state, activations, inputs = self._call(
+                trainable, args, kwargs, chosen, epsilons, patches, with_inputs
+            )
+            loss_out = loss_fn(outputs)
+            loss, aux = loss_out if has_aux else (loss_out, None)
+            return loss, (aux, activations, inputs, state)
+
+        (loss, (aux, activations, inputs, state)), (grads, activation_grads) = (
+            jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+                self._trainable(), epsilons
+            )
+        )
+        return ProbeResult(
+            loss=loss,
+            aux=aux,
+            grads=self._format_grads(grads),
+            activations=_in_order(activations, chosen),
+            activation_grads=_in_order(activation_grads, chosen),
+            state=state,
+            inputs=_in_order(inputs, chosen) if with_inputs else None,
+        )
+
+    # -- the machinery -----------------------------------------------------------
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        self._check_call(args, kwargs)
+        if self.vmap:
+            _batch_size(args)
+
+    def _discover(
+        self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
+    ) -> tuple[list[Site], Any]:
+        """Every site of one forward pass, by abstract evaluation: no FLOPs.
+
+        The inputs' array leaves are traced, never closed over, so no operation
+        on them can run eagerly. Also returns the abstract loss when `loss_fn`
+        is given, so a bad loss fails here, before any work.
+        """
+        dynamic, rebuild = _split_arrays((args, kwargs))
+        sessions: list[Session] = []
+
+        def trace(probe, dynamic):
+            args, kwargs = rebuild(dynamic)
+            outputs, _, _, _ = probe._call(
+                probe._trainable(), args, kwargs, None, {}, {}, False, sessions
+            )
+            return loss_fn(outputs) if loss_fn is not None else None
+
+        loss_struct = jax.eval_shape(trace, self, dynamic)
+        (session,) = sessions
+        discovered = session.discovered()
+        if self.vmap:
+            batch = _batch_size(args)
+            discovered = [_with_batch_axis(site, batch) for site in discovered]
+        return discovered, loss_struct
+
+    def _call(
+        self,
+        trainable: Any,
+        args: tuple,
+        kwargs: dict,
+        chosen: list[Site] | None,
+        epsilons: dict[str, Any],
+        patches: dict[str, Any],
+        with_inputs: bool,
+        sessions: list[Session] | None = None,
+    ) -> tuple[Any, Any, dict, dict]:
+        """Run the model under a session: `(outputs, state, activations, inputs)`.
+
+        `chosen=None` discovers. With `vmap=True` the model runs under the
+        probe's own `jax.vmap`, and epsilons and patch values, which have the
+        batch axis first, are mapped with the inputs.
+        """
+        selected = None if chosen is None else {site.name: site for site in chosen}
+        patch_values = {k: v for k, v in patches.items() if not callable(v)}
+        patch_functions = {k: v for k, v in patches.items() if callable(v)}
+
+        def single(dynamic_args, epsilons, patch_values):
+            session = Session(
+                selected, epsilons, {**patch_values, **patch_functions}, with_inputs
+            )
+            if sessions is not None:
+                sessions.append(session)
+            with session.active():
+                outputs, state = self._run(
+                    trainable, rebuild_args(dynamic_args), kwargs, session
+                )
+            return outputs, state, session.activations, session.inputs
+
+        dynamic_args, rebuild_args = _split_arrays(args)
+        if not self.vmap:
+            return single(dynamic_args, epsilons, patch_values)
+        return jax.vmap(
+            single, out_axes=(0, None, 0, 0), axis_name=BATCH_AXIS
+        )(dynamic_args, epsilons, patch_values)
+
+
+def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """Split a pytree into its array leaves and a function that rebuilds it."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_dynamic = [is_array(leaf) for leaf in leaves]
+    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]
+
+    def rebuild(new_dynamic: list) -> Any:
+        it = iter(new_dynamic)
+        merged = [next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)]
+        return jax.tree.unflatten(treedef, merged)
+
+    return dynamic, rebuild
+
+
+def _batch_size(args: tuple) -> int:
+    sizes = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+        if is_array(leaf):
+            if jnp.ndim(leaf) == 0:
+                raise ValueError(
+                    f"vmap=True maps every positional input over axis 0, but input "
+                    f"args{jax.tree_util.keystr(path)} is a scalar. Give it a leading "
+                    "batch axis, or pass it as a keyword argument (not mapped)."
+                )
+            sizes[f"args{jax.tree_util.keystr(path)}"] = jnp.shape(leaf)[0]
+    if not sizes:
+        raise ValueError(
+            "vmap=True maps the positional inputs over axis 0, but no positional "
+            "input is an array. Pass the batch positionally: "
+            "probe.value_and_grad(loss_fn, x)."
+        )
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name}: {size}" for name, size in sizes.items())
+        raise ValueError(
+            "vmap=True maps every positional input over axis 0, so their leading "
+            f"axes must agree; got {listed}. Pass inputs that are not per-example "
+            "as keyword arguments."
+        )
+    return next(iter(sizes.values()))
+
+
+def _with_batch_axis(site: Site, batch: int) -> Site:
+    struct = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((batch, *s.shape), s.dtype), site.struct
+    )
+    return Site(
+        site.name, site.path, site.method, site.index, site.module, struct, site.origin
+    )
+
+
+def _check_loss(loss_struct: Any, has_aux: bool) -> None:
+    if has_aux:
+        if not (isinstance(loss_struct, tuple | list) and len(loss_struct) == 2):
+            raise ValueError(
+                "has_aux=True, but `loss_fn` did not return a pair `(loss, aux)`; "
+                f"it returned {loss_struct}. Return `(loss, aux)` or pass "
+                "has_aux=False."
+            )
+        loss_struct = loss_struct[0]
+    elif isinstance(loss_struct, tuple | list):
+        raise ValueError(
+            f"`loss_fn` returned a {type(loss_struct).__name__} of "
+            f"{len(loss_struct)}, not a scalar. If it returns `(loss, aux)`, pass "
+            "has_aux=True."
+        )
+    shape = getattr(loss_struct, "shape", None)
+    dtype = getattr(loss_struct, "dtype", None)
+    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            "`loss_fn` must return a real floating-point scalar, but it returned "
+            f"{loss_struct}. Reduce it to one number, e.g. with `.mean()` or "
+            "`.sum()`."
+        )
+
+
+def _check_patch_kind(patch: Any) -> None:
+    if patch is not None and not isinstance(patch, Mapping):
+        raise TypeError(
+            "`patch` must map site paths or globs to a value or a function of the "
+            f"original value, e.g. {{'Dense_0': jnp.zeros_like}}; got "
+            f"{type(patch).__name__}."
+        )
+
+
+def _resolve_patches(patch: Mapping[str, Any] | None, sites: list[Site]) -> dict:
+    """`{site name: value or function}` for every site a patch key matches."""
+    if not patch:
+        return {}
+    resolved = {}
+    for pattern, replacement in patch.items():
+        matched = [site for site in sites if matches_pattern(pattern, site.name)]
+        if not matched:
+            names = ", ".join(repr(site.name) for site in sites[:8])
+            raise ValueError(
+                f"patch key {pattern!r} matches no site. Sites: {names}"
+                f"{', ...' if len(sites) > 8 else ''}."
+            )
+        for site in matched:
+            if not callable(replacement):
+                _check_patch_value(site, replacement)
+            resolved[site.name] = replacement
+    return resolved
+
+
+def _check_patch_value(site: Site, value: Any) -> None:
+    expected = jax.tree.map(lambda s: (s.shape, jnp.dtype(s.dtype)), site.struct)
+    got = jax.tree.map(lambda v: (jnp.shape(v), jnp.result_type(v)), value)
+    if jax.tree.structure(site.struct) != jax.tree.structure(value) or expected != got:
+        raise ValueError(
+            f"patch for site {site.name!r} does not fit: the site's value has "
+            f"(shape, dtype) {expected}, the patch has {got}. Give a value of the "
+            "site's shape and dtype (see probe.sites(...)), or a function of the "
+            "original value."
+        )
+
+
+def _in_order(values: dict[str, Any], chosen: list[Site]) -> dict[str, Any]:
+    """Dicts come back from traced functions with sorted keys: restore call order."""
+    return {site.name: values[site.name] for site in chosen if site.name in values}

@@ -1,0 +1,137 @@
+"""`bridge.probe` and the adapter registry.
+
+Adapters are found by a predicate on the model. The built-in predicates look
+the library up in `sys.modules` instead of importing it: a model of a library
+that was never imported cannot be an instance of its classes, so a library
+that is not installed costs nothing, and an adapter module is imported only
+when a model of its library is probed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ._protocol import ActivationProbe
+
+_SUPPORTED = (
+    "Flax Linen: bridge.probe(module, variables) with variables = "
+    "module.init(key, x); "
+    "Flax NNX: bridge.probe(module) with an nnx.Module; "
+    "Equinox: bridge.probe(module), or bridge.probe(module, state) for a model "
+    "with an eqx.nn.State; "
+    "Haiku: bridge.probe(hk.transform(f), params), or "
+    "bridge.probe(hk.transform_with_state(f), params, state)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Adapter:
+    name: str
+    matches: Callable[[Any], bool]
+    factory: Callable[..., ActivationProbe] | str
+
+    def create(self, model: Any, variables: tuple, vmap: bool) -> ActivationProbe:
+        factory = self.factory
+        if isinstance(factory, str):
+            module_name, _, attribute = factory.partition(":")
+            factory = getattr(importlib.import_module(module_name), attribute)
+        return factory(model, *variables, vmap=vmap)
+
+
+_ADAPTERS: list[_Adapter] = []
+
+
+def register_adapter(
+    matches: type | tuple[type, ...] | Callable[[Any], bool],
+    factory: Callable[..., ActivationProbe] | str,
+    *,
+    name: str | None = None,
+) -> None:
+    """Teach `bridge.probe` a new kind of model, without touching `bridge/`.
+
+    Args:
+      matches: the model class (or tuple of classes) this adapter handles, or a
+        predicate `model -> bool`.
+      factory: `factory(model, *variables, vmap=bool) -> ActivationProbe`, or
+        `"package.module:attribute"` naming it, imported on first use. Subclass
+        `bridge.ProbeBase` to get `sites`, `value_and_grad` and `apply` from one
+        method that runs the model under a `bridge.Session`.
+      name: a label for error messages; defaults to the class or function name.
+
+    Adapters registered later are tried first, so a registration can override a
+    built-in one.
+    """
+    if isinstance(matches, type | tuple):
+        classes = matches
+        if isinstance(classes, tuple) and not all(isinstance(c, type) for c in classes):
+            raise TypeError(
+                f"`matches` must be a class, a tuple of classes or a predicate; got "
+                f"{matches!r}."
+            )
+
+        def matches(model: Any, classes=classes) -> bool:
+            return isinstance(model, classes)
+
+        label = getattr(classes, "__name__", repr(classes))
+    elif callable(matches):
+        label = getattr(matches, "__name__", repr(matches))
+    else:
+        raise TypeError(
+            f"`matches` must be a class, a tuple of classes or a predicate "
+            f"`model -> bool`; got {type(matches).__name__}."
+        )
+    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+        raise TypeError(
+            "`factory` must be a callable `(model, *variables, vmap) -> probe` or a "
+            f"'module:attribute' string; got {factory!r}."
+        )
+    _ADAPTERS.insert(0, _Adapter(name or label, matches, factory))
+
+
+def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
+    """Wrap a model of any supported library as an `ActivationProbe`.
+
+    Args:
+      model: a Flax Linen module, an NNX module, an Equinox module or a Haiku
+        transformed function.
+      *variables: what the library needs beside the model: Linen `variables`;
+        Haiku `params` (and `state`); Equinox `state`, if the model has one.
+      vmap: the model handles one example: map it over axis 0 of every
+        positional input; activation gradients then have the batch axis first.
+
+    Example:
+      >>> probe = bridge.probe(model, variables)
+      >>> res = probe.value_and_grad(lambda y: ((y - t) ** 2).mean(), x)
+      >>> res.activation_grads["Dense_0"]
+    """
+    if not isinstance(vmap, bool):
+        raise TypeError(f"`vmap` must be True or False; got {vmap!r}.")
+    for adapter in _ADAPTERS:
+        if adapter.matches(model):
+            return adapter.create(model, variables, vmap)
+    raise TypeError(
+        f"bridge.probe cannot probe a model of type {type(model).__qualname__}. "
+        f"Supported libraries — {_SUPPORTED}. A new library can be added with "
+        "bridge.register_adapter."
+    )
+
+
+def _instance_of(module_name: str, *class_names: str) -> Callable[[Any], bool]:
+    def matches(model: Any) -> bool:
+        library = sys.modules.get(module_name)
+        if library is None:
+            return False
+        classes = tuple(getattr(library, name) for name in class_names)
+        return isinstance(model, classes)
+
+    matches.__name__ = f"{module_name}.{'|'.join(class_names)}"
+    return matches
+
+
+register_adapter(
+    _instance_of("flax.linen", "Module"), "bridge.adapters.linen:probe", name="linen"
+)

@@ -1,0 +1,43 @@
+"""What a probe returns."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class ProbeResult(NamedTuple):
+    """The result of `ActivationProbe.value_and_grad` (a NamedTuple: a pytree).
+
+    Attributes:
+      loss: the scalar loss.
+      aux: the auxiliary output of `loss_fn` with `has_aux=True`, else `None`.
+      grads: d loss / d trainable parameters, in the library's own structure.
+      activations: `{path: value}` at each selected site, in call order.
+      activation_grads: `{path: d loss / d value}`, same keys, shapes and dtypes.
+      state: updated non-trainable state (Linen mutable collections, Haiku
+        state, Equinox `State`, NNX non-`Param` state), or `None`.
+      inputs: with `with_inputs=True`, `{path: positional arguments}` of each
+        selected call; else `None`.
+    """
+
+    loss: Any
+    aux: Any
+    grads: Any
+    activations: dict[str, Any]
+    activation_grads: dict[str, Any]
+    state: Any
+    inputs: dict[str, tuple] | None
+
+
+class ForwardResult(NamedTuple):
+    """The result of `ActivationProbe.apply`: a forward pass, no gradients.
+
+    Attributes:
+      outputs: the model's return value.
+      activations: `{path: value}` at each selected site, in call order.
+      state: updated non-trainable state, as in `ProbeResult.state`.
+    """
+
+    outputs: Any
+    activations: dict[str, Any]
+    state: Any

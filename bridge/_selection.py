@@ -1,0 +1,102 @@
+"""Selecting sites with `at=`: globs, classes, predicates, or a list of them."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._sites import Site, strip_call_index
+
+Selector = str | type | tuple | Callable[[str, Any], bool]
+
+_AT_HELP = (
+    "`at` must be None (every site), a glob string such as 'Dense_*', a module "
+    "class or tuple of classes, a predicate `(path, module) -> bool`, or a list of "
+    "these"
+)
+
+
+def check_selection(at: Any) -> None:
+    """Raise `TypeError` for an `at` of the wrong kind, before any work."""
+    for part in _parts(at):
+        if isinstance(part, str | type):
+            continue
+        if isinstance(part, tuple) and part and all(isinstance(c, type) for c in part):
+            continue
+        if callable(part):
+            continue
+        raise TypeError(f"{_AT_HELP}; got {part!r} of type {type(part).__name__}.")
+
+
+def _parts(at: Any) -> list:
+    if at is None:
+        return []
+    if isinstance(at, list):
+        if not at:
+            raise ValueError(f"{_AT_HELP}; got an empty list, which selects nothing.")
+        return at
+    return [at]
+
+
+def matches_pattern(pattern: str, name: str) -> bool:
+    """A glob matches a site's name with or without its `#k` call suffix."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(
+        strip_call_index(name), pattern
+    )
+
+
+def _matches(part: Any, site: Site) -> bool:
+    if isinstance(part, str):
+        return matches_pattern(part, site.name)
+    if isinstance(part, type | tuple):
+        return isinstance(site.module, part)
+    return bool(part(site.name, site.module))
+
+
+def select(at: Any, sites: Sequence[Site]) -> list[Site]:
+    """The sites `at` selects, in call order.
+
+    `at=None` selects every differentiable site. A pattern that matches only
+    integer-valued sites raises, since they have no gradient; one that matches
+    nothing raises naming the closest available paths.
+    """
+    if at is None:
+        return [site for site in sites if site.differentiable]
+    chosen = []
+    for site in sites:
+        if any(_matches(part, site) for part in _parts(at)):
+            chosen.append(site)
+    differentiable = [site for site in chosen if site.differentiable]
+    if chosen and not differentiable:
+        names = ", ".join(repr(site.name) for site in chosen)
+        raise ValueError(
+            f"`at={at!r}` selects only sites with integer values ({names}): they "
+            "have no gradient. Select a site with floating-point values."
+        )
+    if not chosen:
+        raise ValueError(_no_match_message(at, sites))
+    return differentiable
+
+
+def _no_match_message(at: Any, sites: Sequence[Site]) -> str:
+    names = [site.name for site in sites if site.differentiable]
+    if not names:
+        return (
+            f"`at={at!r}` matches no site: this model calls no submodule with "
+            "floating-point outputs on these inputs."
+        )
+    patterns = [part for part in _parts(at) if isinstance(part, str)]
+    closest: list[str] = []
+    for pattern in patterns:
+        candidates = sorted({strip_call_index(n) for n in names} | set(names))
+        closest += difflib.get_close_matches(pattern, candidates, n=3, cutoff=0.0)
+    closest = list(dict.fromkeys(closest)) or names[:5]
+    listed = ", ".join(repr(name) for name in closest)
+    classes = sorted({type(site.module).__name__ for site in sites})
+    return (
+        f"`at={at!r}` matches no site. Closest paths: {listed}. "
+        f"Module classes called: {', '.join(classes)}. "
+        "Call `probe.sites(*args)` to list every site."
+    )

@@ -1,0 +1,178 @@
+"""The per-trace bookkeeping every adapter shares: naming, counting, recording.
+
+An adapter reaches each submodule call with its library's own mechanism and
+reports it here with `enter` and `exit`. The session names the call, counts
+repeated calls, and, for the selected sites, applies patches, adds the
+epsilon (or lets the adapter add it natively) and records values. One session
+lives for one trace of the model; it is found through a `ContextVar`, so two
+threads (or two nested probes) never see each other's sites.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+
+from ._sites import Site, abstract, add_epsilon, differentiable_part, is_array, site_name
+
+_ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
+    "bridge_session", default=None
+)
+
+
+def current() -> Session | None:
+    """The session of the probe tracing the model now, if any."""
+    return _ACTIVE.get()
+
+
+@dataclasses.dataclass
+class Call:
+    """A submodule call between `enter` and `exit`."""
+
+    name: str
+    path: str
+    method: str | None
+    index: int
+    module: Any
+    origin: Any
+    slot: int
+
+
+class Session:
+    """Bookkeeping for one trace of the model.
+
+    With `selected=None` the session discovers: it lists every call as a `Site`
+    with the abstract shape of its value, and changes nothing. Otherwise it
+    runs: selected sites are recorded and, where `epsilons` has an entry, get
+    their epsilon added.
+    """
+
+    def __init__(
+        self,
+        selected: Mapping[str, Site] | None = None,
+        epsilons: Mapping[str, Any] | None = None,
+        patches: Mapping[str, Any] | None = None,
+        with_inputs: bool = False,
+    ):
+        self.discovering = selected is None
+        self.selected = selected or {}
+        self.epsilons = epsilons or {}
+        self.patches = patches or {}
+        self.with_inputs = with_inputs
+        self.sites: list[Site | None] = []
+        self.activations: dict[str, Any] = {}
+        self.inputs: dict[str, tuple] = {}
+        self._counts: dict[str, int] = {}
+        self._enclosing: list[str] = []
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Session]:
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+    def enter(
+        self,
+        path: str,
+        method: str | None,
+        module: Any,
+        args: tuple = (),
+        origin: Any = None,
+    ) -> Call:
+        """Name a call as it starts: sites are ordered by call entry."""
+        base = path if method is None else f"{path}.{method}"
+        index = self._counts.get(base, 0)
+        self._counts[base] = index + 1
+        call = Call(
+            site_name(path, method, index), path, method, index, module, origin, -1
+        )
+        if self.discovering:
+            call.slot = len(self.sites)
+            self.sites.append(None)
+        elif self.with_inputs and call.name in self.selected:
+            self.inputs[call.name] = tuple(a if is_array(a) else None for a in args)
+        self._enclosing.append(path)
+        return call
+
+    def exit(
+        self,
+        call: Call,
+        value: Any,
+        perturb: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """Finish a call: returns the value the model goes on with.
+
+        Args:
+          call: what `enter` returned.
+          value: the call's return value.
+          perturb: the adapter's native way to add this site's epsilon
+            (`value -> value + epsilon`); by default the session adds the
+            epsilon it holds.
+        """
+        self._enclosing.pop()
+        if self.discovering:
+            self.sites[call.slot] = Site(
+                call.name,
+                call.path,
+                call.method,
+                call.index,
+                call.module,
+                abstract(value),
+                call.origin,
+            )
+            return value
+        if call.name in self.patches:
+            value = _apply_patch(call.name, self.patches[call.name], value)
+        if call.name in self.selected:
+            epsilon = self.epsilons.get(call.name)
+            if epsilon is not None:
+                value = perturb(value) if perturb else add_epsilon(value, epsilon)
+            self.activations[call.name] = differentiable_part(value)
+        return value
+
+    def tap(self, name: str, value: Any) -> Any:
+        """A named value inside the model's code: a site without a module."""
+        path = f"{self._enclosing[-1]}/{name}" if self._enclosing else name
+        return self.exit(self.enter(path, None, None), value)
+
+    def discovered(self) -> list[Site]:
+        return [site for site in self.sites if site is not None]
+
+
+def _apply_patch(name: str, patch: Any, value: Any) -> Any:
+    new = patch(value) if callable(patch) else patch
+    expected, got = abstract(value), abstract(new)
+    if jax.tree.structure(expected) != jax.tree.structure(got) or any(
+        (e.shape, e.dtype) != (g.shape, g.dtype)
+        for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True)
+    ):
+        raise ValueError(
+            f"patch for site {name!r} does not fit: the site's value is {expected}, "
+            f"the patch gives {got}. A patch must keep the site's structure, shape "
+            "and dtype."
+        )
+    return new
+
+
+def tap(name: str, value: Any) -> Any:
+    """Mark `value` as a site named `<enclosing module path>/<name>`.
+
+    Outside a probe this returns `value` itself, at no cost. Inside one, the
+    value is a site like a module call: selectable, patchable, with gradients.
+
+    Example:
+      >>> h = bridge.tap("pre_activation", x @ w)
+    """
+    session = _ACTIVE.get()
+    if session is None:
+        return value
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"`name` must be a non-empty string; got {name!r}.")
+    return session.tap(name, value)

@@ -1,0 +1,93 @@
+"""Sites: one call of a submodule, its name, and the shape of its value."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def site_name(path: str, method: str | None, index: int) -> str:
+    """The public name of a call: `path`, `path.method`, then `#k` for call k > 0."""
+    base = path if method is None else f"{path}.{method}"
+    return base if index == 0 else f"{base}#{index}"
+
+
+def strip_call_index(name: str) -> str:
+    """`Dense_0#2` -> `Dense_0`: what a selection pattern may match instead."""
+    base, sep, index = name.rpartition("#")
+    return base if sep and index.isdigit() else name
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+    """One call of a submodule, as seen by abstract evaluation.
+
+    Attributes:
+      name: the public name, `path[.method][#k]`.
+      path: the module's path, `/`-joined as its parameters are keyed.
+      method: the method called, `None` for `__call__`.
+      index: how many calls of the same `path[.method]` came before this one.
+      module: the module object, for selection by class or predicate.
+      struct: the value's full pytree of `jax.ShapeDtypeStruct` (integer leaves
+        included: a native perturbation must match the value's structure).
+      origin: adapter-private data locating the call (a Linen scope path, ...).
+    """
+
+    name: str
+    path: str
+    method: str | None
+    index: int
+    module: Any
+    struct: Any
+    origin: Any = None
+
+    @property
+    def value_struct(self) -> Any:
+        """The public shape of the site: integer leaves replaced by `None`."""
+        return differentiable_part(self.struct)
+
+    @property
+    def differentiable(self) -> bool:
+        return any(_is_inexact(leaf) for leaf in jax.tree.leaves(self.struct))
+
+
+def _is_inexact(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def abstract(tree: Any) -> Any:
+    """Shapes and dtypes of a pytree's array leaves; other leaves become `None`."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else None,
+        tree,
+    )
+
+
+def differentiable_part(tree: Any) -> Any:
+    """The pytree with every non-floating leaf replaced by `None`."""
+    return jax.tree.map(lambda x: x if _is_inexact(x) else None, tree)
+
+
+def zeros_like_struct(struct: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
+
+
+def merge_differentiable(value: Any, floats: Any) -> Any:
+    """`value` with its floating leaves replaced, in order, by those of `floats`."""
+    float_leaves = iter(jax.tree.leaves(floats))
+    return jax.tree.map(lambda x: next(float_leaves) if _is_inexact(x) else x, value)
+
+
+def add_epsilon(value: Any, epsilon: Any) -> Any:
+    """`value + epsilon` on the floating leaves; `epsilon` has `None` elsewhere."""
+    perturbed = jax.tree.map(jnp.add, differentiable_part(value), epsilon)
+    return merge_differentiable(value, perturbed)
