@@ -83,7 +83,10 @@ class LinenProbe(ProbeBase):
         mutable = kwargs.get("mutable", False)
         if not (
             isinstance(mutable, bool | str)
-            or (isinstance(mutable, list | tuple) and all(isinstance(m, str) for m in mutable))
+            or (
+                isinstance(mutable, list | tuple)
+                and all(isinstance(m, str) for m in mutable)
+            )
             or callable(mutable)
         ):
             raise TypeError(
@@ -105,8 +108,10 @@ class LinenProbe(ProbeBase):
         def interceptor(next_fun, call_args, call_kwargs, context):
             module = context.module
             method = context.method_name
-            if module.path == () or method == "setup" or (
-                method.startswith("_") and method != "__call__"
+            if (
+                module.path == ()
+                or method == "setup"
+                or (method.startswith("_") and method != "__call__")
             ):
                 return next_fun(*call_args, **call_kwargs)
             path = tuple(module.path)

@@ -196,9 +196,9 @@ class ProbeBase:
         dynamic_args, rebuild_args = _split_arrays(args)
         if not self.vmap:
             return single(dynamic_args, epsilons, patch_values)
-        return jax.vmap(
-            single, out_axes=(0, None, 0, 0), axis_name=BATCH_AXIS
-        )(dynamic_args, epsilons, patch_values)
+        return jax.vmap(single, out_axes=(0, None, 0, 0), axis_name=BATCH_AXIS)(
+            dynamic_args, epsilons, patch_values
+        )
 
 
 def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -209,7 +209,9 @@ def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
 
     def rebuild(new_dynamic: list) -> Any:
         it = iter(new_dynamic)
-        merged = [next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)]
+        merged = [
+            next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)
+        ]
         return jax.tree.unflatten(treedef, merged)
 
     return dynamic, rebuild

@@ -135,3 +135,14 @@ def _instance_of(module_name: str, *class_names: str) -> Callable[[Any], bool]:
 register_adapter(
     _instance_of("flax.linen", "Module"), "bridge.adapters.linen:probe", name="linen"
 )
+register_adapter(
+    _instance_of("flax.nnx", "Module"), "bridge.adapters.nnx:probe", name="nnx"
+)
+register_adapter(
+    _instance_of("equinox", "Module"), "bridge.adapters.equinox:probe", name="equinox"
+)
+register_adapter(
+    _instance_of("haiku", "Transformed", "TransformedWithState"),
+    "bridge.adapters.haiku:probe",
+    name="haiku",
+)

@@ -18,7 +18,14 @@ from typing import Any
 
 import jax
 
-from ._sites import Site, abstract, add_epsilon, differentiable_part, is_array, site_name
+from ._sites import (
+    Site,
+    abstract,
+    add_epsilon,
+    differentiable_part,
+    is_array,
+    site_name,
+)
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None

@@ -1,0 +1,56 @@
+"""Numerical helpers shared by the test modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def assert_tree_allclose(actual: Any, expected: Any, rtol=1e-5, atol=1e-6) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected), (
+        f"structures differ:\n{jax.tree.structure(actual)}\n"
+        f"{jax.tree.structure(expected)}"
+    )
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert jnp.shape(a) == jnp.shape(e)
+        assert jnp.result_type(a) == jnp.result_type(e)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def numpy_snapshot(tree: Any) -> Any:
+    """A deep copy of a pytree's leaves as numpy arrays (structure kept)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def assert_tree_equal(actual: Any, expected: Any) -> None:
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+
+
+def random_like(struct: Any, seed: int = 0) -> Any:
+    """Random normal values shaped like the `ShapeDtypeStruct` leaves."""
+    leaves, treedef = jax.tree.flatten(struct)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
+    values = [
+        jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype)
+        for k, s in zip(keys, leaves, strict=False)
+    ]
+    return jax.tree.unflatten(treedef, values)
+
+
+def tree_vdot(a: Any, b: Any) -> jax.Array:
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return sum(jnp.vdot(x, y) for x, y in pairs)
+
+
+def add_at_float_leaves(value: Any, delta: Any) -> Any:
+    """`value + delta` where `delta` has `None` at the integer leaves."""
+    deltas = iter(jax.tree.leaves(delta))
+    return jax.tree.map(
+        lambda x: x + next(deltas) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+        value,
+    )

@@ -1,0 +1,200 @@
+"""The behaviours every adapter must have, checked against independent references.
+
+Parametrized over every case of every installed library (see `cases/`), in
+the manner of Optax's shared optimizer suite. Each behaviour runs eagerly and
+under `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import case_params
+from helpers import (
+    assert_tree_allclose,
+    assert_tree_equal,
+    random_like,
+    tree_vdot,
+)
+
+import bridge
+
+CASES = list(case_params())
+MODES = ["eager", "jit"]
+
+
+def value_and_grad(case, mode, **options):
+    def run(probe, args):
+        return probe.value_and_grad(case.loss_fn, *args, **options, **case.kwargs)
+
+    if mode == "jit":
+        run = jax.jit(run)
+    return run(case.probe, case.args)
+
+
+pytestmark = pytest.mark.parametrize("case", CASES, indirect=True)
+
+
+def test_sites_are_named_in_call_order(case):
+    assert list(case.probe.sites(*case.args, **case.kwargs)) == case.expected_sites
+
+
+def test_sites_describe_the_recorded_values(case):
+    sites = case.probe.sites(*case.args, **case.kwargs)
+    res = value_and_grad(case, "eager")
+    assert list(res.activations) == list(sites)
+    assert list(res.activation_grads) == list(sites)
+    for name, struct in sites.items():
+        for values in (res.activations[name], res.activation_grads[name]):
+            assert jax.tree.structure(values) == jax.tree.structure(struct), name
+            for value, leaf in zip(
+                jax.tree.leaves(values), jax.tree.leaves(struct), strict=True
+            ):
+                assert (value.shape, value.dtype) == (leaf.shape, leaf.dtype), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_and_parameter_gradients_equal_the_unprobed_model(case, mode):
+    res = value_and_grad(case, mode)
+    loss, grads = case.reference_value_and_grad()
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads)
+    assert res.aux is None and res.inputs is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_gradients_equal_jvp_of_a_hand_inserted_perturbation(case, mode):
+    res = value_and_grad(case, mode)
+    for seed, (site, grad) in enumerate(res.activation_grads.items()):
+        delta = random_like(_struct(grad), seed)
+
+        def loss_along(t, site=site, delta=delta):
+            return case.perturbed_loss(site, jax.tree.map(lambda d: t * d, delta))
+
+        _, directional = jax.jvp(loss_along, (0.0,), (1.0,))
+        np.testing.assert_allclose(
+            tree_vdot(grad, delta), directional, rtol=2e-4, atol=1e-6, err_msg=site
+        )
+
+
+def _struct(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_activations_equal_the_library_own_recording(case, mode):
+    if case.reference_activations is None:
+        pytest.skip("this library has no recording of its own")
+    res = value_and_grad(case, mode)
+    reference = case.reference_activations()
+    compared = [name for name in res.activations if name in reference]
+    assert compared, "the reference records none of the sites"
+    for name in compared:
+        expected = jax.tree.map(
+            lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None,
+            reference[name],
+        )
+        assert_tree_allclose(res.activations[name], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bias_gradient_is_the_output_gradient_summed_over_broadcast_axes(case):
+    if not case.bias_sites:
+        pytest.skip("no biased layer called once")
+    res = value_and_grad(case, "eager")
+    for site, bias_of in case.bias_sites.items():
+        bias_grad = bias_of(res.grads)
+        output_grad = res.activation_grads[site]
+        summed = output_grad.reshape(-1, *bias_grad.shape).sum(axis=0)
+        np.testing.assert_allclose(summed, bias_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_state_equals_the_unprobed_model(case):
+    if case.reference_state is None:
+        pytest.skip("no state")
+    res = value_and_grad(case, "eager")
+    expected = case.reference_state()
+    if expected is None:
+        assert res.state is None
+    else:
+        assert_tree_allclose(res.state, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_selection_records_the_same_numbers(case, mode):
+    full = value_and_grad(case, "eager")
+    names = list(full.activation_grads)
+    chosen = [names[0], names[-1]]
+    # A glob also matches later calls (`#k`) of a site; a predicate sees full names.
+    res = value_and_grad(
+        case, mode, at=[lambda path, module: path == names[0], names[-1]]
+    )
+    # Dicts leave `jax.jit` with sorted keys (pytree flattening); eagerly they
+    # keep call order.
+    order = list if mode == "eager" else sorted
+    assert order(res.activation_grads) == order(dict.fromkeys(chosen))
+    for name in chosen:
+        assert_tree_allclose(res.activation_grads[name], full.activation_grads[name])
+        assert_tree_allclose(res.activations[name], full.activations[name])
+    assert_tree_allclose(res.grads, full.grads)
+
+
+def test_apply_records_the_forward_values(case):
+    full = value_and_grad(case, "eager")
+    fwd = case.probe.apply(*case.args, **case.kwargs)
+    assert isinstance(fwd, bridge.ForwardResult)
+    assert list(fwd.activations) == list(full.activations)
+    assert_tree_allclose(fwd.activations, full.activations)
+
+
+def test_nothing_the_user_passed_is_mutated(case):
+    before = case.snapshot()
+    value_and_grad(case, "eager")
+    value_and_grad(case, "jit", at=case.expected_sites[-1])
+    case.probe.sites(*case.args, **case.kwargs)
+    assert_tree_equal(case.snapshot(), before)
+
+
+def test_the_probe_is_a_pytree_so_jit_does_not_bake_in_parameters(case):
+    leaves = [x for x in jax.tree.leaves(case.probe) if np.size(x) > 1]
+    closed = jax.make_jaxpr(
+        lambda probe, args: probe.value_and_grad(case.loss_fn, *args, **case.kwargs)
+    )(case.probe, case.args)
+    for const in closed.consts:
+        for leaf in leaves:
+            assert not (
+                np.shape(const) == np.shape(leaf) and np.array_equal(const, leaf)
+            ), "a parameter was baked into the program as a constant"
+
+
+def _flops(fn, *args):
+    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return analysis["flops"]
+
+
+def test_unselected_sites_cost_nothing(case):
+    """One selected site costs at most a few FLOPs per element of its own value.
+
+    Whatever the other sites are, they add nothing to the compiled program: the
+    bound depends on the selected site only.
+    """
+    reference = _flops(
+        jax.value_and_grad(case.reference_loss), case.trainable, case.args
+    )
+    last = case.expected_sites[-1]
+    one = _flops(
+        lambda probe, args: probe.value_and_grad(
+            case.loss_fn, *args, at=last, **case.kwargs
+        ),
+        case.probe,
+        case.args,
+    )
+    size = sum(
+        math.prod(s.shape)
+        for s in jax.tree.leaves(case.probe.sites(*case.args, **case.kwargs)[last])
+    )
+    assert one - reference <= 8 * size + 64
