@@ -1,0 +1,84 @@
+"""bridge in one screen: probe a small model, print one row per site.
+
+Each row is one call of a submodule: its path, the shape of its value, the norm
+of the activation and the norm of the loss's gradient with respect to it —
+what a PyTorch backward hook would give you, without editing the model.
+
+    python examples/quickstart.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+import bridge
+
+BATCH, FEATURES, CLASSES = 16, 8, 3
+
+
+def data():
+    """A fixed synthetic classification batch: no download."""
+    x = jax.random.normal(jax.random.key(0), (BATCH, FEATURES))
+    labels = jax.random.randint(jax.random.key(1), (BATCH,), 0, CLASSES)
+    return x, labels
+
+
+def cross_entropy(labels):
+    def loss(logits):
+        log_probs = jax.nn.log_softmax(logits)
+        picked = jnp.take_along_axis(log_probs, labels[:, None], axis=1)
+        return -jnp.mean(picked)
+
+    return loss
+
+
+def rows(res):
+    return [
+        (path, tuple(jnp.shape(grad)), jnp.linalg.norm(act), jnp.linalg.norm(grad))
+        for (path, act), grad in zip(
+            res.activations.items(), res.activation_grads.values(), strict=True
+        )
+    ]
+
+
+def linen_rows():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(32)(x))
+            x = nn.LayerNorm()(x)
+            x = nn.relu(nn.Dense(32)(x))
+            return nn.Dense(CLASSES)(x)
+
+    x, labels = data()
+    model = MLP()
+    variables = model.init(jax.random.key(2), x)
+    probe = bridge.probe(model, variables)
+    res = probe.value_and_grad(cross_entropy(labels), x)
+    return res.loss, rows(res)
+
+
+LIBRARIES = {"Flax Linen": ("flax", linen_rows)}
+
+
+def main():
+    for library, (package, make_rows) in LIBRARIES.items():
+        if importlib.util.find_spec(package) is None:
+            print(f"{library}: not installed, skipped")
+            continue
+        loss, table = make_rows()
+        print(f"\n{library} — loss {float(loss):.4f}")
+        print(
+            f"  {'site':<28} {'shape':<14} {'|activation|':>13} {'|d loss/d act|':>15}"
+        )
+        for path, shape, act_norm, grad_norm in table:
+            print(f"  {path:<28} {str(shape):<14} {act_norm:>13.4f} {grad_norm:>15.6f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Flax Linen specifics beyond the conformance suite."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.linen import DropoutNet, SharedMLP, perturbed_apply
+from helpers import assert_tree_allclose, random_like, tree_vdot
+
+import bridge
+
+
+def mse(y):
+    return jnp.mean(jnp.square(y - 0.5))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    model = SharedMLP()
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    return model, model.init(jax.random.key(0), x), x
+
+
+def test_any_batch_size_without_a_new_init(mlp):
+    model, variables, _ = mlp
+    probe = bridge.probe(model, variables)
+    for batch in (1, 3, 16):
+        x = jnp.ones((batch, 8))
+        assert probe.sites(x)["Dense_2"].shape == (batch, 3)
+        assert probe.value_and_grad(mse, x).activation_grads["Dense_0"].shape == (
+            batch,
+            8,
+        )
+
+
+def test_dropout_numbers_are_those_of_plain_apply_with_the_same_key():
+    model = DropoutNet()
+    x = jnp.ones((4, 6))
+    variables = model.init({"params": jax.random.key(0)}, x)
+    probe = bridge.probe(model, variables)
+    for seed in (3, 4):
+        rngs = {"dropout": jax.random.key(seed)}
+        res = probe.value_and_grad(mse, x, rngs=rngs)
+        np.testing.assert_allclose(res.loss, mse(model.apply(variables, x, rngs=rngs)))
+    first = probe.value_and_grad(mse, x, rngs={"dropout": jax.random.key(3)})
+    second = probe.value_and_grad(mse, x, rngs={"dropout": jax.random.key(4)})
+    assert not np.allclose(
+        first.activations["Dropout_0"], second.activations["Dropout_0"]
+    )
+
+
+def test_mutable_true_returns_every_collection_but_the_probe_own():
+    class Counter(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            count = self.variable("counter", "n", lambda: jnp.zeros((), jnp.int32))
+            count.value += 1
+            return nn.Dense(2)(x)
+
+    model = Counter()
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    res = bridge.probe(model, variables).value_and_grad(mse, x, mutable=True)
+    assert set(res.state) == {"params", "counter"}
+    assert res.state["counter"]["n"] == 2
+    assert variables["counter"]["n"] == 1
+
+
+def test_a_model_that_calls_perturb_itself_keeps_working():
+    class SelfPerturbing(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = self.perturb("h", nn.Dense(4)(x))
+            return nn.Dense(1)(h)
+
+    model = SelfPerturbing()
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    assert "perturbations" in variables
+    res = bridge.probe(model, variables).value_and_grad(mse, x)
+    own = jax.grad(lambda v: mse(model.apply(v, x)))(variables)
+    np.testing.assert_allclose(
+        res.activation_grads["Dense_0"], own["perturbations"]["h"], rtol=1e-6
+    )
+
+
+def test_vmap_true_maps_a_single_example_model():
+    wrapper_model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(3)])
+    x = jax.random.normal(jax.random.key(2), (6, 5))
+    variables = wrapper_model.init(jax.random.key(0), x[0])
+    batched = bridge.probe(wrapper_model, variables, vmap=True)
+    plain = bridge.probe(wrapper_model, variables)
+    res, ref = batched.value_and_grad(mse, x), plain.value_and_grad(mse, x)
+    assert batched.sites(x)["layers_0"].shape == (6, 4)
+    assert_tree_allclose(res.activation_grads, ref.activation_grads)
+    assert_tree_allclose(res.grads, ref.grads, rtol=1e-5, atol=1e-6)
+
+
+def test_jax_vmap_over_value_and_grad_gives_per_example_gradients(mlp):
+    model, variables, x = mlp
+    probe = bridge.probe(model, variables)
+    per_example = jax.vmap(lambda xi: probe.value_and_grad(mse, xi[None]), 0)(x)
+    for i in range(x.shape[0]):
+        single = probe.value_and_grad(mse, x[i : i + 1])
+        assert_tree_allclose(
+            jax.tree.map(lambda a, i=i: a[i], per_example.activation_grads),
+            single.activation_grads,
+        )
+
+
+def test_jax_grad_through_the_probe_equals_plain_grad(mlp):
+    model, variables, x = mlp
+    probe = bridge.probe(model, variables)
+    through = jax.grad(lambda x: probe.value_and_grad(mse, x, at="Dense_2").loss)(x)
+    plain = jax.grad(lambda x: mse(model.apply(variables, x)))(x)
+    np.testing.assert_allclose(through, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_a_user_jit_step_takes_the_probe_as_an_argument(mlp):
+    model, variables, x = mlp
+
+    @jax.jit
+    def step(probe, x):
+        res = probe.value_and_grad(mse, x)
+        return res.loss, {
+            k: jnp.linalg.norm(g) for k, g in res.activation_grads.items()
+        }
+
+    loss, norms = step(bridge.probe(model, variables), x)
+    scaled = jax.tree.map(lambda p: 2 * p, variables)
+    loss2, _ = step(bridge.probe(model, scaled), x)
+    assert step._cache_size() == 1  # new parameters: no new trace
+    assert loss != loss2 and set(norms) == set(bridge.probe(model, variables).sites(x))
+
+
+def test_the_reference_hook_really_perturbs(mlp):
+    """Guard the conformance reference: it must move the loss."""
+    model, variables, x = mlp
+    probe = bridge.probe(model, variables)
+    res = probe.value_and_grad(mse, x)
+    delta = random_like(probe.sites(x)["Dense_0#1"])
+    moved = mse(perturbed_apply(model, variables, "Dense_0#1", delta, (x,), {}))
+    assert not np.isclose(moved, res.loss)
+    assert not np.isclose(tree_vdot(res.activation_grads["Dense_0#1"], delta), 0.0)
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+def test_a_module_without_variables_is_refused():
+    with pytest.raises(TypeError, match=r"needs its variables: bridge.probe\(module"):
+        bridge.probe(nn.Dense(3))
+
+
+def test_variables_of_the_wrong_kind_are_refused():
+    with pytest.raises(TypeError, match="`variables` must be the dict returned"):
+        bridge.probe(nn.Dense(3), [1, 2])
+    params = nn.Dense(3).init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+    with pytest.raises(
+        ValueError, match=r"no 'params' collection .* \{'params': params\}"
+    ):
+        bridge.probe(nn.Dense(3), params)
+    with pytest.raises(ValueError, match="reserves for its own epsilons"):
+        bridge.probe(nn.Dense(3), {"params": params, "bridge_epsilons": {}})
+
+
+def test_mutable_of_the_wrong_kind_is_refused(mlp):
+    model, variables, x = mlp
+    with pytest.raises(TypeError, match="`mutable` goes to Module.apply"):
+        bridge.probe(model, variables).value_and_grad(mse, x, mutable=3)
+
+
+def test_selecting_an_integer_site_explicitly_is_refused():
+    class Argmax(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.argmax(x, axis=-1)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(x) * Argmax()(x)[:, None].astype(x.dtype)
+
+    x = jnp.ones((2, 3))
+    probe = bridge.probe(Model(), Model().init(jax.random.key(0), x))
+    assert list(probe.sites(x)) == ["Dense_0"]
+    with pytest.raises(ValueError, match="selects only sites with integer values"):
+        probe.value_and_grad(lambda y: y.sum(), x, at="Argmax_0")
