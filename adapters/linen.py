@@ -18,13 +18,16 @@ import flax.linen as nn
 import jax
 
 from bridge._probe import ProbeBase
-from bridge._session import Session
+from bridge._session import Session, positional_arrays
 from bridge._sites import Site, differentiable_part, merge_differentiable
 
 #: The variable collection holding the probe's epsilons. A private name, so a
 #: model that calls `self.perturb` itself (collection "perturbations") is not
 #: disturbed.
 EPSILON_COLLECTION = "bridge_epsilons"
+
+#: The mutable collection carrying recordings out of lifted transforms.
+RECORDING_COLLECTION = "bridge_recordings"
 
 #: Keywords of `Module.apply` rather than of the model.
 _APPLY_KEYWORDS = ("rngs", "mutable", "capture_intermediates")
@@ -49,11 +52,12 @@ def probe(module: nn.Module, *variables: Any, vmap: bool = False) -> LinenProbe:
             f"{sorted(variables)}). Pass what module.init returns, or wrap bare "
             "parameters: bridge.probe(module, {'params': params})."
         )
-    if EPSILON_COLLECTION in variables:
-        raise ValueError(
-            f"`variables` has a '{EPSILON_COLLECTION}' collection, which bridge "
-            "reserves for its own epsilons. Remove it."
-        )
+    for reserved in (EPSILON_COLLECTION, RECORDING_COLLECTION):
+        if reserved in variables:
+            raise ValueError(
+                f"`variables` has a '{reserved}' collection, which bridge reserves "
+                "for its own use. Remove it."
+            )
     return LinenProbe(module, variables, vmap)
 
 
@@ -99,47 +103,157 @@ class LinenProbe(ProbeBase):
     ) -> tuple[Any, Any]:
         apply_kwargs = {k: kwargs[k] for k in _APPLY_KEYWORDS if k in kwargs}
         model_kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_KEYWORDS}
+        user_mutable = apply_kwargs.pop("mutable", False)
         variables = {**self.variables, "params": trainable}
         if session.epsilons:
             variables[EPSILON_COLLECTION] = _epsilon_collection(
                 session.selected, session.epsilons
             )
+        interceptor = _Interceptor(session)
+        with nn.intercept_methods(interceptor):
+            outputs, state = self.module.apply(
+                variables,
+                *args,
+                mutable=_with_recordings(user_mutable),
+                **apply_kwargs,
+                **model_kwargs,
+            )
+        interceptor.hand_over(state.get(RECORDING_COLLECTION, {}))
+        if user_mutable is False:
+            return outputs, None
+        return outputs, {
+            k: v
+            for k, v in state.items()
+            if k not in (EPSILON_COLLECTION, RECORDING_COLLECTION)
+        }
 
-        def interceptor(next_fun, call_args, call_kwargs, context):
-            module = context.module
-            method = context.method_name
+
+def _with_recordings(mutable: Any) -> Any:
+    """The user's `mutable`, plus the collection carrying recordings out of
+    lifted transforms."""
+    if mutable is True:
+        return True
+    if mutable is False:
+        return [RECORDING_COLLECTION]
+    if isinstance(mutable, str):
+        return [mutable, RECORDING_COLLECTION]
+    return [*mutable, RECORDING_COLLECTION]
+
+
+class _Frame:
+    """One active method call, as the interceptor sees it."""
+
+    def __init__(self, root: Any):
+        self.root = root  # the scope root the call runs in
+        self.bodies: dict[tuple, Any] = {}  # lifted bodies traced from this call
+        self.transform = "a Flax lifted transform"
+
+
+class _Interceptor:
+    """Reports every submodule call of one `apply` to the session.
+
+    Calls inside a Flax lifted transform (`nn.remat`, `nn.jit`, ...) run in a
+    scope of their own, with its own root, and their values are tracers of the
+    transform's inner trace. Their recordings leave through a mutable variable
+    collection, as the library's own `sow` does; a transform that does not
+    carry bridge's collections raises instead of silently dropping a site.
+    Flax traces some bodies more than once; a repeated trace of the same body
+    re-uses the names of the first.
+    """
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.stack: list[_Frame] = []
+        self.deferred: dict[str, tuple[tuple[str, ...], str]] = {}
+
+    def __call__(self, next_fun, call_args, call_kwargs, context):
+        module, method = context.module, context.method_name
+        parent = self.stack[-1] if self.stack else None
+        frame = _Frame(module.scope.root)
+        lifted = parent is not None and frame.root is not self.stack[0].root
+        if parent is not None and frame.root is not parent.root:
+            self._entering_lifted_scope(parent, module, method)
+        self.stack.append(frame)
+        try:
             if (
                 module.path == ()
                 or method == "setup"
                 or (method.startswith("_") and method != "__call__")
             ):
                 return next_fun(*call_args, **call_kwargs)
-            path = tuple(module.path)
-            call = session.enter(
-                "/".join(path),
-                None if method == "__call__" else method,
-                module,
-                call_args,
-                origin=path,
+            return self._site(next_fun, call_args, call_kwargs, module, method, lifted)
+        finally:
+            self.stack.pop()
+
+    def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
+        if module.path == ():
+            # The transformed module itself (`ScanBlock`), before its body runs:
+            # what follows is a new call of the body, not a re-trace.
+            parent.bodies.clear()
+            parent.transform = _transform_name(module)
+            return
+        key = (module.path, method, type(module))
+        if key in parent.bodies:
+            self.session.restore(parent.bodies[key])
+        else:
+            parent.bodies[key] = self.session.checkpoint()
+
+    def _site(self, next_fun, call_args, call_kwargs, module, method, lifted):
+        session = self.session
+        path = tuple(module.path)
+        if lifted and not module.is_mutable_collection(RECORDING_COLLECTION):
+            transform = next(
+                (f.transform for f in reversed(self.stack) if f.bodies), "a transform"
             )
-            value = next_fun(*call_args, **call_kwargs)
-            key = _variable_name(method, call.index)
+            raise ValueError(
+                f"bridge cannot see through {transform} around "
+                f"'{'/'.join(path)}': its variable_axes do not carry bridge's "
+                "collections, so a perturbation there would be silently dropped. "
+                "Probing sites inside nn.scan and nn.vmap is not supported yet; "
+                "nn.remat, nn.checkpoint and nn.jit are."
+            )
+        call = session.enter(
+            "/".join(path),
+            None if method == "__call__" else method,
+            module,
+            call_args,
+            origin=path,
+            record=not lifted,
+        )
+        value = next_fun(*call_args, **call_kwargs)
+        key = _variable_name(method, call.index)
 
-            def perturb(value):
-                floats = module.perturb(
-                    key, differentiable_part(value), collection=EPSILON_COLLECTION
-                )
-                return merge_differentiable(value, floats)
+        def perturb(value):
+            floats = module.perturb(
+                key, differentiable_part(value), collection=EPSILON_COLLECTION
+            )
+            return merge_differentiable(value, floats)
 
-            return session.exit(call, value, perturb)
+        value = session.exit(call, value, perturb, record=not lifted)
+        if lifted and call.name in session.selected:
+            inputs = positional_arrays(call_args) if session.with_inputs else None
+            module.scope.put_variable(
+                RECORDING_COLLECTION, key, (differentiable_part(value), inputs)
+            )
+            self.deferred[call.name] = (path, key)
+        return value
 
-        with nn.intercept_methods(interceptor):
-            result = self.module.apply(variables, *args, **apply_kwargs, **model_kwargs)
-        if apply_kwargs.get("mutable", False) is False:
-            return result, None
-        outputs, state = result
-        state = {k: v for k, v in state.items() if k != EPSILON_COLLECTION}
-        return outputs, state
+    def hand_over(self, recordings: Mapping) -> None:
+        """Give the session the values recorded inside lifted transforms."""
+        for name, (path, key) in self.deferred.items():
+            node = recordings
+            for part in path:
+                node = node[part]
+            value, inputs = node[key]
+            self.session.record(name, value, inputs)
+
+
+def _transform_name(module: Any) -> str:
+    """`ScanBlock` (made by `nn.scan(Block)`) -> `nn.scan`."""
+    cls = type(module)
+    base = cls.__mro__[1].__name__
+    prefix = cls.__name__.removesuffix(base) if cls.__name__ != base else ""
+    return f"nn.{prefix.lower()}" if prefix else f"the lifted transform {cls.__name__}"
 
 
 def _variable_name(method: str, index: int) -> str:

@@ -92,8 +92,14 @@ class Session:
         module: Any,
         args: tuple = (),
         origin: Any = None,
+        record: bool = True,
     ) -> Call:
-        """Name a call as it starts: sites are ordered by call entry."""
+        """Name a call as it starts: sites are ordered by call entry.
+
+        With `record=False` the adapter records the inputs itself (see
+        `record`): values seen inside a lifted transform are tracers of its
+        inner trace and must leave it through the library's own outputs.
+        """
         base = path if method is None else f"{path}.{method}"
         index = self._counts.get(base, 0)
         self._counts[base] = index + 1
@@ -103,8 +109,8 @@ class Session:
         if self.discovering:
             call.slot = len(self.sites)
             self.sites.append(None)
-        elif self.with_inputs and call.name in self.selected:
-            self.inputs[call.name] = tuple(a if is_array(a) else None for a in args)
+        elif record and self.with_inputs and call.name in self.selected:
+            self.inputs[call.name] = positional_arrays(args)
         self._enclosing.append(path)
         return call
 
@@ -113,6 +119,7 @@ class Session:
         call: Call,
         value: Any,
         perturb: Callable[[Any], Any] | None = None,
+        record: bool = True,
     ) -> Any:
         """Finish a call: returns the value the model goes on with.
 
@@ -122,6 +129,8 @@ class Session:
           perturb: the adapter's native way to add this site's epsilon
             (`value -> value + epsilon`); by default the session adds the
             epsilon it holds.
+          record: whether the session records the value; `False` where the
+            adapter hands it over later with `record` (see `enter`).
         """
         self._enclosing.pop()
         if self.discovering:
@@ -141,8 +150,26 @@ class Session:
             epsilon = self.epsilons.get(call.name)
             if epsilon is not None:
                 value = perturb(value) if perturb else add_epsilon(value, epsilon)
-            self.activations[call.name] = differentiable_part(value)
+            if record:
+                self.activations[call.name] = differentiable_part(value)
         return value
+
+    def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:
+        """Hand over a selected site's value (and inputs) recorded by the adapter."""
+        self.activations[name] = differentiable_part(value)
+        if inputs is not None and self.with_inputs:
+            self.inputs[name] = positional_arrays(inputs)
+
+    def checkpoint(self) -> tuple[dict[str, int], int]:
+        """The naming state now, to `restore` when a library traces a body again."""
+        return dict(self._counts), len(self.sites)
+
+    def restore(self, checkpoint: tuple[dict[str, int], int]) -> None:
+        """Forget the calls since `checkpoint`: they were an earlier trace of the
+        same code (Flax traces a lifted body more than once), not new calls."""
+        counts, discovered = checkpoint
+        self._counts = dict(counts)
+        del self.sites[discovered:]
 
     def tap(self, name: str, value: Any) -> Any:
         """A named value inside the model's code: a site without a module."""
@@ -151,6 +178,11 @@ class Session:
 
     def discovered(self) -> list[Site]:
         return [site for site in self.sites if site is not None]
+
+
+def positional_arrays(args: tuple) -> tuple:
+    """A call's positional arguments, array leaves kept, anything else `None`."""
+    return jax.tree.map(lambda a: a if is_array(a) else None, tuple(args))
 
 
 def _apply_patch(name: str, patch: Any, value: Any) -> Any:

@@ -163,7 +163,7 @@ def test_variables_of_the_wrong_kind_are_refused():
         ValueError, match=r"no 'params' collection .* \{'params': params\}"
     ):
         bridge.probe(nn.Dense(3), params)
-    with pytest.raises(ValueError, match="reserves for its own epsilons"):
+    with pytest.raises(ValueError, match="bridge reserves for its own use"):
         bridge.probe(nn.Dense(3), {"params": params, "bridge_epsilons": {}})
 
 
@@ -189,3 +189,53 @@ def test_selecting_an_integer_site_explicitly_is_refused():
     assert list(probe.sites(x)) == ["Dense_0"]
     with pytest.raises(ValueError, match="selects only sites with integer values"):
         probe.value_and_grad(lambda y: y.sum(), x, at="Argmax_0")
+
+
+# -- lifted transforms -------------------------------------------------------------
+
+
+class ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.tanh(nn.Dense(4)(x)), None
+
+
+class ScannedStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(
+            ScannedBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        return scan()(nn.Dense(4)(x), None)[0]
+
+
+def test_a_scan_that_would_drop_perturbations_raises_naming_it():
+    x = jnp.ones((2, 4))
+    model = ScannedStack()
+    probe = bridge.probe(model, model.init(jax.random.key(0), x))
+    with pytest.raises(ValueError, match="bridge cannot see through nn.scan around"):
+        probe.sites(x)
+    with pytest.raises(ValueError, match="bridge cannot see through nn.scan"):
+        probe.value_and_grad(mse, x, at="Dense_0")
+
+
+def test_layer_inputs_inside_remat_leave_through_the_collection():
+    from cases.linen import Rematerialised
+
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    model = Rematerialised()
+    probe = bridge.probe(model, model.init(jax.random.key(1), x))
+
+    def run(probe, x):
+        return probe.value_and_grad(mse, x, with_inputs=True)
+
+    for res in (run(probe, x), jax.jit(run)(probe, x)):
+        (first,) = res.inputs["CheckpointBlock_0/Dense_0"]
+        (second,) = res.inputs["CheckpointBlock_0/Dense_0#1"]
+        np.testing.assert_allclose(first, res.activations["Dense_0"], rtol=1e-6)
+        np.testing.assert_allclose(
+            second, res.activations["CheckpointBlock_0"], rtol=1e-6
+        )

@@ -237,6 +237,22 @@ class IntegerLeaves(nn.Module):
         return logits * (label[:, None] + 1).astype(logits.dtype)
 
 
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(x.shape[-1])(x))
+
+
+class Rematerialised(nn.Module):
+    """A rematerialised block, shared: its sites live inside `nn.remat`."""
+
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(Block)()
+        x = block(block(nn.Dense(6)(x)))
+        return nn.Dense(2)(x)
+
+
 LSTM_GATES = ("ii", "hi", "if", "hf", "ig", "hg", "io", "ho")
 
 
@@ -322,6 +338,19 @@ CASES = {
             "AutoEncoder_0.decode#1",
             "AutoEncoder_0/dec#1",
         ],
+    ),
+    "remat": lambda: linen_case(
+        Rematerialised(),
+        (_inputs(3, 4),),
+        [
+            "Dense_0",
+            "CheckpointBlock_0",
+            "CheckpointBlock_0/Dense_0",
+            "CheckpointBlock_0#1",
+            "CheckpointBlock_0/Dense_0#1",
+            "Dense_1",
+        ],
+        bias_sites=("Dense_0", "Dense_1"),
     ),
     "integer_leaves": lambda: linen_case(
         IntegerLeaves(), (_inputs(3, 5),), ["ArgmaxHead_0", "ArgmaxHead_0/Dense_0"]
