@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -239,3 +241,81 @@ def test_layer_inputs_inside_remat_leave_through_the_collection():
         np.testing.assert_allclose(
             second, res.activations["CheckpointBlock_0"], rtol=1e-6
         )
+
+
+# -- taps --------------------------------------------------------------------------
+
+
+class Tapped(nn.Module):
+    """Taps at the root, in a submodule and in a plain function it calls.
+
+    `offsets` is the reference's hand-inserted perturbation: `{tap: delta}`.
+    """
+
+    offsets: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = bridge.tap("pre", offset(self.offsets, "pre", nn.Dense(6)(x)))
+        h = TappedBlock(offsets=self.offsets)(jnp.tanh(h))
+        return nn.Dense(2)(bridge.tap("pre", offset(self.offsets, "pre#1", h)))
+
+
+def offset(offsets, site, value):
+    delta = (offsets or {}).get(site)
+    return value if delta is None else value + delta
+
+
+class TappedBlock(nn.Module):
+    offsets: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        def gate(v):  # a plain function called from the module's code
+            return bridge.tap("gate", offset(self.offsets, "TappedBlock_0/gate", v))
+
+        return gate(jax.nn.sigmoid(nn.Dense(6)(x))) * x
+
+
+def test_taps_are_sites_with_gradients_equal_to_jvp_of_a_hand_inserted_offset():
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    variables = Tapped().init(jax.random.key(1), x)
+    probe = bridge.probe(Tapped(), variables)
+    assert list(probe.sites(x)) == [
+        "Dense_0",
+        "pre",
+        "TappedBlock_0",
+        "TappedBlock_0/Dense_0",
+        "TappedBlock_0/gate",
+        "pre#1",
+        "Dense_1",
+    ]
+
+    def run(probe, x):
+        return probe.value_and_grad(mse, x)
+
+    for res in (run(probe, x), jax.jit(run)(probe, x)):
+        for seed, name in enumerate(("pre", "TappedBlock_0/gate", "pre#1")):
+            delta = random_like(probe.sites(x)[name], seed)
+
+            def loss_along(t, name=name, delta=delta):
+                model = Tapped(offsets={name: t * delta})
+                return mse(model.apply(variables, x))
+
+            _, expected = jax.jvp(loss_along, (0.0,), (1.0,))
+            np.testing.assert_allclose(
+                tree_vdot(res.activation_grads[name], delta), expected, rtol=1e-4
+            )
+
+
+def test_a_tap_can_be_selected_and_patched():
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    probe = bridge.probe(Tapped(), Tapped().init(jax.random.key(1), x))
+    res = probe.value_and_grad(mse, x, at="*gate", patch={"pre": jnp.zeros_like})
+    assert list(res.activations) == ["TappedBlock_0/gate"]
+    # With `pre` zeroed, the block sees tanh(0) = 0: its gate input is the bias.
+    fwd = probe.apply(x, at="TappedBlock_0/Dense_0", patch={"pre": jnp.zeros_like})
+    bias = probe.variables["params"]["TappedBlock_0"]["Dense_0"]["bias"]
+    np.testing.assert_allclose(
+        fwd.activations["TappedBlock_0/Dense_0"], jnp.broadcast_to(bias, (3, 6))
+    )
