@@ -7,10 +7,20 @@ collection laid out like `params` (`{scope path...: {"__call__#k": eps}}`).
 Each call has its own variable name, so the gradients of a shared module's
 calls are never summed, and the collection is passed to `apply` only when
 there are epsilons, so unselected sites cost nothing.
+
+Lifted transforms run their body in a scope of their own, and values seen
+there are tracers of the transform's inner trace. Recordings leave through a
+mutable collection, as Flax's own `sow` does. `nn.remat` and `nn.jit` carry
+every collection. `nn.scan` and `nn.vmap` carry only those their
+`variable_axes` name — users name `params`, never a perturbation collection, and
+an unnamed one is silently dropped — so inside them the epsilons and
+recordings ride with the parameters, under reserved names: they are sliced
+per iteration going in and stacked coming out exactly as the parameters are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +29,7 @@ import jax
 
 from bridge._probe import ProbeBase
 from bridge._session import Session, positional_arrays
-from bridge._sites import Site, differentiable_part, merge_differentiable
+from bridge._sites import differentiable_part, merge_differentiable
 
 #: The variable collection holding the probe's epsilons. A private name, so a
 #: model that calls `self.perturb` itself (collection "perturbations") is not
@@ -29,8 +39,26 @@ EPSILON_COLLECTION = "bridge_epsilons"
 #: The mutable collection carrying recordings out of lifted transforms.
 RECORDING_COLLECTION = "bridge_recordings"
 
+#: Names of the probe's variables inside `params`, where only `params` is carried.
+PARAMS_EPSILON = "bridge_epsilon:"
+PARAMS_RECORDING = "bridge_recording:"
+
 #: Keywords of `Module.apply` rather than of the model.
 _APPLY_KEYWORDS = ("rngs", "mutable", "capture_intermediates")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """Where a Linen site lives: its scope path, and whether its epsilon and
+    recording ride with the parameters (inside `nn.scan` or `nn.vmap`)."""
+
+    scope: tuple[str, ...]
+    in_params: bool = False
+
+
+class _NeedsParams(Exception):
+    """Discovery met a transform that carries only `params`: run it again with
+    `params` mutable, so recordings can leave the transform with them."""
 
 
 def probe(module: nn.Module, *variables: Any, vmap: bool = False) -> LinenProbe:
@@ -101,43 +129,114 @@ class LinenProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
+        if not session.discovering:
+            in_params = any(
+                site.origin is not None and site.origin.in_params
+                for site in session.selected.values()
+            )
+            return self._apply(trainable, args, kwargs, session, in_params)
+        start = session.checkpoint()
+        try:
+            return self._apply(trainable, args, kwargs, session, False)
+        except _NeedsParams:
+            session.restore(start)
+            return self._apply(trainable, args, kwargs, session, True)
+
+    def _apply(
+        self,
+        trainable: Any,
+        args: tuple,
+        kwargs: dict,
+        session: Session,
+        in_params: bool,
+    ) -> tuple[Any, Any]:
         apply_kwargs = {k: kwargs[k] for k in _APPLY_KEYWORDS if k in kwargs}
         model_kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_KEYWORDS}
         user_mutable = apply_kwargs.pop("mutable", False)
-        variables = {**self.variables, "params": trainable}
-        if session.epsilons:
-            variables[EPSILON_COLLECTION] = _epsilon_collection(
-                session.selected, session.epsilons
-            )
-        interceptor = _Interceptor(session)
-        with nn.intercept_methods(interceptor):
-            outputs, state = self.module.apply(
-                variables,
-                *args,
-                mutable=_with_recordings(user_mutable),
-                **apply_kwargs,
-                **model_kwargs,
-            )
-        interceptor.hand_over(state.get(RECORDING_COLLECTION, {}))
+        epsilons, params = _place_epsilons(session, trainable)
+        variables = {**self.variables, "params": params}
+        if epsilons:
+            variables[EPSILON_COLLECTION] = epsilons
+        mutable = _with_recordings(user_mutable, in_params)
+        interceptor = _Interceptor(session, in_params)
+        try:
+            with nn.intercept_methods(interceptor):
+                outputs, state = self.module.apply(
+                    variables, *args, mutable=mutable, **apply_kwargs, **model_kwargs
+                )
+        except ValueError as error:
+            if in_params and "broadcasted variable has a data dependency" in str(error):
+                raise ValueError(
+                    "bridge cannot see through this nn.scan: it "
+                    "broadcasts `params` (variable_broadcast='params', as nn.RNN "
+                    "does), so one epsilon would serve every iteration and their "
+                    "gradients would be summed. Select sites outside it."
+                ) from error
+            if in_params and "got axis spec None but output was batched" in str(error):
+                raise ValueError(
+                    "bridge cannot see through this nn.vmap: it broadcasts `params` "
+                    "(variable_axes={'params': None}), so one epsilon would serve "
+                    "every mapped example and their gradients would be summed. "
+                    "Select sites outside it, or probe the unmapped model with "
+                    "bridge.probe(..., vmap=True)."
+                ) from error
+            raise
+        interceptor.hand_over(state)
         if user_mutable is False:
             return outputs, None
-        return outputs, {
-            k: v
-            for k, v in state.items()
-            if k not in (EPSILON_COLLECTION, RECORDING_COLLECTION)
-        }
+        ours = {EPSILON_COLLECTION, RECORDING_COLLECTION}
+        if in_params and not _names_params(user_mutable):
+            ours.add("params")
+        return outputs, {k: v for k, v in state.items() if k not in ours}
 
 
-def _with_recordings(mutable: Any) -> Any:
-    """The user's `mutable`, plus the collection carrying recordings out of
-    lifted transforms."""
+def _names_params(mutable: Any) -> bool:
+    return (
+        mutable is True
+        or mutable == "params"
+        or (isinstance(mutable, list | tuple) and "params" in mutable)
+    )
+
+
+def _with_recordings(mutable: Any, in_params: bool) -> Any:
+    """The user's `mutable`, plus the collections carrying recordings out."""
     if mutable is True:
         return True
+    ours = [RECORDING_COLLECTION, "params"] if in_params else [RECORDING_COLLECTION]
     if mutable is False:
-        return [RECORDING_COLLECTION]
+        return ours
     if isinstance(mutable, str):
-        return [mutable, RECORDING_COLLECTION]
-    return [*mutable, RECORDING_COLLECTION]
+        return [mutable, *ours]
+    return [*mutable, *ours]
+
+
+def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
+    """The epsilons laid out by scope path, as `Module.perturb` reads them: in
+    the probe's own collection, or among the parameters inside `nn.scan`."""
+    collection: dict = {}
+    for name, epsilon in session.epsilons.items():
+        site = session.selected[name]
+        if site.origin is None:  # a `bridge.tap`: its epsilon lives in the session
+            continue
+        key = _variable_name(site.method or "__call__", site.index)
+        if site.origin.in_params:
+            params = _inserted(params, site.origin.scope, PARAMS_EPSILON + key, epsilon)
+        else:
+            node = collection
+            for part in site.origin.scope:
+                node = node.setdefault(part, {})
+            node[key] = epsilon
+    return collection, params
+
+
+def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dict:
+    """A copy of `tree` with `value` at `path + (key,)`; the original is untouched."""
+    copy = dict(tree)
+    if not path:
+        copy[key] = value
+        return copy
+    copy[path[0]] = _inserted(tree.get(path[0], {}), path[1:], key, value)
+    return copy
 
 
 class _Frame:
@@ -146,25 +245,22 @@ class _Frame:
     def __init__(self, root: Any):
         self.root = root  # the scope root the call runs in
         self.bodies: dict[tuple, Any] = {}  # lifted bodies traced from this call
-        self.transform = "a Flax lifted transform"
 
 
 class _Interceptor:
     """Reports every submodule call of one `apply` to the session.
 
-    Calls inside a Flax lifted transform (`nn.remat`, `nn.jit`, ...) run in a
-    scope of their own, with its own root, and their values are tracers of the
-    transform's inner trace. Their recordings leave through a mutable variable
-    collection, as the library's own `sow` does; a transform that does not
-    carry bridge's collections raises instead of silently dropping a site.
-    Flax traces some bodies more than once; a repeated trace of the same body
-    re-uses the names of the first.
+    Flax traces some lifted bodies more than once (`nn.scan` twice); a repeated
+    trace of the same body re-uses the names of the first, so a scanned site is
+    one site, never `#1`.
     """
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, in_params: bool):
         self.session = session
+        self.in_params = in_params
         self.stack: list[_Frame] = []
-        self.deferred: dict[str, tuple[tuple[str, ...], str]] = {}
+        self.deferred: dict[str, tuple[str, tuple[str, ...], str]] = {}
+        self.transform = "a Flax lifted transform"
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         module, method = context.module, context.method_name
@@ -187,10 +283,10 @@ class _Interceptor:
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
         if module.path == ():
-            # The transformed module itself (`ScanBlock`), before its body runs:
-            # what follows is a new call of the body, not a re-trace.
+            # Flax validating a transformed module (`ScanBlock`) before its body
+            # runs: what follows is a new call of the body, not a re-trace.
             parent.bodies.clear()
-            parent.transform = _transform_name(module)
+            self.transform = _transform_name(module)
             return
         key = (module.path, method, type(module))
         if key in parent.bodies:
@@ -201,23 +297,27 @@ class _Interceptor:
     def _site(self, next_fun, call_args, call_kwargs, module, method, lifted):
         session = self.session
         path = tuple(module.path)
-        if lifted and not module.is_mutable_collection(RECORDING_COLLECTION):
-            transform = next(
-                (f.transform for f in reversed(self.stack) if f.bodies), "a transform"
-            )
-            raise ValueError(
-                f"bridge cannot see through {transform} around "
-                f"'{'/'.join(path)}': its variable_axes do not carry bridge's "
-                "collections, so a perturbation there would be silently dropped. "
-                "Probing sites inside nn.scan and nn.vmap is not supported yet; "
-                "nn.remat, nn.checkpoint and nn.jit are."
-            )
+        carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
+        in_params = not carried and self.in_params
+        if not carried and not (in_params and module.is_mutable_collection("params")):
+            if session.discovering and not self.in_params:
+                raise _NeedsParams
+            if session.discovering or any(
+                site.origin is not None and site.origin.scope == path
+                for site in session.selected.values()
+            ):
+                raise ValueError(
+                    f"bridge cannot see through {self.transform} around "
+                    f"'{'/'.join(path)}': it carries neither bridge's collections "
+                    "nor `params`, so a perturbation there would be silently "
+                    "dropped. Select sites outside it."
+                )
         call = session.enter(
             "/".join(path),
             None if method == "__call__" else method,
             module,
             call_args,
-            origin=path,
+            origin=_Origin(path, in_params),
             record=not lifted,
         )
         value = next_fun(*call_args, **call_kwargs)
@@ -225,51 +325,59 @@ class _Interceptor:
 
         def perturb(value):
             floats = module.perturb(
-                key, differentiable_part(value), collection=EPSILON_COLLECTION
+                PARAMS_EPSILON + key if in_params else key,
+                differentiable_part(value),
+                collection="params" if in_params else EPSILON_COLLECTION,
             )
             return merge_differentiable(value, floats)
 
         value = session.exit(call, value, perturb, record=not lifted)
-        if lifted and call.name in session.selected:
+        if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None
-            module.scope.put_variable(
-                RECORDING_COLLECTION, key, (differentiable_part(value), inputs)
-            )
-            self.deferred[call.name] = (path, key)
+            recording = value if session.discovering else differentiable_part(value)
+            if in_params:
+                module.scope.put_variable(
+                    "params", PARAMS_RECORDING + key, (recording, inputs)
+                )
+            else:
+                module.scope.put_variable(
+                    RECORDING_COLLECTION, key, (recording, inputs)
+                )
+            self.deferred[call.name] = (in_params, path, key)
         return value
 
-    def hand_over(self, recordings: Mapping) -> None:
+    def hand_over(self, state: Mapping) -> None:
         """Give the session the values recorded inside lifted transforms."""
-        for name, (path, key) in self.deferred.items():
-            node = recordings
+        for name, (in_params, path, key) in self.deferred.items():
+            node = state["params" if in_params else RECORDING_COLLECTION]
             for part in path:
                 node = node[part]
-            value, inputs = node[key]
-            self.session.record(name, value, inputs)
+            value, inputs = node[PARAMS_RECORDING + key if in_params else key]
+            if self.session.discovering:
+                self.session.restructure(name, value)
+            else:
+                self.session.record(name, value, inputs)
+
+
+_TRANSFORMS = {
+    "Scan": "nn.scan",
+    "Vmap": "nn.vmap",
+    "Checkpoint": "nn.remat",
+    "Jit": "nn.jit",
+    "While_loop": "nn.while_loop",
+    "Map_variables": "nn.map_variables",
+}
 
 
 def _transform_name(module: Any) -> str:
-    """`ScanBlock` (made by `nn.scan(Block)`) -> `nn.scan`."""
-    cls = type(module)
-    base = cls.__mro__[1].__name__
-    prefix = cls.__name__.removesuffix(base) if cls.__name__ != base else ""
-    return f"nn.{prefix.lower()}" if prefix else f"the lifted transform {cls.__name__}"
+    """`ScanBlock` (the class `nn.scan(Block)` makes) -> `nn.scan`."""
+    name = type(module).__name__
+    for prefix, transform in _TRANSFORMS.items():
+        if name.startswith(prefix):
+            return transform
+    return "a Flax lifted transform"
 
 
 def _variable_name(method: str, index: int) -> str:
     # `#` cannot occur in an attribute name, so this never shadows a submodule.
     return f"{method}#{index}"
-
-
-def _epsilon_collection(selected: Mapping[str, Site], epsilons: Mapping) -> dict:
-    """The epsilons laid out by scope path, as `Module.perturb` reads them."""
-    collection: dict = {}
-    for name, epsilon in epsilons.items():
-        site = selected[name]
-        if site.origin is None:  # a `bridge.tap`: its epsilon lives in the session
-            continue
-        scope = collection
-        for part in site.origin:
-            scope = scope.setdefault(part, {})
-        scope[_variable_name(site.method or "__call__", site.index)] = epsilon
-    return collection

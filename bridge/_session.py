@@ -160,16 +160,24 @@ class Session:
         if inputs is not None and self.with_inputs:
             self.inputs[name] = positional_arrays(inputs)
 
-    def checkpoint(self) -> tuple[dict[str, int], int]:
+    def checkpoint(self) -> tuple[dict[str, int], int, int]:
         """The naming state now, to `restore` when a library traces a body again."""
-        return dict(self._counts), len(self.sites)
+        return dict(self._counts), len(self.sites), len(self._enclosing)
 
-    def restore(self, checkpoint: tuple[dict[str, int], int]) -> None:
+    def restore(self, checkpoint: tuple[dict[str, int], int, int]) -> None:
         """Forget the calls since `checkpoint`: they were an earlier trace of the
         same code (Flax traces a lifted body more than once), not new calls."""
-        counts, discovered = checkpoint
+        counts, discovered, depth = checkpoint
         self._counts = dict(counts)
         del self.sites[discovered:]
+        del self._enclosing[depth:]
+
+    def restructure(self, name: str, value: Any) -> None:
+        """Discovery: the site's value is `value`, as it leaves a lifted transform
+        (stacked over a scan's iterations), not as seen inside it."""
+        for slot, site in enumerate(self.sites):
+            if site is not None and site.name == name:
+                self.sites[slot] = dataclasses.replace(site, struct=abstract(value))
 
     def tap(self, name: str, value: Any) -> Any:
         """A named value inside the model's code: a site without a module."""

@@ -199,10 +199,13 @@ def test_selecting_an_integer_site_explicitly_is_refused():
 class ScannedBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
-        return nn.tanh(nn.Dense(4)(x)), None
+        h = nn.Dense(4)(x)
+        return nn.tanh(nn.LayerNorm()(h)) + x, h
 
 
 class ScannedStack(nn.Module):
+    """A scanned stack as users write it: nothing names a perturbation."""
+
     @nn.compact
     def __call__(self, x):
         scan = nn.scan(
@@ -211,17 +214,73 @@ class ScannedStack(nn.Module):
             split_rngs={"params": True},
             length=3,
         )
-        return scan()(nn.Dense(4)(x), None)[0]
+        x, hs = scan()(nn.Dense(4)(x), None)
+        return nn.Dense(2)(x) + hs.mean()
 
 
-def test_a_scan_that_would_drop_perturbations_raises_naming_it():
-    x = jnp.ones((2, 4))
-    model = ScannedStack()
+class UnrolledStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x, hs = nn.Dense(4)(x), []
+        for _ in range(3):
+            x, h = ScannedBlock()(x, None)
+            hs.append(h)
+        return nn.Dense(2)(x) + jnp.stack(hs).mean()
+
+
+def unrolled_variables(scanned):
+    params = dict(scanned["params"])
+    stacked = params.pop("ScanScannedBlock_0")
+    for i in range(3):
+        params[f"ScannedBlock_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+    return {"params": params}
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(mode):
+    x = jax.random.normal(jax.random.key(0), (5, 4))
+    variables = ScannedStack().init(jax.random.key(1), x)
+    scanned = bridge.probe(ScannedStack(), variables)
+    unrolled = bridge.probe(UnrolledStack(), unrolled_variables(variables))
+    assert list(scanned.sites(x)) == [
+        "Dense_0",
+        "ScanScannedBlock_0",
+        "ScanScannedBlock_0/Dense_0",
+        "ScanScannedBlock_0/LayerNorm_0",
+        "Dense_1",
+    ]
+    assert scanned.sites(x)["ScanScannedBlock_0/Dense_0"].shape == (3, 5, 4)
+
+    def run(probe, x):
+        return probe.value_and_grad(mse, x)
+
+    if mode == "jit":
+        run = jax.jit(run)
+    res, ref = run(scanned, x), run(unrolled, x)
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    for layer in ("Dense_0", "LayerNorm_0"):
+        for i in range(3):
+            for field in ("activations", "activation_grads"):
+                np.testing.assert_allclose(
+                    getattr(res, field)[f"ScanScannedBlock_0/{layer}"][i],
+                    getattr(ref, field)[f"ScannedBlock_{i}/{layer}"],
+                    rtol=1e-5,
+                    atol=1e-6,
+                )
+    plain = jax.grad(lambda p: mse(ScannedStack().apply({"params": p}, x)))(
+        variables["params"]
+    )
+    assert_tree_allclose(res.grads, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scan_that_broadcasts_params_raises_instead_of_summing():
+    x = jnp.ones((2, 3, 4))
+    model = nn.RNN(nn.LSTMCell(5))
     probe = bridge.probe(model, model.init(jax.random.key(0), x))
-    with pytest.raises(ValueError, match="bridge cannot see through nn.scan around"):
+    with pytest.raises(
+        ValueError, match="bridge cannot see through this nn.scan: it broadcasts"
+    ):
         probe.sites(x)
-    with pytest.raises(ValueError, match="bridge cannot see through nn.scan"):
-        probe.value_and_grad(mse, x, at="Dense_0")
 
 
 def test_layer_inputs_inside_remat_leave_through_the_collection():
@@ -319,3 +378,53 @@ def test_a_tap_can_be_selected_and_patched():
     np.testing.assert_allclose(
         fwd.activations["TappedBlock_0/Dense_0"], jnp.broadcast_to(bias, (3, 6))
     )
+
+
+class Ensemble(nn.Module):
+    """`nn.vmap` over independent parameter sets: sites stack the members."""
+
+    broadcast: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        axes = {"params": None} if self.broadcast else {"params": 0}
+        members = nn.vmap(
+            lambda module, x: module(x),
+            variable_axes=axes,
+            split_rngs={"params": not self.broadcast},
+            in_axes=0,
+        )
+        return members(ScannedBlockBody(), x)
+
+
+class ScannedBlockBody(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(4)(x))
+
+
+def test_nn_vmap_over_parameter_sets_stacks_members_and_equals_each_member():
+    x = jax.random.normal(jax.random.key(0), (3, 2, 4))
+    variables = Ensemble().init(jax.random.key(1), x)
+    res = bridge.probe(Ensemble(), variables).value_and_grad(mse_zero, x)
+    site = "ScannedBlockBody_0/Dense_0"
+    assert res.activation_grads[site].shape == (3, 2, 4)
+    members = variables["params"]["ScannedBlockBody_0"]["Dense_0"]
+    for i in range(3):
+        expected = x[i] @ members["kernel"][i] + members["bias"][i][None]
+        np.testing.assert_allclose(res.activations[site][i], expected, rtol=1e-5)
+    # The output is tanh of the site: d mean(tanh(h)^2) / dh, member by member.
+    h = res.activations[site]
+    expected_grad = 2 * jnp.tanh(h) * (1 - jnp.tanh(h) ** 2) / h.size
+    np.testing.assert_allclose(res.activation_grads[site], expected_grad, rtol=1e-5)
+
+
+def mse_zero(y):
+    return jnp.mean(jnp.square(y))
+
+
+def test_nn_vmap_that_broadcasts_params_raises_instead_of_summing():
+    x = jnp.ones((3, 2, 4))
+    probe = bridge.probe(Ensemble(True), Ensemble(True).init(jax.random.key(1), x))
+    with pytest.raises(ValueError, match="cannot see through this nn.vmap"):
+        probe.value_and_grad(mse, x)
