@@ -65,11 +65,27 @@ def is_array(leaf: Any) -> bool:
 
 
 def abstract(tree: Any) -> Any:
-    """Shapes and dtypes of a pytree's array leaves; other leaves become `None`."""
+    """Shapes and dtypes of a pytree's array leaves; other leaves become `None`.
+
+    Inside `shard_map`, a value that varies across devices keeps that in its
+    struct, so its epsilon can vary too: the gradient of a device-invariant
+    epsilon added to a varying value is summed over the devices.
+    """
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else None,
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, **_varying(x))
+            if is_array(x)
+            else None
+        ),
         tree,
     )
+
+
+def _varying(x: Any) -> dict:
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    if manual is None or not manual.varying:
+        return {}
+    return {"manual_axis_type": manual}
 
 
 def differentiable_part(tree: Any) -> Any:
@@ -78,7 +94,16 @@ def differentiable_part(tree: Any) -> Any:
 
 
 def zeros_like_struct(struct: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), struct)
+    """Zeros of each leaf's shape and dtype, varying over the same devices."""
+
+    def zeros(s):
+        value = jnp.zeros(s.shape, s.dtype)
+        manual = getattr(s, "manual_axis_type", None)
+        if manual is not None and manual.varying:
+            value = jax.lax.pcast(value, tuple(sorted(manual.varying)), to="varying")
+        return value
+
+    return jax.tree.map(zeros, struct)
 
 
 def merge_differentiable(value: Any, floats: Any) -> Any:

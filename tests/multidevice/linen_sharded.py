@@ -46,4 +46,27 @@ for name, grad in sharded.activation_grads.items():
         name,
         grad.sharding,
     )
+
+
+# shard_map: each device probes its shard. The epsilons must vary across
+# devices like the activations they perturb, or their gradients (the activation
+# gradients) would be summed over devices.
+def local_step(probe, x):
+    res = probe.value_and_grad(lambda y: jnp.sum(jnp.square(y - 1.0)) / 128, x)
+    return res.grads, res.activation_grads
+
+
+local = jax.jit(
+    jax.shard_map(
+        local_step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P("data"))
+    )
+)
+grads, activation_grads = local(
+    jax.device_put(probe, replicated), jax.device_put(x, batch_sharded)
+)
+jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+    (grads, activation_grads),
+    (single.grads, single.activation_grads),
+)
 print("ok")
