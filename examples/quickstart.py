@@ -63,7 +63,21 @@ def linen_rows():
     return res.loss, rows(res)
 
 
-LIBRARIES = {"Flax Linen": ("flax", linen_rows)}
+def equinox_rows():
+    import equinox as eqx
+
+    # An Equinox model handles one example; the probe maps it over the batch.
+    model = eqx.nn.MLP(FEATURES, CLASSES, 32, depth=2, key=jax.random.key(2))
+    x, labels = data()
+    probe = bridge.probe(model, vmap=True)
+    res = probe.value_and_grad(cross_entropy(labels), x)
+    return res.loss, rows(res)
+
+
+LIBRARIES = {
+    "Flax Linen": ("flax", linen_rows),
+    "Equinox": ("equinox", equinox_rows),
+}
 
 
 def main():
