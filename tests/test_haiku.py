@@ -1,0 +1,405 @@
+"""Haiku-specific behaviour: transform kinds, rng, state, ResNet, errors.
+
+The shared behaviours are in `test_conformance.py` (cases in `cases/haiku.py`);
+here, what only Haiku has. Every number is checked against plain `apply`
+(through `jax.grad`/`jax.jvp`), never against bridge itself.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.haiku import Model, _inputs, _random_params, batchnorm_net, call_name
+from helpers import add_at_float_leaves, assert_tree_allclose, numpy_snapshot
+
+import bridge
+from bridge.adapters.haiku import EPSILON_PREFIX
+
+MODES = ["eager", "jit"]
+
+
+def mse(y):
+    return jnp.mean(jnp.square(y - 0.5))
+
+
+def run(probe, mode, *args, loss_fn=mse, **options):
+    def call(probe, args):
+        return probe.value_and_grad(loss_fn, *args, **options)
+
+    return (jax.jit(call) if mode == "jit" else call)(probe, args)
+
+
+def mlp(x):
+    return hk.nets.MLP([8, 3])(x)
+
+
+# -- both kinds of transform
+
+
+TRANSFORMS = {
+    "transform": hk.transform,
+    "without_apply_rng": lambda f: hk.without_apply_rng(hk.transform(f)),
+    "transform_with_state": hk.transform_with_state,
+    "with_state_without_apply_rng": lambda f: hk.without_apply_rng(
+        hk.transform_with_state(f)
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", TRANSFORMS)
+def test_every_kind_of_transform_gives_plain_apply_gradients(kind, mode):
+    transformed = TRANSFORMS[kind](mlp)
+    x = _inputs(4, 8)
+    params = _random_params(
+        jax.eval_shape(hk.transform(mlp).init, jax.random.key(0), x), 0
+    )
+    with_state = isinstance(transformed, hk.TransformedWithState)
+    variables = (params, {}) if with_state else (params,)
+    res = run(bridge.probe(transformed, *variables), mode, x)
+
+    # The reference: d loss / d h via an added zero `h` at the first layer.
+    def reference(params, delta):
+        def interceptor(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            hit = context.method_name == "__call__" and (
+                context.module.module_name == "mlp/~/linear_0"
+            )
+            return out + delta if hit else out
+
+        with hk.intercept_methods(interceptor):
+            return mse(hk.transform(mlp).apply(params, None, x))
+
+    delta = jnp.zeros((4, 8))
+    loss, (grads, activation_grad) = jax.value_and_grad(reference, (0, 1))(
+        params, delta
+    )
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads)
+    assert_tree_allclose(res.activation_grads["mlp/~/linear_0"], activation_grad)
+    assert res.state == ({} if with_state else None)
+
+
+# -- rng
+
+
+def dropout_mlp(x):
+    return hk.nets.MLP([8, 3])(x, dropout_rate=0.5, rng=hk.next_rng_key())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_gives_plain_apply_numbers_with_the_same_key(mode):
+    x = _inputs(4, 8)
+    model = Model(dropout_mlp, (x,), with_state=False, apply_rng=True, rng=None)
+    probe = bridge.probe(model.transformed, model.params)
+
+    def step(probe, x, key):  # the key is an argument: not baked into jit
+        return probe.value_and_grad(mse, x, rng=key)
+
+    step = jax.jit(step) if mode == "jit" else step
+    losses = []
+    for seed in (7, 8):
+        key = jax.random.key(seed)
+        res = step(probe, x, key)
+        reference = jax.value_and_grad(
+            lambda params, key=key: mse(model.transformed.apply(params, key, x))
+        )
+        loss, grads = reference(model.params)
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_tree_allclose(res.grads, grads)
+        losses.append(res.loss)
+    assert losses[0] != losses[1], "the key changes the dropout mask"
+
+
+def test_a_model_that_needs_an_rng_fails_without_one_before_any_work():
+    x = _inputs(4, 8)
+    model = Model(dropout_mlp, (x,), with_state=False, apply_rng=True, rng=None)
+    probe = bridge.probe(model.transformed, model.params)
+    with pytest.raises(ValueError, match="non-None PRNGKey"):
+        probe.sites(x)
+
+
+def test_rng_is_refused_by_a_transform_without_apply_rng():
+    transformed = hk.without_apply_rng(hk.transform(mlp))
+    x = _inputs(4, 8)
+    params = _random_params(jax.eval_shape(transformed.init, jax.random.key(0), x), 0)
+    probe = bridge.probe(transformed, params)
+    with pytest.raises(TypeError, match="made with hk.without_apply_rng"):
+        probe.value_and_grad(mse, x, rng=jax.random.key(0))
+
+
+# -- state
+
+
+def _batchnorm_model():
+    x = _inputs(4, 8)
+    model = Model(batchnorm_net, (x,), with_state=True, apply_rng=False, rng=None)
+    # A state that is not init's zeros, so an update is visible.
+    model.state = jax.tree.map(lambda v: v + 1, model.state)
+    return model, x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "at", [None, "batch_norm/~/mean_ema", "linear"], ids=["all", "ema", "linear"]
+)
+def test_state_equals_plain_apply_and_holds_no_epsilon(at, mode):
+    model, x = _batchnorm_model()
+    before = numpy_snapshot(model.state)
+    res = run(
+        bridge.probe(model.transformed, model.params, model.state), mode, x, at=at
+    )
+    _, expected = model.transformed.apply(model.params, model.state, x)
+    assert_tree_allclose(res.state, expected)  # same bundles, same entries
+    assert not any(
+        entry.startswith(EPSILON_PREFIX)
+        for bundle in res.state.values()
+        for entry in bundle
+    )
+    assert_tree_allclose(numpy_snapshot(model.state), before)
+
+
+def test_an_epsilon_in_a_bundle_with_state_is_read_from_that_bundle():
+    """`mean_ema` owns state; its epsilon sits beside it and gets the gradient."""
+    model, x = _batchnorm_model()
+    probe = bridge.probe(model.transformed, model.params, model.state)
+
+    res = probe.value_and_grad(mse, x, at="*mean_ema")
+    # The EMA's return value is unused by BatchNorm in training: zero gradient.
+    np.testing.assert_array_equal(
+        res.activation_grads["batch_norm/~/mean_ema"], np.zeros((1, 8), np.float32)
+    )
+    np.testing.assert_allclose(
+        res.activations["batch_norm/~/mean_ema"],
+        res.state["batch_norm/~/mean_ema"]["average"],
+        rtol=1e-6,
+    )
+
+
+# -- ResNet: BatchNorm in training mode
+
+
+def resnet(x):
+    net = hk.nets.ResNet(
+        blocks_per_group=(1, 1, 1, 1),
+        num_classes=3,
+        bottleneck=False,
+        channels_per_group=(4, 4, 4, 4),
+        use_projection=(False, True, True, True),
+        initial_conv_config={"output_channels": 4, "kernel_shape": 3, "stride": 1},
+    )
+    return net(x, is_training=True)
+
+
+@functools.cache
+def _resnet():
+    x = _inputs(2, 8, 8, 3)
+    return Model(resnet, (x,), with_state=True, apply_rng=False, rng=None), x
+
+
+@functools.cache
+def _resnet_reference():
+    """Loss, parameter gradients and new state of plain apply (compiled once)."""
+    model, x = _resnet()
+
+    def reference_loss(params):
+        outputs, state = model.transformed.apply(params, model.state, x)
+        return mse(outputs), state
+
+    (loss, state), grads = jax.jit(jax.value_and_grad(reference_loss, has_aux=True))(
+        model.params
+    )
+    return loss, grads, state
+
+
+RESNET_SITES = [
+    "res_net/~/initial_batchnorm",
+    "res_net/~/block_group_1/~/block_0/~/shortcut_batchnorm",
+    "res_net/~/block_group_3/~/block_0/~/conv_1",
+    "res_net/~/block_group_3/~/block_0/~/batchnorm_1",
+    "res_net/~/logits",
+]
+
+
+def test_resnet_in_training_mode():
+    """Under `jax.jit` only: op-by-op, 58 sites cost many seconds. BatchNorm in
+    training mode runs eagerly in the conformance suite's `batchnorm` case."""
+    model, x = _resnet()
+    probe = bridge.probe(model.transformed, model.params, model.state)
+    sites = probe.sites(x)
+    assert len(sites) == 58 and list(sites)[:3] == [
+        "res_net",
+        "res_net/~/initial_conv",
+        "res_net/~/initial_batchnorm",
+    ]
+    res = run(probe, "jit", x, at=RESNET_SITES)
+    assert sorted(res.activation_grads) == sorted(RESNET_SITES)
+
+    loss, grads, state = _resnet_reference()
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads, atol=1e-5)
+    assert_tree_allclose(res.state, state)
+
+    # The BatchNorm-offset identity: offset gradient = output gradient summed
+    # over batch and space.
+    for site in RESNET_SITES:
+        if "batchnorm" in site:
+            offset_grad = res.grads[site]["offset"]  # (1, 1, 1, C)
+            summed = res.activation_grads[site].sum(axis=(0, 1, 2), keepdims=True)
+            np.testing.assert_allclose(summed, offset_grad, rtol=1e-4, atol=1e-6)
+
+    # A conv without bias: jvp of the loss with a hand-inserted perturbation.
+    site = "res_net/~/block_group_3/~/block_0/~/conv_1"
+    delta = jnp.asarray(
+        np.random.default_rng(3).standard_normal(sites[site].shape, np.float32)
+    )
+
+    @jax.jit
+    def perturbed_loss(t):
+        counts: dict[str, int] = {}
+
+        def interceptor(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            hit = call_name(context, counts) == site
+            return add_at_float_leaves(out, t * delta) if hit else out
+
+        with hk.intercept_methods(interceptor):
+            outputs, _ = model.transformed.apply(model.params, model.state, x)
+        return mse(outputs)
+
+    _, directional = jax.jvp(perturbed_loss, (0.0,), (1.0,))
+    np.testing.assert_allclose(
+        jnp.vdot(res.activation_grads[site], delta), directional, rtol=2e-4, atol=1e-6
+    )
+
+
+# -- taps and vmap
+
+
+class Tapped(hk.Module):
+    def __call__(self, x, shift):
+        hidden = bridge.tap("hidden", jax.nn.relu(hk.Linear(8)(x)) + shift)
+        return hk.Linear(3)(hidden)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("with_state", [False, True], ids=["transform", "with_state"])
+def test_a_tap_inside_a_module_is_a_site(with_state, mode):
+    """The tap's gradient is that of an added `shift` at the same point."""
+    x = _inputs(4, 8)
+    model = Model(
+        lambda x, shift=0.0: Tapped()(x, shift),
+        (x,),
+        with_state=with_state,
+        apply_rng=False,
+        rng=None,
+    )
+    variables = (model.params, model.state) if with_state else (model.params,)
+    res = run(bridge.probe(model.transformed, *variables), mode, x, at="*/hidden")
+    assert list(res.activation_grads) == ["tapped/hidden"]
+
+    def reference(shift):
+        state = (model.state,) if with_state else ()
+        outputs = model.transformed.apply(model.params, *state, x, shift)
+        return mse(outputs[0] if with_state else outputs)
+
+    expected = jax.grad(reference)(jnp.zeros((4, 8)))
+    assert_tree_allclose(res.activation_grads["tapped/hidden"], expected)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["transform", "with_state"])
+def test_vmap_gives_per_example_gradients(with_state):
+    x = _inputs(4, 8)
+    model = Model(mlp, (x[0],), with_state=with_state, apply_rng=False, rng=None)
+    variables = (model.params, model.state) if with_state else (model.params,)
+    probe = bridge.probe(model.transformed, *variables, vmap=True)
+    res = jax.jit(lambda probe, x: probe.value_and_grad(lambda y: mse(y) * 4, x))(
+        probe, x
+    )
+    # The model has no interaction across examples: per-example gradients of
+    # the summed loss are the rows of the batched model's gradients.
+    batched = bridge.probe(model.transformed, *variables).value_and_grad(
+        lambda y: mse(y) * 4, x
+    )
+    assert_tree_allclose(res.activation_grads, batched.activation_grads)
+    assert res.state == ({} if with_state else None)
+
+
+# -- errors
+
+
+def _mlp_params():
+    x = _inputs(4, 8)
+    return _random_params(
+        jax.eval_shape(hk.transform(mlp).init, jax.random.key(0), x), 0
+    ), x
+
+
+def test_missing_params_is_an_error():
+    with pytest.raises(TypeError, match=r"needs its params: bridge.probe\(transformed"):
+        bridge.probe(hk.transform(mlp))
+
+
+def test_missing_state_is_an_error():
+    params, _ = _mlp_params()
+    with pytest.raises(TypeError, match="needs its params and its state"):
+        bridge.probe(hk.transform_with_state(mlp), params)
+
+
+def test_state_for_a_plain_transform_is_an_error():
+    params, _ = _mlp_params()
+    with pytest.raises(TypeError, match="transform it with hk.transform_with_state"):
+        bridge.probe(hk.transform(mlp), params, {})
+
+
+def test_the_init_pair_passed_as_params_is_an_error():
+    params, _ = _mlp_params()
+    with pytest.raises(TypeError, match=r"`params` must be .* unpack it"):
+        bridge.probe(hk.transform(mlp), (params, {}))
+
+
+def test_state_that_is_not_a_mapping_is_an_error():
+    params, _ = _mlp_params()
+    with pytest.raises(TypeError, match="`state` must be the dict of dicts"):
+        bridge.probe(hk.transform_with_state(mlp), params, [])
+
+
+def test_a_reserved_state_name_is_an_error():
+    params, _ = _mlp_params()
+    state = {"mlp": {f"{EPSILON_PREFIX}mine": jnp.zeros(())}}
+    with pytest.raises(ValueError, match="bridge reserves state names"):
+        bridge.probe(hk.transform_with_state(mlp), params, state)
+
+
+def test_params_of_another_model_fail_before_any_work():
+    _, x = _mlp_params()
+    probe = bridge.probe(hk.transform(mlp), {})
+    with pytest.raises(ValueError, match="Unable to retrieve parameter"):
+        probe.value_and_grad(mse, x)
+
+
+def stacked(x):
+    layer = lambda x: jax.nn.relu(hk.Linear(8, name="lin")(x))
+    x = hk.experimental.layer_stack(2)(layer)(x)
+    return hk.Linear(3)(x)
+
+
+def test_a_site_inside_layer_stack_is_refused_and_sites_outside_work():
+    x = _inputs(4, 8)
+    model = Model(stacked, (x,), with_state=True, apply_rng=False, rng=None)
+    probe = bridge.probe(model.transformed, model.params, model.state)
+    with pytest.raises(NotImplementedError, match="inside a Haiku lifted transform"):
+        probe.value_and_grad(mse, x, at="lin")
+    res = probe.value_and_grad(mse, x, at="linear")
+    loss, grads = jax.value_and_grad(
+        lambda params: mse(model.transformed.apply(params, model.state, x)[0])
+    )(model.params)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads)
+    summed = res.activation_grads["linear"].sum(axis=0)
+    np.testing.assert_allclose(summed, grads["linear"]["b"], rtol=1e-5, atol=1e-6)
