@@ -74,9 +74,26 @@ def equinox_rows():
     return res.loss, rows(res)
 
 
+def haiku_rows():
+    import haiku as hk
+
+    def forward(x):
+        x = hk.nets.MLP([32, 32], activate_final=True)(x)
+        x = hk.BatchNorm(True, True, decay_rate=0.9)(x, is_training=True)
+        return hk.Linear(CLASSES)(x)
+
+    model = hk.without_apply_rng(hk.transform_with_state(forward))
+    x, labels = data()
+    params, state = model.init(jax.random.key(2), x)
+    probe = bridge.probe(model, params, state)
+    res = probe.value_and_grad(cross_entropy(labels), x)
+    return res.loss, rows(res)
+
+
 LIBRARIES = {
     "Flax Linen": ("flax", linen_rows),
     "Equinox": ("equinox", equinox_rows),
+    "Haiku": ("haiku", haiku_rows),
 }
 
 
