@@ -1,0 +1,206 @@
+"""Flax NNX: graph surgery on a copy of the module, made inside the traced call.
+
+`bridge.probe(module)` splits the module once into its graph definition and
+its state (`nnx.Param` and everything else); the probe's pytree leaves are
+that state, so `jax.jit(step)(probe, x)` traces the parameters instead of
+baking them in. Each run merges a fresh copy (`nnx.merge(..., copy=True)`:
+a plain merge would share the user's `Variable` objects) and gives every
+submodule of the copy a reporting subclass of its own class, whose public
+methods and `__call__` report each call to the probe's session. The user's
+module, its classes and its `Variable` objects are never touched.
+
+Rngs: the copy starts from the user's RNG counts, so a probe draws the same
+dropout masks as the model's next plain call would, and drawing them advances
+the copy only. The advanced `RngCount` comes back in `state` with the rest of
+the non-`Param` state, so `nnx.update(model, res.state)` leaves the model as
+a plain call would have. An `nnx.Rngs` passed as a call argument is copied
+too: it is the user's, and is never advanced.
+
+Not `Module.perturb` + `nnx.capture`: capture with `method_outputs` patches
+the user's classes for everyone while it runs, and attaches `__captures__` to
+the module it is given. Calls of submodules inside an NNX transform in the
+model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`) reach copies NNX makes
+itself: they raise `NotImplementedError` rather than vanish.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from bridge._probe import ProbeBase
+from bridge._session import Session, current
+
+#: The copy's `{id(module): site path}` while it runs: a reporting method
+#: reports only calls of the modules of the copy running now.
+_PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
+    "bridge_nnx_paths", default=None
+)
+
+#: Containers are graph nodes (nnx.List is even an nnx.Module) but are never
+#: called: they hold sites and are not sites themselves.
+_CONTAINERS = (nnx.List, nnx.Dict)
+
+#: Methods that configure a module rather than compute with it.
+_NOT_SITES = frozenset(dir(nnx.Module)) | {"set_view"}
+
+#: `{class: its reporting subclass}`, made once per class.
+_REPORTING_CLASSES: dict[type, type] = {}
+
+
+def probe(module: nnx.Module, *variables: Any, vmap: bool = False) -> NnxProbe:
+    if variables:
+        raise TypeError(
+            "An NNX module carries its own variables: call bridge.probe(module), "
+            f"without further arguments; got {len(variables)} extra argument(s). "
+            "To probe other weights, load them first: nnx.update(module, state)."
+        )
+    if not callable(module):
+        raise TypeError(
+            f"bridge.probe(module) calls module(*args), but {type(module).__name__} "
+            "defines no __call__. Probe the module that runs the forward pass."
+        )
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    # Fresh Variable objects holding the same (immutable) arrays: the probe is a
+    # snapshot, unaffected by later in-place updates of the module.
+    params, rest = jax.tree.map(lambda leaf: leaf, (params, rest))
+    return NnxProbe(graphdef, params, rest, vmap)
+
+
+@jax.tree_util.register_pytree_node_class
+class NnxProbe(ProbeBase):
+    """An `nnx.Module`, split into graph and state. See `bridge.ActivationProbe`.
+
+    The probe is a snapshot of the module when it was made: after updating the
+    module in place (an optimizer step, `nnx.update`, `model.eval()`), probe it
+    again — `bridge.probe(model)` only splits the graph.
+    """
+
+    def __init__(
+        self, graphdef: Any, params: nnx.State, rest: nnx.State, vmap: bool = False
+    ):
+        self.graphdef = graphdef
+        self.params = params
+        self.rest = rest
+        self.vmap = vmap
+
+    def tree_flatten(self):
+        return (self.params, self.rest), (self.graphdef, self.vmap)
+
+    @classmethod
+    def tree_unflatten(cls, static, children):
+        return cls(static[0], *children, static[1])
+
+    def __repr__(self) -> str:
+        return f"NnxProbe({self.graphdef.nodes[0].type.__name__}, vmap={self.vmap})"
+
+    def _trainable(self) -> Any:
+        return self.params
+
+    def _run(
+        self, trainable: Any, args: tuple, kwargs: dict, session: Session
+    ) -> tuple[Any, Any]:
+        model = nnx.merge(self.graphdef, trainable, self.rest, copy=True)
+        paths = _instrument(model)
+        # Graph nodes among the inputs (an `nnx.Rngs` for dropout) are the
+        # user's too: the model may advance them, so it gets copies.
+        args, kwargs = _copy_graph_nodes((args, kwargs))
+        token = _PATHS.set(paths)
+        try:
+            outputs = model(*args, **kwargs)
+        finally:
+            _PATHS.reset(token)
+        if not jax.tree.leaves(self.rest):
+            return outputs, None
+        return outputs, nnx.state(model, nnx.Not(nnx.Param))
+
+
+def _copy_graph_nodes(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda leaf: nnx.clone(leaf) if nnx.graphlib.is_graph_node(leaf) else leaf,
+        tree,
+        is_leaf=nnx.graphlib.is_graph_node,
+    )
+
+
+def _instrument(model: nnx.Module) -> dict[int, str]:
+    """Give every submodule of `model` (a private copy) a reporting class.
+
+    Returns `{id(module): path}`. A module reachable by several paths (shared)
+    gets the first in graph order, the path under which `nnx.state` keys its
+    parameters.
+    """
+    paths = {}
+    for path, module in nnx.iter_modules(model):
+        if not path or isinstance(module, _CONTAINERS):
+            continue
+        paths[id(module)] = "/".join(str(part) for part in path)
+        module.__class__ = _reporting_class(type(module))
+    return paths
+
+
+def _reporting_class(cls: type) -> type:
+    """A subclass of `cls` whose public methods report their calls (cached)."""
+    if getattr(cls, "_bridge_reports", False):
+        return cls
+    reporting = _REPORTING_CLASSES.get(cls)
+    if reporting is None:
+        namespace = {
+            name: _reporting_method(name, method)
+            for name, method in _public_methods(cls)
+        }
+        namespace["_bridge_reports"] = True
+        namespace["__module__"] = cls.__module__
+        namespace["__qualname__"] = cls.__qualname__
+        with warnings.catch_warnings():
+            # Subclassing re-reads the class's annotations: a user's deprecated
+            # `nnx.Data[...]` annotation would warn again, for no fault of theirs.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            reporting = type(cls)(
+                cls.__name__, (cls,), namespace, pytree=cls._pytree__is_pytree
+            )
+        _REPORTING_CLASSES[cls] = reporting
+    return reporting
+
+
+def _public_methods(cls: type) -> list[tuple[str, Callable]]:
+    methods = []
+    for name in dir(cls):
+        if name != "__call__" and (name.startswith("_") or name in _NOT_SITES):
+            continue
+        method = inspect.getattr_static(cls, name)
+        if inspect.isfunction(method):
+            methods.append((name, method))
+    return methods
+
+
+def _reporting_method(name: str, method: Callable) -> Callable:
+    site_method = None if name == "__call__" else name
+
+    @functools.wraps(method)
+    def reporting(self, *args, **kwargs):
+        paths, session = _PATHS.get(), current()
+        if paths is None or session is None:  # not while a probe runs the copy
+            return method(self, *args, **kwargs)
+        path = paths.get(id(self))
+        if path is None:
+            # A module of the copy that NNX split and merged again: the model
+            # calls it inside an NNX transform of its own.
+            raise NotImplementedError(
+                f"A {type(self).__name__} submodule is called inside an NNX "
+                "transform in the model's own code (nnx.scan, nnx.vmap, nnx.remat, "
+                "nnx.jit, ...); bridge cannot reach calls inside NNX transforms "
+                "yet, and will not silently drop them. Probe a model that calls "
+                "its submodules directly."
+            )
+        call = session.enter(path, site_method, self, args, origin=path)
+        return session.exit(call, method(self, *args, **kwargs))
+
+    return reporting

@@ -1,0 +1,320 @@
+"""Flax NNX behaviour beyond the conformance suite.
+
+Above all: the module passed in is left exactly as it was — its state, its
+RNG counts, its graph and its classes — and the RNG streams, BatchNorm
+statistics and parameter gradients agree with plain NNX on a clone.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases.nnx import _build, _inputs, added_at_call, snapshot
+from flax import nnx
+from helpers import assert_tree_allclose, assert_tree_equal
+
+import bridge
+
+
+def loss_fn(y):
+    return jnp.mean(jnp.square(y - 0.5))
+
+
+class TrainNet(nnx.Module):
+    """BatchNorm in training mode, dropout from a stream stored in the model."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 6, rngs=rngs)
+        self.norm = nnx.BatchNorm(6, use_running_average=False, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(6, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.dropout(nnx.relu(self.norm(self.linear(x)))))
+
+
+@pytest.fixture(scope="module")
+def train_net():
+    return _build(TrainNet)
+
+
+X = _inputs(8, 4)
+
+
+def plain_step(model, x):
+    """What NNX users write without bridge: `nnx.grad` on the module itself."""
+    return nnx.value_and_grad(lambda m: loss_fn(m(x)))(model)
+
+
+def probe_step(probe, x):
+    return probe.value_and_grad(loss_fn, x)
+
+
+def keys_as_data(state):
+    return jax.tree.map(
+        lambda x: (
+            jax.random.key_data(x)
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else x
+        ),
+        state,
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_the_module_passed_in_is_left_exactly_as_it_was(train_net, mode):
+    before = snapshot(train_net)
+    classes = {path: type(m) for path, m in nnx.iter_modules(train_net)}
+    probe = bridge.probe(train_net)
+    step = jax.jit(probe_step) if mode == "jit" else probe_step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe.sites(X)
+        step(probe, X)
+        probe.apply(X)
+    assert not caught, [str(w.message) for w in caught]
+    assert_tree_equal(snapshot(train_net), before)  # values, RNG counts, graph
+    assert {path: type(m) for path, m in nnx.iter_modules(train_net)} == classes
+    assert not jax.tree.leaves(
+        nnx.state(train_net, nnx.Any(nnx.Perturbation, nnx.Intermediate))
+    )
+    assert not any(hasattr(m, "__captures__") for _, m in nnx.iter_modules(train_net))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_loss_grads_and_state_equal_plain_nnx_on_a_clone(train_net, mode):
+    step = jax.jit(probe_step) if mode == "jit" else probe_step
+    res = step(bridge.probe(train_net), X)
+    clone = nnx.clone(train_net)
+    loss, grads = plain_step(clone, X)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads)
+    # `res.state` is the clone's non-Param state after its call: updated batch
+    # statistics, and the dropout stream's count advanced by one.
+    assert_tree_allclose(
+        keys_as_data(res.state), keys_as_data(nnx.state(clone, nnx.Not(nnx.Param)))
+    )
+    assert res.state["dropout"]["rngs"]["count"][...] == 1
+    assert train_net.dropout.rngs.count[...] == 0
+
+
+def test_nnx_update_with_the_state_makes_the_next_step_a_plain_second_step(train_net):
+    """A probe draws the mask the model's next plain call would; updating the
+    model with `res.state` moves both on to the next mask together."""
+    model, plain = nnx.clone(train_net), nnx.clone(train_net)
+    first = bridge.probe(model).value_and_grad(loss_fn, X)
+    assert bridge.probe(model).value_and_grad(loss_fn, X).loss == first.loss
+    plain_step(plain, X)
+    nnx.update(model, first.state)
+    assert_tree_equal(keys_as_data(nnx.state(model)), keys_as_data(nnx.state(plain)))
+    second = bridge.probe(model).value_and_grad(loss_fn, X)
+    loss, grads = plain_step(plain, X)
+    np.testing.assert_allclose(second.loss, loss, rtol=1e-6)
+    assert_tree_allclose(second.grads, grads)
+    assert second.loss != first.loss
+
+
+def test_nnx_jit_works_around_the_probe_and_around_the_module(train_net):
+    probe = bridge.probe(train_net)
+    expected = probe_step(probe, X)
+
+    @nnx.jit
+    def step_on_module(model, x):
+        return bridge.probe(model).value_and_grad(loss_fn, x)
+
+    for res in (nnx.jit(probe_step)(probe, X), step_on_module(train_net, X)):
+        np.testing.assert_allclose(res.loss, expected.loss, rtol=1e-6)
+        assert_tree_allclose(res.grads, expected.grads)
+        assert_tree_allclose(res.activation_grads, expected.activation_grads)
+    assert train_net.dropout.rngs.count[...] == 0
+
+
+def test_jit_traces_once_for_every_probe_of_the_same_architecture():
+    traces = []
+
+    @jax.jit
+    def step(probe, x):
+        traces.append(None)
+        return probe.value_and_grad(loss_fn, x).loss
+
+    first = _build(TwoLayer)
+    second = _build(TwoLayer)
+    nnx.update(second, jax.tree.map(lambda p: p * 2.0, nnx.state(second, nnx.Param)))
+    losses = [step(bridge.probe(model), X) for model in (first, second)]
+    assert len(traces) == 1
+    for model, loss in zip((first, second), losses, strict=True):
+        np.testing.assert_allclose(loss, loss_fn(model(X)), rtol=1e-6)
+
+
+def test_the_probe_is_a_snapshot_of_the_module():
+    model = _build(TwoLayer)
+    probe = bridge.probe(model)
+    before = probe.apply(X).outputs
+    nnx.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    np.testing.assert_array_equal(probe.apply(X).outputs, before)
+    np.testing.assert_array_equal(bridge.probe(model).apply(X).outputs, 0.0)
+
+
+class TwoLayer(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 6, rngs=rngs)
+        self.head = nnx.Linear(6, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.linear(x)))
+
+
+class Aliased(nnx.Module):
+    """One module under two attribute paths, called through both."""
+
+    def __init__(self, rngs):
+        self.first = nnx.Linear(4, 4, rngs=rngs)
+        self.second = self.first
+
+    def __call__(self, x):
+        return self.second(nnx.tanh(self.first(x)))
+
+
+def test_a_module_under_two_paths_is_named_as_nnx_state_keys_it():
+    model = _build(Aliased)
+    assert list(nnx.state(model, nnx.Param)) == ["first"]
+    probe = bridge.probe(model)
+    assert list(probe.sites(X)) == ["first", "first#1"]
+    res = probe.value_and_grad(loss_fn, X)
+    for site, grad in res.activation_grads.items():
+        delta = jnp.ones_like(grad)
+
+        def perturbed(t, site=site, delta=delta):
+            clone = nnx.clone(model)
+            with added_at_call(clone, site, t * delta):
+                return loss_fn(clone(X))
+
+        _, directional = jax.jvp(perturbed, (0.0,), (1.0,))
+        np.testing.assert_allclose(jnp.vdot(grad, delta), directional, rtol=2e-4)
+
+
+def test_an_rngs_passed_to_the_call_is_copied_not_advanced():
+    class CallRngs(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 6, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5)
+
+        def __call__(self, x, *, rngs):
+            return self.dropout(self.linear(x), rngs=rngs)
+
+    probe = bridge.probe(_build(CallRngs))
+    rngs = nnx.Rngs(dropout=3)
+    eager = probe.value_and_grad(loss_fn, X, rngs=rngs)
+    jitted = jax.jit(lambda p, x: p.value_and_grad(loss_fn, x, rngs=rngs))(probe, X)
+    assert rngs.dropout.count[...] == 0
+    np.testing.assert_allclose(jitted.loss, eager.loss, rtol=1e-6)
+    assert eager.state is None  # the model itself holds no RNG stream
+
+
+class Tapped(nnx.Module):
+    def __init__(self, rngs):
+        self.block = TappedBlock(rngs)
+
+    def __call__(self, x):
+        return self.block(x)
+
+
+class TappedBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(bridge.tap("pre", self.linear(x)))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_tap_is_a_site_under_its_module_path(mode):
+    probe = bridge.probe(_build(Tapped))
+    assert list(probe.sites(X)) == ["block", "block/linear", "block/pre"]
+    step = jax.jit(probe_step) if mode == "jit" else probe_step
+    res = step(probe, X)
+    # The tap is the linear's output: same value, same gradient.
+    assert_tree_allclose(res.activations["block/pre"], res.activations["block/linear"])
+    assert_tree_allclose(
+        res.activation_grads["block/pre"], res.activation_grads["block/linear"]
+    )
+
+
+def test_patch_and_inputs():
+    model = _build(TwoLayer)
+    probe = bridge.probe(model)
+    fwd = probe.apply(X, patch={"linear": jnp.zeros_like})
+    np.testing.assert_allclose(
+        fwd.outputs, jnp.broadcast_to(model.head.bias[...], (8, 2)), rtol=1e-6
+    )
+    res = probe.value_and_grad(loss_fn, X, with_inputs=True)
+    (head_input,) = res.inputs["head"]
+    assert_tree_allclose(head_input, nnx.relu(res.activations["linear"]))
+    assert_tree_allclose(res.inputs["linear"], (X,))
+
+
+def test_selection_by_class_sees_the_module_classes():
+    model = nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=nnx.Rngs(0)
+    )
+    tokens = _inputs(2, 5, 8)
+    res = bridge.probe(model).apply(tokens, at=nnx.LinearGeneral)
+    assert list(res.activations) == ["query", "key", "value", "out"]
+
+
+def test_vmap_gives_the_batched_numbers_for_a_per_example_loss():
+    probe = bridge.probe(_build(TwoLayer))
+    per_example = bridge.probe(_build(TwoLayer), vmap=True)
+    sum_loss = lambda y: jnp.sum(jnp.square(y - 0.5))  # noqa: E731
+    batched = probe.value_and_grad(sum_loss, X)
+    mapped = per_example.value_and_grad(sum_loss, X)
+    assert_tree_allclose(mapped.activation_grads, batched.activation_grads)
+    assert_tree_allclose(mapped.activations, batched.activations)
+
+
+def test_sequential_and_non_pytree_modules():
+    class Plain(nnx.Module, pytree=False):
+        def __init__(self, rngs):
+            self.layers = [nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs)]
+
+        def __call__(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    seq = nnx.Sequential(
+        nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.relu, Plain(nnx.Rngs(1))
+    )
+    probe = bridge.probe(seq)
+    assert list(probe.sites(X)) == [
+        "layers/0",
+        "layers/2",
+        "layers/2/layers/0",
+        "layers/2/layers/1",
+    ]
+    res = probe.value_and_grad(loss_fn, X)
+    loss, grads = plain_step(nnx.clone(seq), X)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads)
+
+
+def test_calls_inside_an_nnx_transform_raise_instead_of_vanishing():
+    class Remat(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.remat(lambda module, x: module(x))(self.linear, x)
+
+    with pytest.raises(NotImplementedError, match="inside an NNX transform"):
+        bridge.probe(_build(Remat)).sites(X)
+
+
+def test_errors_name_the_fix():
+    model = _build(TwoLayer)
+    with pytest.raises(TypeError, match=r"carries its own variables.*nnx.update"):
+        bridge.probe(model, nnx.state(model))
+    with pytest.raises(TypeError, match="defines no __call__"):
+        bridge.probe(nnx.List([model]))
