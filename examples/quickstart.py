@@ -63,6 +63,28 @@ def linen_rows():
     return res.loss, rows(res)
 
 
+def nnx_rows():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(FEATURES, 32, rngs=rngs)
+            self.norm = nnx.LayerNorm(32, rngs=rngs)
+            self.blocks = nnx.List([nnx.Linear(32, 32, rngs=rngs)])
+            self.head = nnx.Linear(32, CLASSES, rngs=rngs)
+
+        def __call__(self, x):
+            x = self.norm(nnx.relu(self.hidden(x)))
+            for block in self.blocks:
+                x = nnx.relu(block(x))
+            return self.head(x)
+
+    x, labels = data()
+    probe = bridge.probe(MLP(nnx.Rngs(2)))  # the module carries its own variables
+    res = probe.value_and_grad(cross_entropy(labels), x)
+    return res.loss, rows(res)
+
+
 def equinox_rows():
     import equinox as eqx
 
@@ -92,6 +114,7 @@ def haiku_rows():
 
 LIBRARIES = {
     "Flax Linen": ("flax", linen_rows),
+    "Flax NNX": ("flax", nnx_rows),
     "Equinox": ("equinox", equinox_rows),
     "Haiku": ("haiku", haiku_rows),
 }
