@@ -183,7 +183,11 @@ class ProbeBase:
 
         def single(dynamic_args, epsilons, patch_values):
             session = Session(
-                selected, epsilons, {**patch_values, **patch_functions}, with_inputs
+                selected,
+                epsilons,
+                {**patch_values, **patch_functions},
+                with_inputs,
+                BATCH_AXIS if self.vmap else None,
             )
             if sessions is not None:
                 sessions.append(session)

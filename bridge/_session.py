@@ -65,12 +65,16 @@ class Session:
         epsilons: Mapping[str, Any] | None = None,
         patches: Mapping[str, Any] | None = None,
         with_inputs: bool = False,
+        batch_axis: str | None = None,
     ):
         self.discovering = selected is None
         self.selected = selected or {}
         self.epsilons = epsilons or {}
         self.patches = patches or {}
         self.with_inputs = with_inputs
+        # Set when the model runs under the probe's own `jax.vmap` (vmap=True):
+        # a patch function then still sees the whole batch.
+        self.batch_axis = batch_axis
         self.sites: list[Site | None] = []
         self.activations: dict[str, Any] = {}
         self.inputs: dict[str, tuple] = {}
@@ -145,7 +149,9 @@ class Session:
             )
             return value
         if call.name in self.patches:
-            value = _apply_patch(call.name, self.patches[call.name], value)
+            value = _apply_patch(
+                call.name, self.patches[call.name], value, self.batch_axis
+            )
         if call.name in self.selected:
             epsilon = self.epsilons.get(call.name)
             if epsilon is not None:
@@ -193,8 +199,18 @@ def positional_arrays(args: tuple) -> tuple:
     return jax.tree.map(lambda a: a if is_array(a) else None, tuple(args))
 
 
-def _apply_patch(name: str, patch: Any, value: Any) -> Any:
-    new = patch(value) if callable(patch) else patch
+def _apply_patch(name: str, patch: Any, value: Any, batch_axis: str | None) -> Any:
+    if not callable(patch):
+        new = patch
+    elif batch_axis is None:
+        new = patch(value)
+    else:
+        # Under the probe's vmap each example sees only itself; the contract
+        # gives a patch function the whole batch: gather it, patch it, and
+        # keep this example's row.
+        whole = jax.tree.map(lambda v: jax.lax.all_gather(v, batch_axis), value)
+        index = jax.lax.axis_index(batch_axis)
+        new = jax.tree.map(lambda v: v[index], patch(whole))
     expected, got = abstract(value), abstract(new)
     if jax.tree.structure(expected) != jax.tree.structure(got) or any(
         (e.shape, e.dtype) != (g.shape, g.dtype)

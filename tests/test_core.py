@@ -343,6 +343,31 @@ def test_patch_replaces_a_value_and_refuses_one_that_does_not_fit():
         probe.apply(x, patch=[1])
 
 
+def test_under_vmap_true_a_patch_function_sees_the_whole_batch():
+    probe, params, x = make_chain()
+    single = ChainProbe(probe.model, params, vmap=True)
+
+    def centre(v):  # needs every example: per-example it would give zeros
+        return v - v.mean(axis=0, keepdims=True)
+
+    batched = probe.value_and_grad(loss, x, patch={"affine_1": centre})
+    mapped = single.value_and_grad(loss, x, patch={"affine_1": centre})
+    assert not np.allclose(mapped.activations["affine_1"], 0.0)
+    np.testing.assert_allclose(mapped.loss, batched.loss, rtol=1e-6)
+    for name in batched.activation_grads:
+        np.testing.assert_allclose(
+            mapped.activation_grads[name],
+            batched.activation_grads[name],
+            rtol=1e-5,
+            atol=1e-7,
+        )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        mapped.grads,
+        batched.grads,
+    )
+
+
 def test_with_inputs_records_each_call_positional_arguments():
     probe, _, x = make_chain()
     res = probe.value_and_grad(loss, x, with_inputs=True)
