@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from cases import case_params
 from helpers import (
+    add_at_float_leaves,
     assert_tree_allclose,
     assert_tree_equal,
     random_like,
@@ -22,6 +23,7 @@ from helpers import (
 )
 
 import bridge
+from bridge._sites import strip_call_index
 
 CASES = list(case_params())
 MODES = ["eager", "jit"]
@@ -140,6 +142,38 @@ def test_a_selection_records_the_same_numbers(case, mode):
         assert_tree_allclose(res.activation_grads[name], full.activation_grads[name])
         assert_tree_allclose(res.activations[name], full.activations[name])
     assert_tree_allclose(res.grads, full.grads)
+
+
+def _singly_named_sites(case):
+    """Sites a patch key can name alone: no other call shares their base name."""
+    names = list(case.probe.sites(*case.args, **case.kwargs))
+    bases = [strip_call_index(name) for name in names]
+    return [
+        name
+        for name, base in zip(names, bases, strict=True)
+        if bases.count(base) == 1 or "#" in name
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_patch_equals_the_model_edited_by_hand(case, mode):
+    sites = case.probe.sites(*case.args, **case.kwargs)
+    eligible = _singly_named_sites(case)
+    full = value_and_grad(case, "eager")
+    for seed, site in enumerate({eligible[0], eligible[-1]}):
+        delta = random_like(sites[site], seed + 10)
+        res = value_and_grad(
+            case, mode, patch={site: lambda v, d=delta: add_at_float_leaves(v, d)}
+        )
+        np.testing.assert_allclose(
+            res.loss, case.perturbed_loss(site, delta), rtol=1e-5, atol=1e-7
+        )
+        assert_tree_allclose(
+            res.activations[site],
+            add_at_float_leaves(full.activations[site], delta),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_apply_records_the_forward_values(case):
