@@ -383,23 +383,257 @@ def test_params_of_another_model_fail_before_any_work():
         probe.value_and_grad(mse, x)
 
 
+# -- scanned stacks and rematerialisation
+
+
+def block(x):
+    h = jax.nn.relu(hk.Linear(8, name="lin")(x))
+    return jnp.tanh(hk.Linear(8, name="out")(h))
+
+
+def head(x):
+    return hk.Linear(3, name="head")(x)
+
+
 def stacked(x):
-    layer = lambda x: jax.nn.relu(hk.Linear(8, name="lin")(x))
-    x = hk.experimental.layer_stack(2)(layer)(x)
-    return hk.Linear(3)(x)
+    x = hk.Linear(8, name="embed")(x)
+    x = hk.experimental.layer_stack(3)(block)(x)
+    return hk.remat(head)(x)
 
 
-def test_a_site_inside_layer_stack_is_refused_and_sites_outside_work():
+def unrolled(x):
+    x = hk.Linear(8, name="embed")(x)
+    for _ in range(3):  # `lin`, `lin_1`, `lin_2`: one name per layer
+        x = block(x)
+    return head(x)
+
+
+STACK = "__layer_stack_no_per_layer"
+
+
+def unrolled_params(params):
+    """The stacked params sliced per layer, named as `unrolled` names them."""
+    out = {k: v for k, v in params.items() if not k.startswith(STACK)}
+    for i in range(3):
+        for module in ("lin", "out"):
+            name = module if i == 0 else f"{module}_{i}"
+            out[name] = jax.tree.map(lambda v, i=i: v[i], params[f"{STACK}/{module}"])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("with_state", "mode"),
+    [(False, "eager"), (True, "jit")],
+    ids=["transform-eager", "with_state-jit"],
+)
+def test_a_layer_stack_site_stacks_layers_and_equals_the_unrolled_model(
+    with_state, mode
+):
     x = _inputs(4, 8)
-    model = Model(stacked, (x,), with_state=True, apply_rng=False, rng=None)
+    model = Model(stacked, (x,), with_state, apply_rng=False, rng=None)
+    reference = Model(unrolled, (x,), with_state, apply_rng=False, rng=None)
+    reference.params = unrolled_params(model.params)
+    state = (model.state,) if with_state else ()
+    probe = bridge.probe(model.transformed, model.params, *state)
+    sites = probe.sites(x)
+    assert list(sites) == ["embed", f"{STACK}/lin", f"{STACK}/out", "head"]
+    assert sites[f"{STACK}/lin"].shape == (3, 4, 8)
+
+    res = run(probe, mode, x, with_inputs=True)
+    ref = run(
+        bridge.probe(reference.transformed, reference.params, *state),
+        mode,
+        x,
+        with_inputs=True,
+    )
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    for module in ("lin", "out"):
+        for i in range(3):
+            name = module if i == 0 else f"{module}_{i}"
+            for field in ("activations", "activation_grads"):
+                np.testing.assert_allclose(
+                    getattr(res, field)[f"{STACK}/{module}"][i],
+                    getattr(ref, field)[name],
+                    rtol=1e-5,
+                    atol=1e-6,
+                )
+    for site in ("embed", "head"):  # `head` is inside hk.remat
+        assert_tree_allclose(res.activation_grads[site], ref.activation_grads[site])
+        assert_tree_allclose(res.inputs[site], ref.inputs[site])
+    (layer_inputs,) = res.inputs[f"{STACK}/lin"]
+    np.testing.assert_allclose(layer_inputs[0], res.activations["embed"], rtol=1e-6)
+    np.testing.assert_allclose(
+        layer_inputs[1:], jnp.tanh(res.activations[f"{STACK}/out"][:-1]), rtol=1e-6
+    )
+
+    # Independent of bridge: plain parameter gradients, and the identity that a
+    # layer's bias gradient is its output gradient summed over the batch.
+    plain = jax.jit(jax.grad(lambda params: mse(model.apply(params, (x,))[0])))(
+        model.params
+    )
+    assert_tree_allclose(res.grads, plain)
+    np.testing.assert_allclose(
+        res.activation_grads[f"{STACK}/lin"].sum(axis=1),
+        plain[f"{STACK}/lin"]["b"],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert res.state == ({} if with_state else None)
+
+
+def nested(x):
+    layer = lambda x: jax.nn.relu(hk.Linear(8, name="lin")(x))  # noqa: E731
+    inner = lambda x: hk.experimental.layer_stack(2)(layer)(x)  # noqa: E731
+    return hk.experimental.layer_stack(2)(inner)(x)
+
+
+def test_a_layer_stack_in_a_layer_stack_stacks_both_axes():
+    x = _inputs(4, 8)
+    model = Model(nested, (x,), True, apply_rng=False, rng=None)
     probe = bridge.probe(model.transformed, model.params, model.state)
-    with pytest.raises(NotImplementedError, match="inside a Haiku lifted transform"):
-        probe.value_and_grad(mse, x, at="lin")
-    res = probe.value_and_grad(mse, x, at="linear")
-    loss, grads = jax.value_and_grad(
-        lambda params: mse(model.transformed.apply(params, model.state, x)[0])
+    name = f"{STACK}/{STACK}/lin"
+    res = jax.jit(lambda probe, x: probe.value_and_grad(mse, x, at=name))(probe, x)
+    plain = jax.jit(jax.grad(lambda params: mse(model.apply(params, (x,))[0])))(
+        model.params
+    )
+    assert res.activation_grads[name].shape == (2, 2, 4, 8)
+    np.testing.assert_allclose(
+        res.activation_grads[name].sum(axis=2), plain[name]["b"], rtol=1e-5, atol=1e-6
+    )
+
+
+def recurrent(x, reverse=False):
+    cell = hk.Linear(8, name="cell")
+    h = hk.Linear(8, name="embed")(x)
+    step = lambda carry, h: (jnp.tanh(cell(carry) + h), carry)  # noqa: E731
+    return hk.scan(step, h[0], h, reverse=reverse)[0]
+
+
+def recurrent_unrolled(x, reverse=False):
+    cell = hk.Linear(8, name="cell")
+    h = hk.Linear(8, name="embed")(x)
+    carry = h[0]
+    for i in reversed(range(len(h))) if reverse else range(len(h)):
+        carry = jnp.tanh(cell(carry) + h[i])  # `cell`, `cell#1`, ...
+    return carry
+
+
+@pytest.mark.parametrize(
+    ("with_state", "mode", "reverse"),
+    [(False, "eager", False), (True, "jit", True)],
+    ids=["transform-eager", "with_state-jit-reverse"],
+)
+def test_an_hk_scan_site_stacks_iterations_and_equals_the_unrolled_model(
+    with_state, mode, reverse
+):
+    x = _inputs(3, 8)
+    model = Model(recurrent, (x,), with_state, apply_rng=False, rng=None)
+    reference = Model(recurrent_unrolled, (x,), with_state, apply_rng=False, rng=None)
+    state = (model.state,) if with_state else ()
+    probe = bridge.probe(model.transformed, model.params, *state)
+    assert {k: v.shape for k, v in probe.sites(x, reverse=reverse).items()} == {
+        "embed": (3, 8),
+        "cell": (3, 8),  # (iterations, features), in the order of `xs`
+    }
+
+    def loss_fn(y):
+        return jnp.sum(jnp.sin(y))
+
+    res = run(probe, mode, x, loss_fn=loss_fn, reverse=reverse)
+    ref = run(
+        bridge.probe(reference.transformed, model.params, *state),
+        mode,
+        x,
+        loss_fn=loss_fn,
+        reverse=reverse,
+    )
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    rows = range(2, -1, -1) if reverse else range(3)
+    for call, row in enumerate(rows):
+        name = "cell" if call == 0 else f"cell#{call}"
+        for field in ("activations", "activation_grads"):
+            np.testing.assert_allclose(
+                getattr(res, field)["cell"][row],
+                getattr(ref, field)[name],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    plain = jax.jit(
+        jax.grad(
+            lambda params: loss_fn(
+                reference.transformed.apply(params, *state, x, reverse)[0]
+                if with_state
+                else reference.transformed.apply(params, x, reverse)
+            )
+        )
     )(model.params)
+    assert_tree_allclose(res.grads, plain)
+    np.testing.assert_allclose(
+        res.activation_grads["cell"].sum(axis=0), plain["cell"]["b"], rtol=1e-5
+    )
+
+
+def looped(x):
+    cell = hk.Linear(8, name="cell")
+    h = hk.Linear(8, name="embed")(x)
+    return hk.fori_loop(0, 3, lambda i, h: jnp.tanh(cell(h)), h)
+
+
+def test_a_site_inside_hk_fori_loop_is_refused_and_sites_outside_work():
+    x = _inputs(5, 8)
+    model = Model(looped, (x,), True, apply_rng=False, rng=None)
+    probe = bridge.probe(model.transformed, model.params, model.state)
+    with pytest.raises(ValueError, match="bridge cannot see through hk.fori_loop"):
+        probe.value_and_grad(mse, x)
+    res = probe.value_and_grad(mse, x, at="embed")
+    loss, grads = jax.value_and_grad(lambda params: mse(model.apply(params, (x,))[0]))(
+        model.params
+    )
     np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
     assert_tree_allclose(res.grads, grads)
-    summed = res.activation_grads["linear"].sum(axis=0)
-    np.testing.assert_allclose(summed, grads["linear"]["b"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.activation_grads["embed"].sum(axis=0), grads["embed"]["b"], rtol=1e-5
+    )
+
+
+def test_layer_inputs_inside_hk_scan_are_an_error():
+    x = _inputs(5, 8)
+    model = Model(recurrent, (x,), True, apply_rng=False, rng=None)
+    probe = bridge.probe(model.transformed, model.params, model.state)
+    with pytest.raises(NotImplementedError, match="does not record layer inputs"):
+        probe.value_and_grad(mse, x, at="cell", with_inputs=True)
+
+
+def test_patching_a_site_inside_layer_stack_is_an_error():
+    x = _inputs(4, 8)
+    model = Model(stacked, (x,), True, apply_rng=False, rng=None)
+    probe = bridge.probe(model.transformed, model.params, model.state)
+    with pytest.raises(NotImplementedError, match="does not patch yet"):
+        probe.apply(x, patch={f"{STACK}/lin": jnp.zeros_like})
+
+
+def test_a_plain_transform_with_a_wrapped_apply_and_a_layer_stack_is_an_error():
+    x = _inputs(4, 8)
+    model = Model(stacked, (x,), False, apply_rng=False, rng=None)
+    apply = model.transformed.apply
+    wrapped = hk.Transformed(
+        model.transformed.init, functools.wraps(apply)(lambda *a: apply(*a))
+    )
+    probe = bridge.probe(wrapped, model.params)
+    with pytest.raises(NotImplementedError, match="pass bridge.probe\\(transformed"):
+        probe.sites(x)
+
+
+def tapped_stack(x):
+    layer = lambda x: bridge.tap("h", jax.nn.relu(hk.Linear(8, name="lin")(x)))  # noqa: E731
+    return hk.experimental.layer_stack(2)(layer)(x)
+
+
+def test_a_tap_inside_layer_stack_is_an_error_not_a_summed_site():
+    x = _inputs(4, 8)
+    model = Model(tapped_stack, (x,), True, apply_rng=False, rng=None)
+    probe = bridge.probe(model.transformed, model.params, model.state)
+    with pytest.raises(
+        NotImplementedError, match="bridge.tap\\('h'\\) is called inside"
+    ):
+        probe.sites(x)
