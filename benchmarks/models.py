@@ -148,6 +148,31 @@ def linen_wide(sites: int, width=8):
     return module, module.init(jax.random.key(0), x), x
 
 
+def linen_scanned(depth: int, width=64, batch=8):
+    """A stack of `depth` identical blocks under `nn.scan`, as users write it."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(width)(nn.gelu(nn.LayerNorm()(x))), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=depth,
+            )
+            return scan()(x, None)[0]
+
+    x = jnp.ones((batch, width))
+    module = Stack()
+    return module, module.init(jax.random.key(0), x), x
+
+
 BUILDERS = {
     "linen": [linen_mlp, linen_cnn, linen_transformer],
 }
