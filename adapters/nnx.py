@@ -18,14 +18,26 @@ too: it is the user's, and is never advanced.
 
 Not `Module.perturb` + `nnx.capture`: capture with `method_outputs` patches
 the user's classes for everyone while it runs, and attaches `__captures__` to
-the module it is given. Calls of submodules inside an NNX transform in the
-model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`) reach copies NNX makes
-itself: they raise `NotImplementedError` rather than vanish.
+the module it is given.
+
+NNX transforms in the model's own code (`nnx.scan` over layers built with
+`nnx.vmap`, `nnx.vmap` over an ensemble, `nnx.remat`) split the copy and merge
+it again: the body runs on new module objects, of the same reporting classes,
+that carry their site path as a static attribute, and values seen there are
+tracers of the transform's trace. So a site there keeps its epsilon and its
+recording in bridge's own `nnx.Param` subclasses on the module, which the
+transform carries exactly as it carries the module's parameters: an epsilon
+placed on the copy before the call is sliced per iteration going in, and a
+recording made inside comes out stacked, `(iterations, *value shape)`, read
+back from the copy after the call. A transform that would not carry them (a
+module broadcast with `in_axes=None`, `graph=False` or `graph_updates=False`,
+`nnx.jit`, loops) raises an error naming it rather than drop or sum a site.
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
 import warnings
@@ -36,12 +48,13 @@ import jax
 from flax import nnx
 
 from bridge._probe import ProbeBase
-from bridge._session import Session, current
+from bridge._session import Session, current, positional_arrays
+from bridge._sites import add_epsilon, differentiable_part
 
-#: The copy's `{id(module): site path}` while it runs: a reporting method
-#: reports only calls of the modules of the copy running now.
-_PATHS: contextvars.ContextVar[dict[int, str] | None] = contextvars.ContextVar(
-    "bridge_nnx_paths", default=None
+#: The probe's run of its copy, while it runs: a reporting method reports only
+#: calls of the modules of the copy running now.
+_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
+    "bridge_nnx_run", default=None
 )
 
 #: Containers are graph nodes (nnx.List is even an nnx.Module) but are never
@@ -53,6 +66,38 @@ _NOT_SITES = frozenset(dir(nnx.Module)) | {"set_view"}
 
 #: `{class: its reporting subclass}`, made once per class.
 _REPORTING_CLASSES: dict[type, type] = {}
+
+#: The static attribute naming a module of the copy: it survives NNX's
+#: split and merge inside transforms, where the module is a new object.
+_PATH_ATTRIBUTE = "_bridge_path"
+
+#: NNX transforms (their update-context tags) that carry a module's `Param`
+#: variables in and out, mapped or not, so they carry bridge's too.
+_CARRYING = {"scan": "nnx.scan", "vmap": "nnx.vmap", "remat": "nnx.remat"}
+
+
+class _BridgeVariable(nnx.Param):
+    """bridge's variables on the private copy. Subclasses of `nnx.Param`, so
+    they ride wherever the model's transforms send its parameters (a
+    `StateAxes({nnx.Param: 0, ...: None})` too); never in `grads` or `state`."""
+
+
+class _Carried(_BridgeVariable):
+    """A site's epsilon or patch value, stacked like the site: sliced per
+    iteration going in."""
+
+
+class _Recording(_BridgeVariable):
+    """A site's `(value, inputs)` recorded inside a transform: stacked coming out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """Where an NNX site lives: the module's path, and whether its calls run
+    inside an NNX transform of the model's own code (named in `transforms`)."""
+
+    path: str
+    transforms: tuple[str, ...] = ()
 
 
 def probe(module: nnx.Module, *variables: Any, vmap: bool = False) -> NnxProbe:
@@ -108,18 +153,24 @@ class NnxProbe(ProbeBase):
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
         model = nnx.merge(self.graphdef, trainable, self.rest, copy=True)
-        paths = _instrument(model)
+        run = _Run(_instrument(model))
+        run.place_variables(session)
         # Graph nodes among the inputs (an `nnx.Rngs` for dropout) are the
         # user's too: the model may advance them, so it gets copies.
         args, kwargs = _copy_graph_nodes((args, kwargs))
-        token = _PATHS.set(paths)
+        token = _RUN.set(run)
+        session.tap = functools.partial(run.tap, session)
         try:
             outputs = model(*args, **kwargs)
+        except ValueError as error:
+            run.explain(error)
+            raise
         finally:
-            _PATHS.reset(token)
-        if not jax.tree.leaves(self.rest):
-            return outputs, None
-        return outputs, nnx.state(model, nnx.Not(nnx.Param))
+            del session.tap  # the class's own method again
+            _RUN.reset(token)
+        run.hand_over(session)
+        state = nnx.state(model, nnx.Not(nnx.Param))
+        return outputs, state if jax.tree.leaves(state) else None
 
 
 def _copy_graph_nodes(tree: Any) -> Any:
@@ -130,20 +181,185 @@ def _copy_graph_nodes(tree: Any) -> Any:
     )
 
 
-def _instrument(model: nnx.Module) -> dict[int, str]:
+def _instrument(model: nnx.Module) -> dict[str, nnx.Module]:
     """Give every submodule of `model` (a private copy) a reporting class.
 
-    Returns `{id(module): path}`. A module reachable by several paths (shared)
+    Returns `{path: module}`. A module reachable by several paths (shared)
     gets the first in graph order, the path under which `nnx.state` keys its
     parameters.
     """
-    paths = {}
+    modules = {}
     for path, module in nnx.iter_modules(model):
         if not path or isinstance(module, _CONTAINERS):
             continue
-        paths[id(module)] = "/".join(str(part) for part in path)
+        if any(module is seen for seen in modules.values()):
+            continue
+        name = "/".join(str(part) for part in path)
+        modules[name] = module
         module.__class__ = _reporting_class(type(module))
-    return paths
+        setattr(module, _PATH_ATTRIBUTE, name)
+    return modules
+
+
+def _variable_name(kind: str, method: str | None, index: int) -> str:
+    return f"bridge_{kind}_{(method or '__call__').strip('_')}_{index}"
+
+
+class _Run:
+    """One run of the probe's copy: its modules, and the sites inside NNX
+    transforms, whose values leave through variables on those modules."""
+
+    def __init__(self, modules: dict[str, nnx.Module]):
+        self.modules = modules
+        self.ids = {id(module): path for path, module in modules.items()}
+        self.outer = _active_transforms()
+        self.deferred: dict[str, tuple[str, str, tuple[str, ...]]] = {}
+        self.first_lifted: tuple[str, tuple[str, ...]] | None = None
+
+    def place_variables(self, session: Session) -> None:
+        """Put the epsilon and patch value of each selected site inside a
+        transform on its module, stacked like the site."""
+        values = [(name, "epsilon", eps) for name, eps in session.epsilons.items()]
+        values += [
+            (name, "patch", patch)
+            for name, patch in session.patches.items()
+            if not callable(patch)
+        ]
+        for name, kind, value in values:
+            site = session.selected.get(name)
+            if isinstance(getattr(site, "origin", None), _Origin) and (
+                site.origin.transforms
+            ):
+                key = _variable_name(kind, site.method, site.index)
+                setattr(self.modules[site.origin.path], key, _Carried(value))
+
+    def tap(self, session: Session, name: str, value: Any) -> Any:
+        """`bridge.tap` in the model's code: refused inside an NNX transform,
+        where the value is a tracer of the transform's trace."""
+        transforms = self.transforms()
+        if transforms:
+            raise NotImplementedError(
+                f"bridge.tap({name!r}, ...) is called inside "
+                f"{_transform_name(transforms[-1])} in the model's own code; "
+                "bridge does not carry taps out of NNX transforms yet. Tap the "
+                "value outside the transform, or select the call of the module "
+                "that computes it."
+            )
+        return Session.tap(session, name, value)
+
+    def transforms(self) -> tuple[str, ...]:
+        """The NNX transforms of the model's own code running now."""
+        return tuple(t for t in _active_transforms() if t not in self.outer)
+
+    def report(self, module, method_name, method, args, kwargs, session):
+        site_method = None if method_name == "__call__" else method_name
+        path = self.ids.get(id(module))
+        if path is not None:
+            call = session.enter(path, site_method, module, args, origin=_Origin(path))
+            return session.exit(call, method(module, *args, **kwargs))
+        return self._report_lifted(module, site_method, method, args, kwargs, session)
+
+    def _report_lifted(self, module, site_method, method, args, kwargs, session):
+        """A call inside an NNX transform, on the module's copy NNX merged."""
+        path = vars(module).get(_PATH_ATTRIBUTE)
+        transforms = self.transforms()
+        unsupported = [t for t in transforms if t not in _CARRYING]
+        if path is None or not transforms or unsupported:
+            named = ", ".join(_transform_name(t) for t in unsupported)
+            raise NotImplementedError(
+                f"A {type(module).__name__} submodule"
+                + (f" ('{path}')" if path else "")
+                + " is called inside "
+                + (
+                    named
+                    if unsupported
+                    else "an NNX transform with graph=False or graph_updates=False"
+                )
+                + " in the model's own code; bridge sees through nnx.scan, "
+                "nnx.vmap and nnx.remat (graph mode, the default) only, and will "
+                "not silently drop the calls. Select sites outside it, or use "
+                "one of those transforms."
+            )
+        names = tuple(_CARRYING[t] for t in transforms)
+        call = session.enter(
+            path, site_method, module, args, origin=_Origin(path, names), record=False
+        )
+        if self.first_lifted is None:
+            self.first_lifted = (path, names)
+        value = method(module, *args, **kwargs)
+        carried = vars(module)
+        epsilon = carried.get(_variable_name("epsilon", site_method, call.index))
+        patch = carried.get(_variable_name("patch", site_method, call.index))
+
+        def perturb(value):
+            return add_epsilon(value, epsilon.get_value())
+
+        patches = session.patches
+        if patch is not None:  # this iteration's slice of the stacked patch
+            session.patches = {**patches, call.name: patch.get_value()}
+        try:
+            value = session.exit(
+                call, value, perturb if epsilon is not None else None, record=False
+            )
+        finally:
+            session.patches = patches
+        if session.discovering or call.name in session.selected:
+            recording = value if session.discovering else differentiable_part(value)
+            inputs = positional_arrays(args) if session.with_inputs else None
+            key = _variable_name("recording", site_method, call.index)
+            setattr(module, key, _Recording((recording, inputs)))
+            self.deferred[call.name] = (path, key, names)
+        return value
+
+    def hand_over(self, session: Session) -> None:
+        """Give the session the values recorded inside transforms, as they left."""
+        for name, (path, key, names) in self.deferred.items():
+            recording = vars(self.modules[path]).get(key)
+            if recording is None:
+                raise ValueError(
+                    f"bridge cannot see through {' inside '.join(reversed(names))} "
+                    f"around '{path}': its values did not come out with the module's "
+                    "parameters, so a perturbation there would be silently dropped. "
+                    "Select sites outside it."
+                )
+            value, inputs = recording.get_value()
+            if session.discovering:
+                session.restructure(name, value)
+            else:
+                session.record(name, value, inputs)
+
+    def explain(self, error: ValueError) -> None:
+        """NNX's own error when a transform broadcasts a module bridge records in."""
+        message = str(error)
+        if self.first_lifted is None or not (
+            "Incorrect number of leaves" in message
+            or "got axis spec None but output was batched" in message
+        ):
+            return
+        path, names = self.first_lifted
+        raise ValueError(
+            f"bridge cannot see through this {names[-1]} around '{path}': it "
+            "broadcasts the module (in_axes=None for it, or None for its "
+            "parameters in nnx.StateAxes), so one epsilon would serve every "
+            "iteration (or mapped example) and their gradients would be summed. "
+            "Select sites outside it, or map the module over its stacked "
+            "parameters (in_axes=0)."
+        ) from error
+
+
+def _active_transforms() -> tuple[Any, ...]:
+    stacks = nnx.graphlib.GRAPH_CONTEXT.update_context_stacks
+    return tuple(tag for tag, stack in stacks.items() if stack)
+
+
+def _transform_name(tag: Any) -> str:
+    if isinstance(tag, str):
+        return f"nnx.{tag.removesuffix('_body')}"
+    name = type(tag).__name__.lower()
+    for transform in ("jit", "shard_map", "pmap", "cond", "switch"):
+        if transform in name:
+            return f"nnx.{transform}"
+    return f"an NNX transform ({type(tag).__name__})"
 
 
 def _reporting_class(cls: type) -> type:
@@ -182,25 +398,11 @@ def _public_methods(cls: type) -> list[tuple[str, Callable]]:
 
 
 def _reporting_method(name: str, method: Callable) -> Callable:
-    site_method = None if name == "__call__" else name
-
     @functools.wraps(method)
     def reporting(self, *args, **kwargs):
-        paths, session = _PATHS.get(), current()
-        if paths is None or session is None:  # not while a probe runs the copy
+        run, session = _RUN.get(), current()
+        if run is None or session is None:  # not while a probe runs the copy
             return method(self, *args, **kwargs)
-        path = paths.get(id(self))
-        if path is None:
-            # A module of the copy that NNX split and merged again: the model
-            # calls it inside an NNX transform of its own.
-            raise NotImplementedError(
-                f"A {type(self).__name__} submodule is called inside an NNX "
-                "transform in the model's own code (nnx.scan, nnx.vmap, nnx.remat, "
-                "nnx.jit, ...); bridge cannot reach calls inside NNX transforms "
-                "yet, and will not silently drop them. Probe a model that calls "
-                "its submodules directly."
-            )
-        call = session.enter(path, site_method, self, args, origin=path)
-        return session.exit(call, method(self, *args, **kwargs))
+        return run.report(self, name, method, args, kwargs, session)
 
     return reporting

@@ -7,6 +7,7 @@ statistics and parameter gradients agree with plain NNX on a clone.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import jax
@@ -300,16 +301,303 @@ def test_sequential_and_non_pytree_modules():
     assert_tree_allclose(res.grads, grads)
 
 
-def test_calls_inside_an_nnx_transform_raise_instead_of_vanishing():
-    class Remat(nnx.Module):
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(4, 4, rngs=rngs)
+# -- NNX transforms in the model's own code ------------------------------------
 
-        def __call__(self, x):
-            return nnx.remat(lambda module, x: module(x))(self.linear, x)
 
-    with pytest.raises(NotImplementedError, match="inside an NNX transform"):
-        bridge.probe(_build(Remat)).sites(X)
+class StackBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + nnx.tanh(self.norm(self.linear(x)))
+
+
+class ScannedStack(nnx.Module):
+    """The standard NNX pattern: layers built with nnx.vmap, run with nnx.scan."""
+
+    remat = False
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def create(rngs):
+            return StackBlock(rngs)
+
+        self.embed = nnx.Linear(3, 4, rngs=rngs)
+        self.blocks = create(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        def forward(x, block):
+            return block(x)
+
+        if self.remat:
+            forward = nnx.remat(forward)
+        forward = nnx.scan(forward, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        return self.head(forward(self.embed(x), self.blocks))
+
+
+class RematScannedStack(ScannedStack):
+    """The same, each layer rematerialised: `nnx.remat` inside `nnx.scan`."""
+
+    remat = True
+
+
+class UnrolledStack(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(3, 4, rngs=rngs)
+        self.blocks = nnx.List([StackBlock(rngs) for _ in range(3)])
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def unrolled_like(scanned):
+    """An `UnrolledStack` holding the scanned model's weights, layer by layer."""
+    unrolled = nnx.clone(_build(UnrolledStack))
+    nnx.update(unrolled.embed, nnx.state(scanned.embed))
+    nnx.update(unrolled.head, nnx.state(scanned.head))
+    stacked = nnx.state(scanned.blocks)
+    for i, block in enumerate(unrolled.blocks):
+        nnx.update(block, jax.tree.map(lambda a, i=i: a[i], stacked))
+    return unrolled
+
+
+STACK_X = _inputs(5, 3)
+STACKED_SITES = ("blocks", "blocks/linear", "blocks/norm")
+
+
+@pytest.mark.parametrize(
+    "builder, mode",
+    [(ScannedStack, "eager"), (ScannedStack, "jit"), (RematScannedStack, "jit")],
+)
+def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(builder, mode):
+    model = _build(builder)
+    before = snapshot(model)
+    scanned, unrolled = bridge.probe(model), bridge.probe(unrolled_like(model))
+    sites = scanned.sites(STACK_X)
+    assert list(sites) == ["embed", *STACKED_SITES, "head"]
+    assert sites["blocks/linear"].shape == (3, 5, 4)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, with_inputs=True)
+
+    if mode == "jit":
+        run = jax.jit(run)
+    res, ref = run(scanned, STACK_X), run(unrolled, STACK_X)
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    for field in ("activations", "activation_grads", "inputs"):
+        for site in ("embed", "head"):
+            assert_tree_allclose(getattr(res, field)[site], getattr(ref, field)[site])
+        for site in STACKED_SITES:
+            layer = site.replace("blocks", "blocks/{}")
+            for i in range(3):
+                assert_tree_allclose(
+                    jax.tree.map(lambda a, i=i: a[i], getattr(res, field)[site]),
+                    getattr(ref, field)[layer.format(i)],
+                )
+    _, plain = plain_step(nnx.clone(model), STACK_X)
+    assert_tree_allclose(res.grads, plain)
+    assert res.state is None
+    assert_tree_equal(snapshot(model), before)
+    for _, module in nnx.iter_modules(model):  # the user's classes, unmarked
+        assert not hasattr(type(module), "_bridge_reports")
+        assert not hasattr(module, "_bridge_path")
+
+
+def test_a_scanned_site_gradient_is_the_directional_derivative_of_each_layer():
+    model = _build(ScannedStack)
+    res = bridge.probe(model).value_and_grad(loss_fn, STACK_X, at="blocks/linear")
+    deltas = jax.random.normal(jax.random.key(0), (3, 5, 4))
+    unrolled = unrolled_like(model)
+
+    @jax.jit
+    def perturbed(t):
+        clone = nnx.clone(unrolled)
+        with contextlib.ExitStack() as stack:
+            for i in range(3):  # one hook per layer of the unrolled model
+                stack.enter_context(
+                    added_at_call(clone, f"blocks/{i}/linear", t * deltas[i])
+                )
+            return loss_fn(clone(STACK_X))
+
+    _, directional = jax.jvp(perturbed, (0.0,), (1.0,))
+    grad = res.activation_grads["blocks/linear"]
+    np.testing.assert_allclose(jnp.vdot(grad, deltas), directional, rtol=2e-4)
+
+
+def test_vmap_true_puts_the_batch_axis_before_the_iterations():
+    model = _build(ScannedStack)
+    sum_loss = lambda y: jnp.sum(jnp.square(y - 0.5))  # noqa: E731
+    step = jax.jit(lambda probe, x: probe.value_and_grad(sum_loss, x))
+    batched = step(bridge.probe(model), STACK_X)
+    per_example = bridge.probe(model, vmap=True)
+    assert per_example.sites(STACK_X)["blocks/linear"].shape == (5, 3, 4)
+    mapped = step(per_example, STACK_X)
+    for site, grad in batched.activation_grads.items():
+        swap = site in STACKED_SITES
+        assert_tree_allclose(
+            jnp.swapaxes(mapped.activation_grads[site], 0, 1)
+            if swap
+            else mapped.activation_grads[site],
+            grad,
+        )
+
+
+def test_a_stacked_patch_is_sliced_per_iteration():
+    model = _build(ScannedStack)
+    scanned, unrolled = bridge.probe(model), bridge.probe(unrolled_like(model))
+    values = jax.random.normal(jax.random.key(0), (3, 5, 4))
+    res = scanned.apply(
+        STACK_X, patch={"blocks/linear": values, "blocks/norm": jnp.tanh}
+    )
+    ref = unrolled.apply(
+        STACK_X,
+        patch={
+            **{f"blocks/{i}/linear": values[i] for i in range(3)},
+            "blocks/*/norm": jnp.tanh,
+        },
+    )
+    np.testing.assert_allclose(res.outputs, ref.outputs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.activations["blocks/linear"], values)
+
+
+class Rematerialised(nnx.Module):
+    """A shared block called twice through `nnx.remat`."""
+
+    remat = True
+
+    def __init__(self, rngs):
+        self.block = StackBlock(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        def call(block, x):
+            return block(x)
+
+        if self.remat:
+            call = nnx.remat(call)
+        return self.head(call(self.block, call(self.block, x)))
+
+
+class NotRematerialised(Rematerialised):
+    remat = False
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_sites_inside_remat_equal_those_of_the_plain_model(mode):
+    model = _build(Rematerialised)
+    plain_model = nnx.clone(_build(NotRematerialised))
+    nnx.update(plain_model, nnx.state(model))
+    x = _inputs(5, 4)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, with_inputs=True)
+
+    if mode == "jit":
+        run = jax.jit(run)
+    probe = bridge.probe(model)
+    res, ref = run(probe, x), run(bridge.probe(plain_model), x)
+    assert list(probe.sites(x)) == [
+        "block",
+        "block/linear",
+        "block/norm",
+        "block#1",
+        "block/linear#1",
+        "block/norm#1",
+        "head",
+    ]
+    for field in ("activations", "activation_grads", "inputs"):
+        assert_tree_allclose(getattr(res, field), getattr(ref, field))
+    _, plain = plain_step(nnx.clone(model), x)
+    assert_tree_allclose(res.grads, plain)
+
+
+class Cell(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.tanh(self.linear(x))
+
+
+class BroadcastScan(nnx.Module):
+    """A recurrent cell: one set of weights broadcast to every step."""
+
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+
+    def __call__(self, xs):
+        @nnx.scan(in_axes=(nnx.Carry, None, 0), out_axes=(nnx.Carry, 0))
+        def step(carry, cell, x):
+            carry = cell(carry + x)
+            return carry, carry
+
+        return step(jnp.zeros(xs.shape[1:]), self.cell, xs)[1]
+
+
+class BroadcastVmap(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+
+    def __call__(self, xs):
+        return nnx.vmap(lambda cell, x: cell(x), in_axes=(None, 0))(self.cell, xs)
+
+
+class TreeModeRemat(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+
+    def __call__(self, x):
+        return nnx.remat(lambda cell, x: cell(x), graph_updates=False)(self.cell, x)
+
+
+class InnerJit(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+
+    def __call__(self, x):
+        return nnx.jit(lambda cell, x: cell(x))(self.cell, x)
+
+
+class TapInScan(ScannedStack):
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(x, block):
+            return bridge.tap("hidden", block(x))
+
+        return self.head(forward(self.embed(x), self.blocks))
+
+
+@pytest.mark.parametrize(
+    "builder, error, message",
+    [
+        (
+            BroadcastScan,
+            ValueError,
+            "cannot see through this nnx.scan around 'cell': it broadcasts",
+        ),
+        (
+            BroadcastVmap,
+            ValueError,
+            "cannot see through this nnx.vmap around 'cell': it broadcasts",
+        ),
+        (TreeModeRemat, NotImplementedError, "graph=False or graph_updates=False"),
+        (InnerJit, NotImplementedError, r"\('cell'\) is called inside nnx.jit"),
+        (TapInScan, NotImplementedError, r"bridge.tap\('hidden', ...\).*nnx.scan"),
+    ],
+)
+def test_a_transform_bridge_cannot_see_through_raises_naming_it(
+    builder, error, message
+):
+    x = _inputs(3, 5, 4) if builder is not TapInScan else STACK_X
+    with pytest.raises(error, match=message):
+        bridge.probe(_build(builder)).sites(x)
 
 
 def test_errors_name_the_fix():
