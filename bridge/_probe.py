@@ -249,9 +249,9 @@ def _batch_size(args: tuple) -> int:
 
 
 def _with_batch_axis(site: Site, batch: int) -> Site:
-    struct = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct((batch, *s.shape), s.dtype), site.struct
-    )
+    # `update` keeps the rest of the type: inside `shard_map`, a value varying
+    # across devices needs an epsilon varying too (see `_sites.abstract`).
+    struct = jax.tree.map(lambda s: s.update(shape=(batch, *s.shape)), site.struct)
     return Site(
         site.name, site.path, site.method, site.index, site.module, struct, site.origin
     )

@@ -8,6 +8,8 @@ loss whose gradient is known in closed form) or are Equinox's own
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -168,36 +170,296 @@ def test_the_probe_works_under_eqx_filter_jit_and_an_outer_vmap():
     assert batched.activation_grads["attn/query_proj"].shape == (3, 5, 4)
 
 
-def test_sites_inside_scan_or_checkpoint_are_not_sites_and_change_nothing():
-    class Checkpointed(eqx.Module):
-        inner: eqx.nn.Linear
-        outer: eqx.nn.Linear
+# -- scanned stacks of layers and rematerialisation -----------------------------
 
-        def __call__(self, x):
-            return self.outer(jax.checkpoint(lambda x: self.inner(x))(x))
 
-    keys = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(jax.random.key(1), (4, 3))
-    for model, expected_sites in [
-        (
-            eqx.nn.MLP(3, 2, 4, 3, scan=True, key=keys[0]),
-            ["layers/0", "activation", "layers/2", "final_activation"],
-        ),
-        (
-            Checkpointed(
-                eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 2, key=keys[1])
-            ),
-            ["outer"],
-        ),
-    ]:
-        probe = bridge.probe(model, vmap=True)
-        assert list(probe.sites(x)) == expected_sites
-        res = probe.value_and_grad(_mlp_loss, x)
-        loss, grads = eqx.filter_value_and_grad(lambda m, x: _mlp_loss(jax.vmap(m)(x)))(
-            model, x
+class Dense(eqx.Module):
+    """A layer that takes a batch as well as one example (for vmap=False)."""
+
+    weight: jax.Array
+    bias: jax.Array
+
+    def __init__(self, size, key):
+        self.weight = jax.random.normal(key, (size, size)) / size**0.5
+        self.bias = jnp.full((size,), 0.1)
+
+    def __call__(self, x):
+        h = x @ self.weight
+        return h + jnp.broadcast_to(self.bias, h.shape)
+
+
+class Block(eqx.Module):
+    linear: Dense
+    activation: Callable = jnp.tanh
+
+    def __call__(self, x):
+        return self.activation(self.linear(x)) + x
+
+
+class ScannedStack(eqx.Module):
+    """The standard Equinox pattern: layers built with `eqx.filter_vmap`, a
+    `lax.scan` over their arrays, each step rebuilt with `eqx.combine`."""
+
+    embed: Dense
+    layers: Block
+    head: eqx.nn.Linear
+    remat: bool = eqx.field(static=True)
+
+    def __init__(self, key, remat=False):
+        keys = jax.random.split(key, 3)
+        self.embed = Dense(4, keys[0])
+        self.layers = eqx.filter_vmap(lambda k: Block(Dense(4, k)))(
+            jax.random.split(keys[1], 3)
         )
-        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
-        assert_tree_allclose(res.grads, grads)
+        self.head = eqx.nn.Linear(4, 2, key=keys[2])
+        self.remat = remat
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(h, layer_arrays):
+            return eqx.combine(layer_arrays, static)(h), None
+
+        if self.remat:
+            step = jax.checkpoint(step)
+        h, _ = jax.lax.scan(step, self.embed(x), dynamic)
+        return _head(self.head, h)
+
+
+class UnrolledStack(eqx.Module):
+    embed: Dense
+    layers: tuple
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return _head(self.head, h)
+
+
+def _head(head, h):
+    return jax.vmap(head)(h) if h.ndim == 2 else head(h)
+
+
+def _unrolled(scanned):
+    dynamic, static = eqx.partition(scanned.layers, eqx.is_array)
+    layers = tuple(
+        eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static)
+        for i in range(3)
+    )
+    return UnrolledStack(scanned.embed, layers, scanned.head)
+
+
+@pytest.mark.parametrize(
+    "mode, vmap, remat",
+    [
+        ("eager", False, False),
+        ("jit", False, True),
+        ("eager", True, True),
+        ("jit", True, False),
+    ],
+)
+def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(
+    mode, vmap, remat
+):
+    model = ScannedStack(jax.random.key(0), remat)
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    scanned = bridge.probe(model, vmap=vmap)
+    unrolled = bridge.probe(_unrolled(model), vmap=vmap)
+    sites = scanned.sites(x)
+    assert list(sites) == [
+        "embed",
+        "layers",
+        "layers/linear",
+        "layers/activation",
+        "head",
+    ]
+    # (iterations, *value shape): the batch axis after the iterations without
+    # vmap; with vmap=True the probe's batch axis comes first, as at every site.
+    assert sites["layers/linear"].shape == ((5, 3, 4) if vmap else (3, 5, 4))
+
+    res = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), scanned, x)
+    ref = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), unrolled, x)
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    for site in ("layers", "layers/linear", "layers/activation"):
+        for i in range(3):
+            unrolled_site = site.replace("layers", f"layers/{i}", 1)
+            for field in ("activations", "activation_grads"):
+                stacked = getattr(res, field)[site]
+                np.testing.assert_allclose(
+                    stacked[:, i] if vmap else stacked[i],
+                    getattr(ref, field)[unrolled_site],
+                    rtol=1e-5,
+                    atol=1e-6,
+                )
+    for site in ("embed", "head"):
+        np.testing.assert_allclose(
+            res.activation_grads[site], ref.activation_grads[site], rtol=1e-5, atol=1e-7
+        )
+    mapped = (lambda m: jax.vmap(m)) if vmap else (lambda m: m)
+    expected = eqx.filter_grad(lambda m: _mlp_loss(mapped(m)(x)))(model)
+    assert_tree_allclose(res.grads, expected)
+
+    # A selection of one scanned site, and the forward pass alone.
+    one = _run(
+        mode,
+        lambda p, x: p.value_and_grad(_mlp_loss, x, at="layers/linear"),
+        scanned,
+        x,
+    )
+    assert list(one.activation_grads) == ["layers/linear"]
+    np.testing.assert_allclose(
+        one.activation_grads["layers/linear"],
+        res.activation_grads["layers/linear"],
+        rtol=1e-6,
+    )
+    forward = _run(mode, lambda p, x: p.apply(x, at="layers"), scanned, x)
+    np.testing.assert_allclose(
+        forward.activations["layers"], res.activations["layers"], rtol=1e-6
+    )
+
+
+def _step(h, layer):
+    return layer(h), None
+
+
+class ScansItsLayers(eqx.Module):
+    """Scans the stacked module itself, with a body JAX caches across traces."""
+
+    layers: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.lax.scan(_step, x, self.layers)[0]
+
+
+def test_a_scan_body_jax_traced_before_still_gives_every_site():
+    model = ScansItsLayers(_stacked_linears(jax.random.key(0)))
+    probe = bridge.probe(model, vmap=True)
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    first = probe.value_and_grad(_mlp_loss, x)
+    again = probe.value_and_grad(_mlp_loss, x)
+    assert list(probe.sites(x)) == list(again.activations) == ["layers"]
+    hidden = x @ model.layers.weight[0].T + model.layers.bias[0][None]
+    np.testing.assert_allclose(again.activations["layers"][:, 0], hidden, rtol=1e-6)
+    np.testing.assert_allclose(
+        again.activation_grads["layers"], first.activation_grads["layers"]
+    )
+
+
+class Checkpointed(eqx.Module):
+    inner: eqx.nn.Linear
+    outer: eqx.nn.Linear
+    filtered: bool = eqx.field(static=True)
+
+    def __call__(self, x):
+        if self.filtered:
+            return self.outer(eqx.filter_checkpoint(self.inner)(x))
+        return self.outer(jax.checkpoint(lambda x: self.inner(x))(x))
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["jax", "eqx"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_site_inside_checkpoint_equals_the_same_model_without_it(mode, filtered):
+    keys = jax.random.split(jax.random.key(0), 2)
+    inner, outer = eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 2, key=keys[1])
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    checkpointed = bridge.probe(Checkpointed(inner, outer, filtered), vmap=True)
+    plain = bridge.probe(eqx.nn.Sequential([inner, outer]), vmap=True)
+    assert list(checkpointed.sites(x)) == ["inner", "outer"]
+    res = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), checkpointed, x)
+    ref = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), plain, x)
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    for site, plain_site in [("inner", "layers/0"), ("outer", "layers/1")]:
+        np.testing.assert_allclose(
+            res.activations[site], ref.activations[plain_site], rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            res.activation_grads[site], ref.activation_grads[plain_site], rtol=1e-6
+        )
+    assert_tree_allclose(res.grads.inner, ref.grads.layers[0])
+
+
+class InCond(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.lax.cond(x[0] > 0, lambda x: self.linear(x), lambda x: -x, x)
+
+
+class InJit(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.jit(lambda x: self.linear(x))(x)
+
+
+class ClosedOverCell(eqx.Module):
+    """An RNN: the scan body closes over one cell, called at every step."""
+
+    cell: eqx.nn.Linear
+
+    def __call__(self, xs):
+        return jax.lax.scan(lambda h, x: (self.cell(h + x), None), xs[0], xs)[0]
+
+
+class TapInScan(eqx.Module):
+    layers: eqx.nn.Linear
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(h, arrays):
+            return bridge.tap("h", eqx.combine(arrays, static)(h)), None
+
+        return jax.lax.scan(step, x, dynamic)[0]
+
+
+def _stacked_linears(key):
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(3, 3, key=k))(
+        jax.random.split(key, 2)
+    )
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (InCond(eqx.nn.Linear(3, 3, key=jax.random.key(0))), "through jax.lax.cond"),
+        (
+            InJit(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
+            "through a jax.jit inside the model",
+        ),
+        (
+            ClosedOverCell(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
+            "the scan does not slice its parameters",
+        ),
+        (
+            eqx.nn.MLP(3, 2, 4, 3, scan=True, key=jax.random.key(0)),
+            "a jax.vmap of the model's own code inside a scan",
+        ),
+        (
+            TapInScan(_stacked_linears(jax.random.key(0))),
+            r"bridge.tap\('h'\) is inside",
+        ),
+    ],
+    ids=["cond", "jit", "closed_over", "vmap_in_scan", "tap"],
+)
+def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, message):
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    probe = bridge.probe(model, vmap=not isinstance(model, ClosedOverCell))
+    with pytest.raises(ValueError, match=message):
+        probe.sites(x if probe.vmap else x[None])
+
+
+def test_a_scanned_site_refuses_patches_and_inputs_naming_the_site():
+    probe = bridge.probe(ScannedStack(jax.random.key(0)))
+    x = jnp.ones((2, 4))
+    with pytest.raises(ValueError, match="Site 'layers/linear' is inside jax.lax.scan"):
+        probe.apply(x, patch={"layers/linear": jnp.zeros_like})
+    with pytest.raises(
+        ValueError, match="with_inputs=True: the inputs of site 'layers'"
+    ):
+        probe.value_and_grad(_mlp_loss, x, with_inputs=True)
 
 
 def _stateful_sequential():
