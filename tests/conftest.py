@@ -17,3 +17,17 @@ def _build(builder):
 def case(request):
     """A conformance case, built once per session: probing never mutates it."""
     return _build(request.param)
+
+
+def pytest_collection_modifyitems(items):
+    """Keep each conformance case on one xdist worker (`--dist loadgroup`): a
+    case is built, and its eager operations compiled, once instead of once per
+    worker."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "case" not in callspec.params:
+            continue
+        parts = callspec.id.split("-")
+        if parts[0] in ("eager", "jit"):
+            parts = parts[1:]
+        item.add_marker(pytest.mark.xdist_group("-".join(parts[:2])))

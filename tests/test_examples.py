@@ -29,7 +29,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=() if name == "quickstart.py" else pytest.mark.slow)
+        for name in CASES
+    ],
+)
 def test_example_runs_in_smoke_mode(name, tmp_path):
     needs, figures = CASES[name]
     for package in needs:

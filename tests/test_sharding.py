@@ -18,7 +18,15 @@ SCRIPTS = pathlib.Path(__file__).parent / "multidevice"
 LIBRARY_OF = {"linen": "flax", "nnx": "flax", "equinox": "equinox", "haiku": "haiku"}
 
 
-@pytest.mark.parametrize("script", sorted(p.stem for p in SCRIPTS.glob("*_sharded.py")))
+#: Each script is a subprocess of its own (~30 s of compilation): one runs by
+#: default, the others with the slow tier (`-m slow`).
+SCRIPT_PARAMS = [
+    pytest.param(stem, marks=() if stem == "linen_sharded" else pytest.mark.slow)
+    for stem in sorted(p.stem for p in SCRIPTS.glob("*_sharded.py"))
+]
+
+
+@pytest.mark.parametrize("script", SCRIPT_PARAMS)
 def test_batch_sharded_step_gives_single_device_numbers(script):
     library = LIBRARY_OF[script.removesuffix("_sharded")]
     if importlib.util.find_spec(library) is None:
