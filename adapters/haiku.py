@@ -161,18 +161,13 @@ class HaikuProbe(ProbeBase):
         session.tap = _tap_outside_transforms(session.tap)
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True)
-        if not session.discovering:
-            lifted = any(
-                site.origin is not None and site.origin.lifted
-                for site in session.selected.values()
-            )
-            return self._apply(trainable, args, kwargs, session, lifted)
-        start = session.checkpoint()
-        try:
-            return self._apply(trainable, args, kwargs, session, False)
-        except _NeedsState:
-            session.restore(start)
-            return self._apply(trainable, args, kwargs, session, True)
+        return session.run_with_fallback(
+            lambda state_route: self._apply(
+                trainable, args, kwargs, session, state_route
+            ),
+            _NeedsState,
+            lambda origin: origin.lifted,
+        )
 
     def _apply(
         self,

@@ -129,18 +129,11 @@ class LinenProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        if not session.discovering:
-            in_params = any(
-                site.origin is not None and site.origin.in_params
-                for site in session.selected.values()
-            )
-            return self._apply(trainable, args, kwargs, session, in_params)
-        start = session.checkpoint()
-        try:
-            return self._apply(trainable, args, kwargs, session, False)
-        except _NeedsParams:
-            session.restore(start)
-            return self._apply(trainable, args, kwargs, session, True)
+        return session.run_with_fallback(
+            lambda in_params: self._apply(trainable, args, kwargs, session, in_params),
+            _NeedsParams,
+            lambda origin: origin.in_params,
+        )
 
     def _apply(
         self,

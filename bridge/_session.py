@@ -178,6 +178,35 @@ class Session:
         del self.sites[discovered:]
         del self._enclosing[depth:]
 
+    def run_with_fallback(
+        self,
+        run: Callable[[bool], Any],
+        fallback: type[Exception],
+        needs_fallback: Callable[[Any], bool],
+    ) -> Any:
+        """Run the model the cheap way, or the way its lifted transforms need.
+
+        An adapter whose library hides some sites from its usual route (Linen
+        scans carry only `params`, Haiku's plain transforms refuse state)
+        calls `run(False)`. Discovery that meets such a site raises `fallback`
+        and is done again with `run(True)`, forgetting the calls of the first
+        attempt. A later run takes the fallback route only where a selected
+        site's origin `needs_fallback`.
+        """
+        if not self.discovering:
+            return run(
+                any(
+                    site.origin is not None and needs_fallback(site.origin)
+                    for site in self.selected.values()
+                )
+            )
+        start = self.checkpoint()
+        try:
+            return run(False)
+        except fallback:
+            self.restore(start)
+            return run(True)
+
     def restructure(self, name: str, value: Any) -> None:
         """Discovery: the site's value is `value`, as it leaves a lifted transform
         (stacked over a scan's iterations), not as seen inside it."""
