@@ -145,9 +145,11 @@ class EquinoxProbe(ProbeBase):
                 )
 
         def shaped(site: Any) -> Any:
-            struct = site.value_struct
+            struct, k = site.value_struct, site.stacked
             if self.vmap:  # the probe's own vmap: one example here
-                struct = jax.tree.map(lambda s: s.update(shape=s.shape[1:]), struct)
+                struct = jax.tree.map(
+                    lambda s: s.update(shape=s.shape[:k] + s.shape[k + 1 :]), struct
+                )
             return zeros_like_struct(struct)
 
         recorders = {name: shaped(site) for name, site in in_tree.items()}

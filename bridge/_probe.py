@@ -9,6 +9,7 @@ checks, assembling the result — is here, once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,7 +75,7 @@ class ProbeBase:
         chosen = select(at, discovered)
         patches = _resolve_patches(patch, discovered)
         outputs, state, activations, _ = self._call(
-            self._trainable(), args, kwargs, chosen, {}, patches, False
+            self._trainable(), args, kwargs, chosen, {}, patches, False, discovered
         )
         return ForwardResult(outputs, _in_order(activations, chosen), state)
 
@@ -105,7 +106,14 @@ class ProbeBase:
 
         def objective(trainable, epsilons):
             outputs, state, activations, inputs = self._call(
-                trainable, args, kwargs, chosen, epsilons, patches, with_inputs
+                trainable,
+                args,
+                kwargs,
+                chosen,
+                epsilons,
+                patches,
+                with_inputs,
+                discovered,
             )
             loss_out = loss_fn(outputs)
             loss, aux = loss_out if has_aux else (loss_out, None)
@@ -148,7 +156,7 @@ class ProbeBase:
         def trace(probe, dynamic):
             args, kwargs = rebuild(dynamic)
             outputs, _, _, _ = probe._call(
-                probe._trainable(), args, kwargs, None, {}, {}, False, sessions
+                probe._trainable(), args, kwargs, None, {}, {}, False, [], sessions
             )
             return loss_fn(outputs) if loss_fn is not None else None
 
@@ -169,13 +177,15 @@ class ProbeBase:
         epsilons: dict[str, Any],
         patches: dict[str, Any],
         with_inputs: bool,
+        discovered: list[Site],
         sessions: list[Session] | None = None,
     ) -> tuple[Any, Any, dict, dict]:
         """Run the model under a session: `(outputs, state, activations, inputs)`.
 
         `chosen=None` discovers. With `vmap=True` the model runs under the
         probe's own `jax.vmap`, and epsilons and patch values, which have the
-        batch axis first, are mapped with the inputs.
+        batch axis first (after a stacked site's iteration axes), are mapped
+        with the inputs.
         """
         selected = None if chosen is None else {site.name: site for site in chosen}
         patch_values = {k: v for k, v in patches.items() if not callable(v)}
@@ -200,8 +210,22 @@ class ProbeBase:
         dynamic_args, rebuild_args = _split_arrays(args)
         if not self.vmap:
             return single(dynamic_args, epsilons, patch_values)
-        return jax.vmap(single, out_axes=(0, None, 0, 0), axis_name=BATCH_AXIS)(
-            dynamic_args, epsilons, patch_values
+        stacked = {site.name: site.stacked for site in discovered}
+        outputs, state, activations, inputs = jax.vmap(
+            single,
+            in_axes=(
+                0,
+                {name: stacked[name] for name in epsilons},
+                {name: stacked[name] for name in patch_values},
+            ),
+            out_axes=(0, None, 0, 0),
+            axis_name=BATCH_AXIS,
+        )(dynamic_args, epsilons, patch_values)
+        return (
+            outputs,
+            state,
+            _batch_axis_to(activations, stacked),
+            _batch_axis_to(inputs, stacked),
         )
 
 
@@ -249,12 +273,25 @@ def _batch_size(args: tuple) -> int:
 
 
 def _with_batch_axis(site: Site, batch: int) -> Site:
-    # `update` keeps the rest of the type: inside `shard_map`, a value varying
-    # across devices needs an epsilon varying too (see `_sites.abstract`).
-    struct = jax.tree.map(lambda s: s.update(shape=(batch, *s.shape)), site.struct)
-    return Site(
-        site.name, site.path, site.method, site.index, site.module, struct, site.origin
+    # The batch axis goes after a stacked site's iteration axes. `update` keeps
+    # the rest of the type: inside `shard_map`, a value varying across devices
+    # needs an epsilon varying too (see `_sites.abstract`).
+    k = site.stacked
+    struct = jax.tree.map(
+        lambda s: s.update(shape=(*s.shape[:k], batch, *s.shape[k:])), site.struct
     )
+    return dataclasses.replace(site, struct=struct)
+
+
+def _batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:
+    """`jax.vmap` put the batch axis first: move it after a stacked site's
+    iteration axes, where its epsilon and patch value have it."""
+    return {
+        name: jax.tree.map(
+            lambda v, k=stacked[name]: jnp.moveaxis(v, 0, k) if k else v, value
+        )
+        for name, value in values.items()
+    }
 
 
 def _check_loss(loss_struct: Any, has_aux: bool) -> None:

@@ -210,9 +210,13 @@ class Session:
     def restructure(self, name: str, value: Any) -> None:
         """Discovery: the site's value is `value`, as it leaves a lifted transform
         (stacked over a scan's iterations), not as seen inside it."""
+        struct = abstract(value)
         for slot, site in enumerate(self.sites):
             if site is not None and site.name == name:
-                self.sites[slot] = dataclasses.replace(site, struct=abstract(value))
+                added = _ndim(struct) - _ndim(site.struct)
+                self.sites[slot] = dataclasses.replace(
+                    site, struct=struct, stacked=site.stacked + added
+                )
 
     def tap(self, name: str, value: Any) -> Any:
         """A named value inside the model's code: a site without a module."""
@@ -221,6 +225,11 @@ class Session:
 
     def discovered(self) -> list[Site]:
         return [site for site in self.sites if site is not None]
+
+
+def _ndim(struct: Any) -> int:
+    leaves = [leaf for leaf in jax.tree.leaves(struct) if leaf is not None]
+    return len(leaves[0].shape) if leaves else 0
 
 
 def positional_arrays(args: tuple) -> tuple:

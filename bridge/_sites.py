@@ -35,6 +35,9 @@ class Site:
       struct: the value's full pytree of `jax.ShapeDtypeStruct` (integer leaves
         included: a native perturbation must match the value's structure).
       origin: adapter-private data locating the call (a Linen scope path, ...).
+      stacked: how many leading axes of the value are iterations of the scans
+        (or members of the vmaps over parameter sets) around the call; under
+        `vmap=True` the probe's batch axis comes after them.
     """
 
     name: str
@@ -44,6 +47,7 @@ class Site:
     module: Any
     struct: Any
     origin: Any = None
+    stacked: int = 0
 
     @property
     def value_struct(self) -> Any:

@@ -275,9 +275,9 @@ def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(
         "layers/activation",
         "head",
     ]
-    # (iterations, *value shape): the batch axis after the iterations without
-    # vmap; with vmap=True the probe's batch axis comes first, as at every site.
-    assert sites["layers/linear"].shape == ((5, 3, 4) if vmap else (3, 5, 4))
+    # (iterations, *value shape), the batch axis after the iterations, with or
+    # without vmap=True.
+    assert sites["layers/linear"].shape == (3, 5, 4)
 
     res = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), scanned, x)
     ref = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), unrolled, x)
@@ -288,7 +288,7 @@ def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(
             for field in ("activations", "activation_grads"):
                 stacked = getattr(res, field)[site]
                 np.testing.assert_allclose(
-                    stacked[:, i] if vmap else stacked[i],
+                    stacked[i],
                     getattr(ref, field)[unrolled_site],
                     rtol=1e-5,
                     atol=1e-6,

@@ -487,6 +487,26 @@ def nested(x):
     return hk.experimental.layer_stack(2)(inner)(x)
 
 
+def test_with_vmap_a_layer_stack_site_has_the_batch_axis_after_the_layers():
+    x = _inputs(4, 8)
+    transformed = hk.without_apply_rng(hk.transform(stacked))
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params, vmap=True)
+    reference = hk.without_apply_rng(hk.transform(unrolled))
+    ref_probe = bridge.probe(reference, unrolled_params(params), vmap=True)
+    assert probe.sites(x)[f"{STACK}/lin"].shape == (3, 4, 8)
+    res, ref = run(probe, "jit", x), run(ref_probe, "jit", x)
+    for i in range(3):
+        name = "lin" if i == 0 else f"lin_{i}"
+        for field in ("activations", "activation_grads"):
+            np.testing.assert_allclose(
+                getattr(res, field)[f"{STACK}/lin"][i],
+                getattr(ref, field)[name],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
 def test_a_layer_stack_in_a_layer_stack_stacks_both_axes():
     x = _inputs(4, 8)
     model = Model(nested, (x,), True, apply_rng=False, rng=None)

@@ -273,6 +273,25 @@ def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(mode):
     assert_tree_allclose(res.grads, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_with_vmap_a_scanned_site_has_the_batch_axis_after_the_iterations():
+    x = jax.random.normal(jax.random.key(0), (5, 4))
+    variables = ScannedStack().init(jax.random.key(1), x[0])
+    scanned = bridge.probe(ScannedStack(), variables, vmap=True)
+    unrolled = bridge.probe(UnrolledStack(), unrolled_variables(variables), vmap=True)
+    site = "ScanScannedBlock_0/Dense_0"
+    assert scanned.sites(x)[site].shape == (3, 5, 4)
+    run = jax.jit(lambda probe, x: probe.value_and_grad(mse, x, at="*Dense_0"))
+    res, ref = run(scanned, x), run(unrolled, x)
+    for i in range(3):
+        for field in ("activations", "activation_grads"):
+            np.testing.assert_allclose(
+                getattr(res, field)[site][i],
+                getattr(ref, field)[f"ScannedBlock_{i}/Dense_0"],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
 def test_a_scan_that_broadcasts_params_raises_instead_of_summing():
     x = jnp.ones((2, 3, 4))
     model = nn.RNN(nn.LSTMCell(5))

@@ -410,6 +410,23 @@ def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(builder,
         assert not hasattr(module, "_bridge_path")
 
 
+def test_with_vmap_a_scanned_site_has_the_batch_axis_after_the_iterations():
+    model = _build(ScannedStack)
+    scanned = bridge.probe(model, vmap=True)
+    unrolled = bridge.probe(unrolled_like(model), vmap=True)
+    assert scanned.sites(STACK_X)["blocks/linear"].shape == (3, 5, 4)
+    run = jax.jit(lambda probe, x: probe.value_and_grad(loss_fn, x, at="*linear"))
+    res, ref = run(scanned, STACK_X), run(unrolled, STACK_X)
+    for i in range(3):
+        for field in ("activations", "activation_grads"):
+            np.testing.assert_allclose(
+                getattr(res, field)["blocks/linear"][i],
+                getattr(ref, field)[f"blocks/{i}/linear"],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+
+
 def test_a_scanned_site_gradient_is_the_directional_derivative_of_each_layer():
     model = _build(ScannedStack)
     res = bridge.probe(model).value_and_grad(loss_fn, STACK_X, at="blocks/linear")
