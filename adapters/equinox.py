@@ -59,6 +59,7 @@ from bridge._sites import (
     differentiable_part,
     merge_differentiable,
     strip_call_index,
+    without_axis,
     zeros_like_struct,
 )
 
@@ -93,6 +94,9 @@ class EquinoxProbe(ProbeBase):
     `model(*args, state, **kwargs)` and must return `(outputs, new_state)`;
     `loss_fn` sees `outputs` and `ProbeResult.state` is `new_state`.
     """
+
+    #: What `bridge.transfer` and `bridge.compare` know of this library.
+    _porting = "bridge.adapters._porting_equinox"
 
     def __init__(self, model: eqx.Module, state: eqx.nn.State | None, vmap: bool):
         self.model = model
@@ -145,11 +149,9 @@ class EquinoxProbe(ProbeBase):
                 )
 
         def shaped(site: Any) -> Any:
-            struct, k = site.value_struct, site.stacked
+            struct = site.value_struct
             if self.vmap:  # the probe's own vmap: one example here
-                struct = jax.tree.map(
-                    lambda s: s.update(shape=s.shape[:k] + s.shape[k + 1 :]), struct
-                )
+                struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
             return zeros_like_struct(struct)
 
         recorders = {name: shaped(site) for name, site in in_tree.items()}

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from ._result import ForwardResult, ProbeResult
 from ._selection import check_selection, matches_pattern, select
 from ._session import Session
-from ._sites import Site, is_array, zeros_like_struct
+from ._sites import Site, explicit_sharding, is_array, zeros_like_struct
 
 #: The axis name of the probe's own `jax.vmap` with `vmap=True`, for models
 #: whose layers reduce over the batch (BatchNorm).
@@ -164,8 +164,8 @@ class ProbeBase:
         (session,) = sessions
         discovered = session.discovered()
         if self.vmap:
-            batch = _batch_size(args)
-            discovered = [_with_batch_axis(site, batch) for site in discovered]
+            batch, spec = _batch_size(args), _batch_sharding(args)
+            discovered = [_with_batch_axis(site, batch, spec) for site in discovered]
         return discovered, loss_struct
 
     def _call(
@@ -272,15 +272,36 @@ def _batch_size(args: tuple) -> int:
     return next(iter(sizes.values()))
 
 
-def _with_batch_axis(site: Site, batch: int) -> Site:
+def _batch_sharding(args: tuple) -> tuple[Any, Any] | None:
+    """`(mesh, spec of axis 0)` of the first positional input sharded over a
+    mesh's `Explicit` axes, else `None`."""
+    for leaf in jax.tree.leaves(args):
+        sharding = explicit_sharding(leaf) if is_array(leaf) else None
+        if sharding is not None:
+            return sharding.mesh, sharding.spec[0] if sharding.spec else None
+    return None
+
+
+def _with_batch_axis(site: Site, batch: int, batch_sharding: Any) -> Site:
     # The batch axis goes after a stacked site's iteration axes. `update` keeps
     # the rest of the type: inside `shard_map`, a value varying across devices
-    # needs an epsilon varying too (see `_sites.abstract`).
+    # needs an epsilon varying too (see `_sites.abstract`); over `Explicit` mesh
+    # axes, an epsilon sharded like the batch.
     k = site.stacked
-    struct = jax.tree.map(
-        lambda s: s.update(shape=(*s.shape[:k], batch, *s.shape[k:])), site.struct
-    )
-    return dataclasses.replace(site, struct=struct)
+
+    def add_axis(s):
+        shape = (*s.shape[:k], batch, *s.shape[k:])
+        if batch_sharding is None:
+            return s.update(shape=shape)
+        mesh, batch_spec = batch_sharding
+        inner = getattr(s, "sharding", None)
+        spec = list(inner.spec) if inner is not None else []
+        spec += [None] * (len(s.shape) - len(spec))
+        spec.insert(k, batch_spec)
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+        return s.update(shape=shape, sharding=sharding)
+
+    return dataclasses.replace(site, struct=jax.tree.map(add_axis, site.struct))
 
 
 def _batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:

@@ -77,7 +77,7 @@ def abstract(tree: Any) -> Any:
     """
     return jax.tree.map(
         lambda x: (
-            jax.ShapeDtypeStruct(x.shape, x.dtype, **_varying(x))
+            jax.ShapeDtypeStruct(x.shape, x.dtype, **_varying(x), **_explicit(x))
             if is_array(x)
             else None
         ),
@@ -92,6 +92,43 @@ def _varying(x: Any) -> dict:
     return {"manual_axis_type": manual}
 
 
+def _explicit(x: Any) -> dict:
+    """The sharding of a value sharded over a mesh's `Explicit` axes: its
+    epsilon must be sharded alike, or its gradient comes back replicated."""
+    sharding = explicit_sharding(x)
+    return {} if sharding is None else {"sharding": sharding}
+
+
+def explicit_sharding(x: Any) -> Any:
+    """`x`'s sharding in its type, where it names an `Explicit` mesh axis."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not any(
+        kind == jax.sharding.AxisType.Explicit
+        for kind in getattr(mesh, "axis_types", ())
+    ):
+        return None
+    return sharding if any(axis is not None for axis in sharding.spec) else None
+
+
+def without_axis(struct: Any, axis: int) -> Any:
+    """`struct` with `axis` removed from its shape (and sharding)."""
+    shape = struct.shape[:axis] + struct.shape[axis + 1 :]
+    sharding = getattr(struct, "sharding", None)
+    if sharding is None:
+        return struct.update(shape=shape)
+    spec = list(sharding.spec) + [None] * (len(struct.shape) - len(sharding.spec))
+    del spec[axis]
+    if all(entry is None for entry in spec):
+        return jax.ShapeDtypeStruct(shape, struct.dtype)
+    return struct.update(
+        shape=shape,
+        sharding=jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec)
+        ),
+    )
+
+
 def differentiable_part(tree: Any) -> Any:
     """The pytree with every non-floating leaf replaced by `None`."""
     return jax.tree.map(lambda x: x if _is_inexact(x) else None, tree)
@@ -101,7 +138,11 @@ def zeros_like_struct(struct: Any) -> Any:
     """Zeros of each leaf's shape and dtype, varying over the same devices."""
 
     def zeros(s):
-        value = jnp.zeros(s.shape, s.dtype)
+        sharding = getattr(s, "sharding", None)
+        if sharding is None:
+            value = jnp.zeros(s.shape, s.dtype)
+        else:
+            value = jnp.zeros(s.shape, s.dtype, out_sharding=sharding)
         manual = getattr(s, "manual_axis_type", None)
         if manual is not None and manual.varying:
             value = jax.lax.pcast(value, tuple(sorted(manual.varying)), to="varying")

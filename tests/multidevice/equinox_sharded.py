@@ -60,8 +60,7 @@ def loss(y):
 
 x = jax.random.normal(jax.random.key(0), (32, 16))
 model = Stack(jax.random.key(1))
-# Auto axes (GSPMD propagation). With Explicit axes, vmap=True fails in the core:
-# the probe's vmap maps the sharded inputs with unsharded zero epsilons.
+# Auto axes (GSPMD propagation); Explicit axes at the end.
 mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 batch_sharded = NamedSharding(mesh, P("data"))
 replicated = NamedSharding(mesh, P())
@@ -113,4 +112,21 @@ for vmap in (False, True):
         (grads, activation_grads),
         (single.grads, single.activation_grads),
     )
+
+# Explicit axes: the per-example model under the probe's vmap, its epsilons'
+# batch axis sharded like the inputs'.
+explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+probe = bridge.probe(model, vmap=True)
+single = step(probe, x)
+with jax.set_mesh(explicit):
+    result = step(
+        jax.device_put(probe, NamedSharding(explicit, P())),
+        jax.device_put(x, NamedSharding(explicit, P("data"))),
+    )
+jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    (result.loss, result.grads, result.activation_grads),
+    (single.loss, single.grads, single.activation_grads),
+)
+assert result.activation_grads["layers"].sharding.spec[:2] == (None, "data")
 print("ok")

@@ -69,4 +69,26 @@ jax.tree.map(
     (grads, activation_grads),
     (single.grads, single.activation_grads),
 )
+
+# Sharding in types (`Explicit` mesh axes): epsilons are created sharded like
+# the activations, so activation gradients come back batch-sharded rather than
+# replicated; with vmap=True the epsilons' batch axis is sharded like the
+# inputs' (vmap refuses differently sharded mapped axes).
+explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+for vmap in (False, True):
+    variables = model.init(jax.random.key(1), x[0] if vmap else x)
+    one = bridge.probe(model, variables, vmap=vmap)
+    reference = step(one, x)
+    with jax.set_mesh(explicit):
+        result = step(
+            jax.device_put(one, NamedSharding(explicit, P())),
+            jax.device_put(x, NamedSharding(explicit, P("data"))),
+        )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        (result.loss, result.grads, result.activation_grads),
+        (reference.loss, reference.grads, reference.activation_grads),
+    )
+    for name, grad in result.activation_grads.items():
+        assert grad.sharding.spec[0] == "data", (vmap, name, grad.sharding)
 print("ok")
