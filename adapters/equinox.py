@@ -105,14 +105,23 @@ class EquinoxProbe(ProbeBase):
 
     def tree_flatten(self):
         # Arrays are children (traced under `jax.jit`, never baked in); functions,
-        # strings and the structure are static.
-        arrays, static = eqx.partition(self.model, eqx.is_array)
+        # strings and the structure are static. A probe rebuilt by `tree_unflatten`
+        # flattens back to the parts it was built from: JAX rebuilds pytrees with
+        # placeholder leaves (an AOT `lower(...).compile()` checks its callers'
+        # inputs against such a structure), and partitioning placeholders by
+        # value would move them into the static part.
+        parts = self.__dict__.get("_parts")
+        if parts is None:
+            parts = eqx.partition(self.model, eqx.is_array)
+        arrays, static = parts
         return (arrays, self.state), (static, self.vmap)
 
     @classmethod
     def tree_unflatten(cls, static, children):
         arrays, state = children
-        return cls(eqx.combine(arrays, static[0]), state, static[1])
+        probe = cls(eqx.combine(arrays, static[0]), state, static[1])
+        probe._parts = (arrays, static[0])
+        return probe
 
     def __repr__(self) -> str:
         with_state = ", state" if self.state is not None else ""
@@ -274,7 +283,7 @@ def _instrument(
             child = wrapper(
                 inner, _leaves_of(leaves, name), name, _param_shapes(child), token
             )
-        elif _is_function(child) and not isinstance(module, eqx.nn.Lambda):
+        elif _is_function(child) and not _is_plumbing(module, key_path):
             name = "/".join(path)
             child = _FunctionSite(child, _leaves_of(leaves, name), name, (), token)
         replaced.append(child)
@@ -294,6 +303,16 @@ def _param_shapes(module: Any) -> tuple[tuple[int, ...], ...]:
     """Shapes of a module's arrays, bridge's own leaves left out."""
     arrays = eqx.filter(module, eqx.is_array, is_leaf=lambda x: isinstance(x, _Leaves))
     return tuple(tuple(a.shape) for a in jax.tree.leaves(arrays))
+
+
+def _is_plumbing(module: Any, key_path: tuple) -> bool:
+    """A function field that is not a step of the forward pass: `eqx.nn.Lambda`'s
+    `fn` (the Lambda's own call is that value) and a pool's `operation`, the
+    binary reduction `lax.reduce_window` traces on scalars."""
+    if isinstance(module, eqx.nn.Lambda):
+        return True
+    field = _key_name(key_path[0]) if key_path else None
+    return isinstance(module, eqx.nn.Pool) and field == "operation"
 
 
 def _is_function(x: Any) -> bool:

@@ -113,6 +113,9 @@ class HaikuProbe(ProbeBase):
     `sites` goes to the transformed function's `apply`.
     """
 
+    #: What `bridge.transfer` and `bridge.compare` know of this library.
+    _porting = "bridge.adapters._porting_haiku"
+
     def __init__(
         self,
         transformed: hk.Transformed | hk.TransformedWithState,

@@ -93,6 +93,9 @@ def probe(module: nn.Module, *variables: Any, vmap: bool = False) -> LinenProbe:
 class LinenProbe(ProbeBase):
     """A Flax Linen module with its variables. See `bridge.ActivationProbe`."""
 
+    #: What `bridge.transfer` and `bridge.compare` know of this library.
+    _porting = "bridge.adapters._porting_linen"
+
     def __init__(self, module: nn.Module, variables: Mapping, vmap: bool = False):
         self.module = module
         self.variables = variables

@@ -128,6 +128,9 @@ class NnxProbe(ProbeBase):
     again — `bridge.probe(model)` only splits the graph.
     """
 
+    #: What `bridge.transfer` and `bridge.compare` know of this library.
+    _porting = "bridge.adapters._porting_nnx"
+
     def __init__(
         self, graphdef: Any, params: nnx.State, rest: nnx.State, vmap: bool = False
     ):

@@ -5,6 +5,10 @@ gradients of the loss with respect to those activations, without editing the
 model's code.
 """
 
+from ._porting import ComparisonReport as ComparisonReport
+from ._porting import PairComparison as PairComparison
+from ._porting import compare as compare
+from ._porting import transfer as transfer
 from ._probe import ProbeBase as ProbeBase
 from ._protocol import ActivationProbe as ActivationProbe
 from ._registry import probe as probe
@@ -19,13 +23,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationProbe",
+    "ComparisonReport",
     "ForwardResult",
+    "PairComparison",
     "ProbeBase",
     "ProbeResult",
     "Session",
     "Site",
     "__version__",
+    "compare",
     "probe",
     "register_adapter",
     "tap",
+    "transfer",
 ]

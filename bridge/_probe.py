@@ -363,7 +363,9 @@ def _resolve_patches(patch: Mapping[str, Any] | None, sites: list[Site]) -> dict
                 f"{', ...' if len(sites) > 8 else ''}."
             )
         for site in matched:
-            if not callable(replacement):
+            if callable(replacement):
+                _check_patch_function(site, replacement)
+            else:
                 _check_patch_value(site, replacement)
             resolved[site.name] = replacement
     return resolved
@@ -378,6 +380,28 @@ def _check_patch_value(site: Site, value: Any) -> None:
             f"(shape, dtype) {expected}, the patch has {got}. Give a value of the "
             "site's shape and dtype (see probe.sites(...)), or a function of the "
             "original value."
+        )
+
+
+def _check_patch_function(site: Site, function: Callable[[Any], Any]) -> None:
+    """A patch function that changes the site's shape fails here, by abstract
+    evaluation, before any work. A stacked site's function sees one iteration
+    at a time, and one that cannot be evaluated abstractly here is left to the
+    check at the call itself."""
+    if site.stacked:
+        return
+    try:
+        new = jax.eval_shape(function, site.struct)
+    except Exception:  # noqa: BLE001 - checked again where the patch is applied
+        return
+    expected = jax.tree.map(lambda s: (s.shape, jnp.dtype(s.dtype)), site.struct)
+    got = jax.tree.map(lambda s: (s.shape, jnp.dtype(s.dtype)), new)
+    if jax.tree.structure(site.struct) != jax.tree.structure(new) or expected != got:
+        raise ValueError(
+            f"patch for site {site.name!r} does not fit: the site's value has "
+            f"(shape, dtype) {expected}, the patch function returns {got}. A patch "
+            "function must keep the site's structure, shape and dtype, e.g. "
+            "`lambda v: v * 0` or `lambda v: v.at[..., 0].set(0.0)`."
         )
 
 

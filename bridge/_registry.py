@@ -114,10 +114,31 @@ def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
         if adapter.matches(model):
             return adapter.create(model, variables, vmap)
     raise TypeError(
-        f"bridge.probe cannot probe a model of type {type(model).__qualname__}. "
-        f"Supported libraries — {_SUPPORTED}. A new library can be added with "
-        "bridge.register_adapter."
+        f"bridge.probe cannot probe a model of type {type(model).__qualname__}."
+        f"{_misuse_hint(model)} Supported libraries — "
+        f"{_SUPPORTED}. A new library can be added with bridge.register_adapter."
     )
+
+
+def _misuse_hint(model: Any) -> str:
+    """What the user probably meant, for the common near misses."""
+    if isinstance(model, type):
+        return (
+            f" `model` is the class {model.__qualname__} itself: pass an instance, "
+            f"e.g. {model.__qualname__}(...)."
+        )
+    owner = getattr(model, "__self__", None)
+    if owner is not None and any(a.matches(owner) for a in _ADAPTERS):
+        return (
+            f" `model` is the method {getattr(model, '__name__', '?')} of a "
+            f"{type(owner).__qualname__}: pass the model itself, not its method."
+        )
+    if callable(model):
+        return (
+            " `model` is a plain function: a Haiku function must be transformed "
+            "first, bridge.probe(hk.transform(f), params)."
+        )
+    return ""
 
 
 def _instance_of(module_name: str, *class_names: str) -> Callable[[Any], bool]:

@@ -27,6 +27,12 @@ def check_selection(at: Any) -> None:
             continue
         if callable(part):
             continue
+        if isinstance(part, tuple) and any(isinstance(c, str) for c in part):
+            # A tuple is for module classes, as in `isinstance`.
+            raise TypeError(
+                f"{_AT_HELP}; got the tuple {part!r}. A tuple selects module "
+                f"classes; for several paths or globs pass a list: at={list(part)!r}."
+            )
         raise TypeError(f"{_AT_HELP}; got {part!r} of type {type(part).__name__}.")
 
 
@@ -58,45 +64,46 @@ def _matches(part: Any, site: Site) -> bool:
 def select(at: Any, sites: Sequence[Site]) -> list[Site]:
     """The sites `at` selects, in call order.
 
-    `at=None` selects every differentiable site. A pattern that matches only
-    integer-valued sites raises, since they have no gradient; one that matches
-    nothing raises naming the closest available paths.
+    `at=None` selects every differentiable site. A selector (or an element of
+    a list of them) that matches only integer-valued sites raises, since they
+    have no gradient; one that matches nothing raises naming the closest
+    available paths: a typo in one element of a list is not silently dropped.
     """
     if at is None:
         return [site for site in sites if site.differentiable]
-    chosen = []
-    for site in sites:
-        if any(_matches(part, site) for part in _parts(at)):
-            chosen.append(site)
-    differentiable = [site for site in chosen if site.differentiable]
-    if chosen and not differentiable:
-        names = ", ".join(repr(site.name) for site in chosen)
-        raise ValueError(
-            f"`at={at!r}` selects only sites with integer values ({names}): they "
-            "have no gradient. Select a site with floating-point values."
-        )
-    if not chosen:
-        raise ValueError(_no_match_message(at, sites))
-    return differentiable
+    parts = _parts(at)
+    matched = [[site for site in sites if _matches(part, site)] for part in parts]
+    for part, chosen in zip(parts, matched, strict=True):
+        described = f"`at={at!r}`" if len(parts) == 1 else f"`at` element {part!r}"
+        if not chosen:
+            raise ValueError(_no_match_message(described, part, sites))
+        if not any(site.differentiable for site in chosen):
+            names = ", ".join(repr(site.name) for site in chosen)
+            raise ValueError(
+                f"{described} selects only sites with integer values ({names}): "
+                "they have no gradient. Select a site with floating-point values, "
+                "or leave this one out of `at`."
+            )
+    selected = {id(site) for chosen in matched for site in chosen}
+    return [site for site in sites if id(site) in selected and site.differentiable]
 
 
-def _no_match_message(at: Any, sites: Sequence[Site]) -> str:
+def _no_match_message(described: str, part: Any, sites: Sequence[Site]) -> str:
     names = [site.name for site in sites if site.differentiable]
     if not names:
         return (
-            f"`at={at!r}` matches no site: this model calls no submodule with "
+            f"{described} matches no site: this model calls no submodule with "
             "floating-point outputs on these inputs."
         )
-    patterns = [part for part in _parts(at) if isinstance(part, str)]
     closest: list[str] = []
-    for pattern in patterns:
+    if isinstance(part, str):
         candidates = sorted({strip_call_index(n) for n in names} | set(names))
-        closest += difflib.get_close_matches(pattern, candidates, n=3, cutoff=0.0)
+        closest += difflib.get_close_matches(part, candidates, n=3, cutoff=0.0)
     closest = list(dict.fromkeys(closest)) or names[:5]
     listed = ", ".join(repr(name) for name in closest)
     classes = sorted({type(site.module).__name__ for site in sites})
     return (
-        f"`at={at!r}` matches no site. Closest paths: {listed}. "
+        f"{described} matches no site. Closest paths: {listed}. "
         f"Module classes called: {', '.join(classes)}. "
         "Call `probe.sites(*args)` to list every site."
     )

@@ -533,3 +533,43 @@ def test_a_stateful_model_must_return_outputs_and_state():
     probe = bridge.probe(model, state, vmap=True)
     with pytest.raises(TypeError, match=r"must return \(outputs, new_state\)"):
         probe.sites(jnp.ones((2, 3)))
+
+
+class Pooled(eqx.Module):
+    conv: eqx.nn.Conv2d
+    max_pool: eqx.nn.MaxPool2d
+    avg_pool: eqx.nn.AvgPool2d
+
+    def __init__(self, key):
+        self.conv = eqx.nn.Conv2d(1, 2, 3, padding=1, key=key)
+        self.max_pool = eqx.nn.MaxPool2d(2, stride=2)
+        self.avg_pool = eqx.nn.AvgPool2d(2, stride=1)
+
+    def __call__(self, x):
+        return self.avg_pool(self.max_pool(self.conv(x)))
+
+
+def test_pools_are_sites_and_their_reduction_is_not():
+    # A pool's `operation` is the binary reduction `lax.reduce_window` traces on
+    # scalars, not a step of the forward pass: wrapping it broke the model.
+    model = Pooled(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 1, 6, 6))
+    probe = bridge.probe(model, vmap=True)
+    assert list(probe.sites(x)) == ["conv", "max_pool", "avg_pool"]
+
+    def loss(y):
+        return jnp.sum(y**2)
+
+    res = jax.jit(lambda p, x: p.value_and_grad(loss, x))(probe, x)
+    conv_out = jax.vmap(model.conv)(x)
+    pooled = jax.vmap(model.max_pool)(conv_out)
+    # Independent of bridge: the gradients of the loss as a function of each
+    # layer's output, by plain jax.grad.
+    tail = jax.vmap(model.avg_pool)
+    expected = {
+        "conv": jax.grad(lambda h: loss(tail(jax.vmap(model.max_pool)(h))))(conv_out),
+        "max_pool": jax.grad(lambda h: loss(tail(h)))(pooled),
+        "avg_pool": 2 * tail(pooled),
+    }
+    for name, grad in expected.items():
+        np.testing.assert_allclose(res.activation_grads[name], grad, rtol=1e-5)

@@ -19,7 +19,15 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # example -> (libraries it needs, figures it writes)
 CASES = {
-    "quickstart.py": ((), ()),
+    "quickstart.py": (("flax", "sklearn", "matplotlib"), ("quickstart.png",)),
+    "saliency.py": (
+        ("equinox", "optax", "sklearn", "tqdm", "matplotlib"),
+        ("saliency.png",),
+    ),
+    "gradient_flow.py": (
+        ("haiku", "optax", "sklearn", "tqdm", "matplotlib"),
+        ("gradient_flow.png",),
+    ),
     "sharded_step.py": (("flax",), ()),
     "kfac.py": (("flax", "matplotlib"), ("kfac.png",)),
     "activation_patching.py": (
@@ -28,11 +36,14 @@ CASES = {
     ),
 }
 
+# The examples CI runs; the others are in the slow tier.
+DEFAULT_TIER = {"quickstart.py", "saliency.py", "gradient_flow.py"}
+
 
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=() if name == "quickstart.py" else pytest.mark.slow)
+        pytest.param(name, marks=() if name in DEFAULT_TIER else pytest.mark.slow)
         for name in CASES
     ],
 )

@@ -1,0 +1,156 @@
+"""Flax Linen's side of `bridge.transfer` and `bridge.compare`.
+
+A parameterised module is one whose scope holds arrays in `params` itself;
+its weights are read from `variables` by its scope path (BatchNorm's running
+statistics from `batch_stats`). Linen is channel-last with `(in, out)`
+kernels, the canonical layout already; `DenseGeneral` kernels with head axes
+(attention projections) are flattened row-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+
+from bridge._porting import (
+    Layer,
+    dense_kernel,
+    flatten_trailing,
+    flattened,
+    key_name,
+    replace_leaves,
+)
+from bridge._sites import Site
+
+
+def _count(axes: Any) -> int:
+    return len(axes) if isinstance(axes, tuple | list) else 1
+
+
+def _node(tree: Mapping, path: tuple[str, ...]) -> Mapping | None:
+    for part in path:
+        if not isinstance(tree, Mapping) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree if isinstance(tree, Mapping) else None
+
+
+def layers(probe: Any, sites: list[Site]) -> list[Layer]:
+    """Each call of a module owning `params` arrays itself, in call order."""
+    variables = probe.variables
+    found = []
+    # The root module is no site, but may own parameters (a bare nn.Dense).
+    root = Site("", "", None, 0, probe.module, None, _Root())
+    for site in [root, *sites]:
+        if site.module is None or site.origin is None:
+            continue
+        scope = tuple(site.origin.scope)
+        params = _node(variables.get("params", {}), scope) or {}
+        own = {k: v for k, v in params.items() if not isinstance(v, Mapping)}
+        if not own:
+            continue
+        found.append(_layer(site, scope, own, variables))
+    return found
+
+
+class _Root:
+    scope = ()
+
+
+def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
+    module = site.module
+    described = f"nn.{type(module).__name__}"
+    at = ("params", *scope)
+    if isinstance(module, nn.DenseGeneral | nn.Dense) and "kernel" in own:
+        inputs = _count(module.axis) if isinstance(module, nn.DenseGeneral) else 1
+        outputs = _count(module.features) if isinstance(module, nn.DenseGeneral) else 1
+        weights = {
+            "kernel": dense_kernel(own["kernel"], inputs),
+            "bias": flattened(own.get("bias")),
+        }
+        locations = {"kernel": (*at, "kernel"), "bias": (*at, "bias")}
+        return Layer(
+            site.name,
+            site.path,
+            "dense",
+            described,
+            weights,
+            to_common=flatten_trailing(outputs),
+            locations=_identity(locations),
+        )
+    if isinstance(module, nn.Conv) and not isinstance(module, nn.ConvLocal):
+        weights = {"kernel": own["kernel"], "bias": own.get("bias")}
+        locations = {"kernel": (*at, "kernel"), "bias": (*at, "bias")}
+        return Layer(
+            site.name, site.path, "conv", described, weights,
+            locations=_identity(locations),
+        )  # fmt: skip
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
+        weights = {"scale": flattened(own.get("scale"))}
+        locations = {"scale": (*at, "scale")}
+        if kind == "layernorm":
+            weights["bias"] = flattened(own.get("bias"))
+            locations["bias"] = (*at, "bias")
+        return Layer(
+            site.name, site.path, kind, described, weights,
+            locations=_identity(locations),
+        )  # fmt: skip
+    if isinstance(module, nn.BatchNorm):
+        stats = _node(variables.get("batch_stats", {}), scope) or {}
+        weights = {
+            "scale": flattened(own.get("scale")),
+            "bias": flattened(own.get("bias")),
+            "mean": flattened(stats.get("mean")),
+            "var": flattened(stats.get("var")),
+        }
+        stats_at = ("batch_stats", *scope)
+        locations = {
+            "scale": (*at, "scale"),
+            "bias": (*at, "bias"),
+            "mean": (*stats_at, "mean"),
+            "var": (*stats_at, "var"),
+        }
+        return Layer(
+            site.name, site.path, "batchnorm", described, weights,
+            locations=_identity(locations),
+        )  # fmt: skip
+    if isinstance(module, nn.Embed):
+        return Layer(
+            site.name,
+            site.path,
+            "embed",
+            described,
+            {"embedding": own["embedding"]},
+            locations=_identity({"embedding": (*at, "embedding")}),
+        )
+    kind = f"module:{type(module).__module__}.{type(module).__qualname__}"
+    return Layer(
+        site.name,
+        site.path,
+        kind,
+        described,
+        dict(own),
+        locations=_identity({name: (*at, name) for name in own}),
+    )
+
+
+def _identity(locations: dict) -> dict:
+    return {name: (path, lambda value: value) for name, path in locations.items()}
+
+
+def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
+    """A new probe of the same module with the given canonical weights."""
+    replacements = {}
+    for layer, weights in updates:
+        for name, (path, convert) in layer.locations.items():
+            if weights.get(name) is not None:
+                replacements[path] = convert(weights[name])
+    variables = replace_leaves(
+        dict(probe.variables),
+        replacements,
+        lambda key_path: tuple(key_name(key) for key in key_path),
+    )
+    return type(probe)(probe.module, variables, probe.vmap)

@@ -1,0 +1,586 @@
+"""Porting a model between libraries: `transfer` and `compare`.
+
+Both pair the *parameterised modules* of two models — the modules that own
+parameters themselves (Dense, Conv, LayerNorm, BatchNorm, Embed, the
+projections of an attention layer), not the containers around them — in the
+order they are first called on the same inputs. Discovery is the probes' own
+abstract evaluation: pairing costs no FLOPs.
+
+Each library's knowledge lives in a porting module of its adapter (named by
+the probe class's `_porting` attribute, imported on first use). It lists a
+model's parameterised calls as `Layer`s, each with its weights in one
+*canonical layout*, and builds a new probe with given canonical weights. The
+canonical layout is channel-last and `(in, out)`:
+
+| kind | canonical weights |
+|---|---|
+| `dense` | `kernel` `(in, out)` (head axes flattened row-major), `bias` `(out,)` |
+| `conv` | `kernel` `(*window, in / groups, out)` (HWIO), `bias` `(out,)` |
+| `layernorm`, `rmsnorm` | `scale`, `bias` (flattened) |
+| `batchnorm` | `scale`, `bias`, `mean`, `var` (flattened; the running statistics) |
+| `embed` | `embedding` `(vocabulary, features)` |
+
+A weight the module does not have (no bias) is `None`. Anything else is of
+kind `module:<class>`: it is moved only between two modules of the same class,
+weight by weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One call of a parameterised module, as a library's porting module sees it.
+
+    Attributes:
+      site: the site name of the call (`path`, `path#1`, ...).
+      path: the module's path.
+      kind: `dense`, `conv`, `layernorm`, `rmsnorm`, `batchnorm`, `embed`, or
+        `module:<class>`.
+      described: the module's class as its library names it (`nn.Dense`).
+      weights: `{name: array or None}` in the canonical layout.
+      to_common: maps one activation leaf to the common layout (channel-last,
+        head axes flattened).
+      select: picks the activation leaves to compare from the site's value
+        (an Equinox stateful layer returns `(output, state)`).
+      locations: library-private: where each canonical weight goes, and how.
+    """
+
+    site: str
+    path: str
+    kind: str
+    described: str
+    weights: dict[str, Any]
+    to_common: Callable[[Any], Any] = lambda value: value
+    select: Callable[[Any], list] = lambda value: jax.tree.leaves(value)
+    locations: Any = None
+
+
+#: The libraries `transfer` and `compare` know, for error messages.
+_KNOWN = "Flax Linen, Flax NNX, Equinox and Haiku"
+
+
+def porting_module(probe: Any, argument: str) -> Any:
+    """The porting module of a probe's library, imported on first use."""
+    name = getattr(type(probe), "_porting", None)
+    if name is None:
+        raise TypeError(
+            f"`{argument}` is a {type(probe).__name__}, whose library bridge cannot "
+            f"port: transfer and compare know probes of {_KNOWN} models, made with "
+            "bridge.probe(model, ...). A third-party adapter can support porting by "
+            "naming a module with `layers(probe, sites)` and "
+            "`with_weights(probe, updates)` in its probe class's `_porting` "
+            "attribute."
+        )
+    return importlib.import_module(name)
+
+
+def parameterised_layers(probe: Any, argument: str, args: tuple, kwargs: dict):
+    """`(porting module, [Layer per call of a parameterised module])`, in call
+    order, found by abstract evaluation."""
+    library = porting_module(probe, argument)
+    probe._check_inputs(args, kwargs)
+    discovered, _ = probe._discover(args, kwargs)
+    return library, library.layers(probe, discovered)
+
+
+def first_calls(layers: Sequence[Layer]) -> list[Layer]:
+    """Each module once, at its first call: a shared module moves once."""
+    seen, first = set(), []
+    for layer in layers:
+        if layer.path not in seen:
+            seen.add(layer.path)
+            first.append(layer)
+    return first
+
+
+def pair(
+    layers_a: Sequence[Layer], layers_b: Sequence[Layer], names: tuple[str, str]
+) -> list[tuple[Layer, Layer]]:
+    """Pair two lists of layers in order; raise when the counts differ, naming
+    the first pair whose kinds differ or else the first layer left over."""
+    if len(layers_a) != len(layers_b):
+        mismatch = next(
+            (
+                f"The first pair that does not match is {_label(a)} ({a.kind}) of "
+                f"{names[0]} and {_label(b)} ({b.kind}) of {names[1]}."
+                for a, b in zip(layers_a, layers_b, strict=False)
+                if a.kind != b.kind
+            ),
+            None,
+        )
+        if mismatch is None:
+            more, fewer = (1, 0) if len(layers_a) < len(layers_b) else (0, 1)
+            extra = (layers_a, layers_b)[more][len((layers_a, layers_b)[fewer])]
+            mismatch = (
+                f"The first without a partner is {_label(extra)} "
+                f"({extra.described}) of {names[more]}."
+            )
+        raise ValueError(
+            f"The models do not have the same number of parameterised modules: "
+            f"{names[0]} has {len(layers_a)} ({_listed(layers_a)}), {names[1]} has "
+            f"{len(layers_b)} ({_listed(layers_b)}). {mismatch} Check that both "
+            "models have the same layers, called in the same order on these inputs."
+        )
+    return list(zip(layers_a, layers_b, strict=True))
+
+
+def _label(layer: Layer) -> str:
+    return f"site {layer.site!r}" if layer.site else "the root module"
+
+
+def _listed(layers: Sequence[Layer]) -> str:
+    names = [f"{layer.site or '(root)'}: {layer.kind}" for layer in layers[:6]]
+    return ", ".join(names) + (", ..." if len(layers) > 6 else "")
+
+
+def check_fits(source: Layer, target: Layer) -> None:
+    """Raise `ValueError` naming both sites when `source`'s weights cannot
+    replace `target`'s."""
+    where = (
+        f"{_label(source)} ({source.described}) of the source and "
+        f"{_label(target)} ({target.described}) of the destination"
+    )
+    if source.kind != target.kind:
+        raise ValueError(
+            f"Cannot pair {where}: their kinds differ ({source.kind} vs "
+            f"{target.kind}). transfer pairs parameterised modules in call order: "
+            "check that both models call the same layers in the same order."
+        )
+    for name in dict.fromkeys([*source.weights, *target.weights]):
+        have, want = source.weights.get(name), target.weights.get(name)
+        if (have is None) != (want is None):
+            missing = "the source" if have is None else "the destination"
+            raise ValueError(
+                f"Cannot pair {where}: {missing} has no {name!r} (a {source.kind} "
+                f"with and one without {name}). Build both with the same options "
+                "(use_bias, use_scale, create_offset, ...)."
+            )
+        if have is not None and np.shape(have) != np.shape(want):
+            raise ValueError(
+                f"Cannot pair {where}: their {source.kind} {name!r} shapes do not "
+                f"fit, {tuple(np.shape(have))} vs {tuple(np.shape(want))} in the "
+                "canonical layout (kernels (in, out), windows first, channels "
+                "last). Check the layers' sizes."
+            )
+
+
+def transfer(src_probe: Any, dst_probe: Any, *args: Any, **kwargs: Any) -> Any:
+    """A probe of `dst_probe`'s model carrying the weights of `src_probe`'s model.
+
+    Both models are called on `*args, **kwargs` (abstractly: no FLOPs). Their
+    parameterised modules — those that own weights themselves: Dense/Linear,
+    Conv, LayerNorm, RMSNorm, BatchNorm with its running statistics, Embed, the
+    projections of an attention layer — are paired in the order of their first
+    call, and each pair's weights are converted between the libraries' layouts
+    (Equinox `(out, in)` and `OIHW` kernels, attention kernels with and
+    without head axes, Haiku's moving averages, ...).
+
+    Only weights move: hyperparameters (a LayerNorm's epsilon, a padding
+    mode) are the porter's to match, and `bridge.compare` finds where they do
+    not. Neither probe nor model is changed; the result is a new probe of the
+    destination's library, with its `vmap` flag. An Equinox model that is
+    channel-first inside takes the same channel-last inputs as the others and
+    transposes at its entry.
+
+    Args:
+      src_probe: the probe whose weights are read.
+      dst_probe: the probe whose model receives them.
+      *args, **kwargs: call arguments both models accept, as for
+        `probe.sites` (library keywords such as Haiku `rng` go to both; pass
+        keywords only one library accepts through a `functools.partial` of its
+        model instead).
+
+    Returns:
+      A probe of `dst_probe`'s model with the converted weights.
+
+    Raises:
+      ValueError: naming both sites of the first pair that does not fit (kinds
+        differ, shapes differ) or when the counts of parameterised modules
+        differ.
+      TypeError: for a probe of a library bridge cannot port.
+
+    Example:
+      >>> ported = bridge.transfer(bridge.probe(linen_model, variables),
+      ...                          bridge.probe(eqx_model), x)
+      >>> ported.apply(x).outputs
+    """
+    porting_module(src_probe, "src_probe")
+    porting_module(dst_probe, "dst_probe")
+    source, source_layers = parameterised_layers(src_probe, "src_probe", args, kwargs)
+    target, target_layers = parameterised_layers(dst_probe, "dst_probe", args, kwargs)
+    pairs = pair(
+        first_calls(source_layers),
+        first_calls(target_layers),
+        ("the source (src_probe)", "the destination (dst_probe)"),
+    )
+    updates = []
+    for source_layer, target_layer in pairs:
+        check_fits(source_layer, target_layer)
+        updates.append((target_layer, source_layer.weights))
+    del source
+    return target.with_weights(dst_probe, updates)
+
+
+# -- compare --------------------------------------------------------------------
+
+
+class PairComparison(NamedTuple):
+    """One pair of sites in a `ComparisonReport`.
+
+    Attributes:
+      site_a: the site in the first model.
+      site_b: the site in the second model.
+      kind: the kind of both modules (`dense`, `conv`, ...).
+      shape: the activation's shape in the common layout (channel-last, head
+        axes flattened; the first compared leaf).
+      activation_abs: the largest absolute difference of the activations.
+      activation_rel: `activation_abs` divided by the largest magnitude of
+        the second model's activation.
+      activations_agree: every element within `atol + rtol * |b|`.
+      grad_abs, grad_rel, grads_agree: the same for the activation gradients.
+    """
+
+    site_a: str
+    site_b: str
+    kind: str
+    shape: tuple[int, ...]
+    activation_abs: float
+    activation_rel: float
+    activations_agree: bool
+    grad_abs: float
+    grad_rel: float
+    grads_agree: bool
+
+    @property
+    def agree(self) -> bool:
+        return self.activations_agree and self.grads_agree
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparisonReport:
+    """What `bridge.compare` finds: printable as a table, usable as data.
+
+    Attributes:
+      rows: one `PairComparison` per pair of sites, in call order.
+      loss_a, loss_b: the loss of each model.
+      rtol, atol: the tolerances used.
+      first_divergence: where the models part (see `bridge.compare`), or `None`
+        when every pair agrees.
+    """
+
+    rows: list[PairComparison]
+    loss_a: float
+    loss_b: float
+    rtol: float
+    atol: float
+
+    @property
+    def agree(self) -> bool:
+        """Every pair's activations and activation gradients agree."""
+        return all(row.agree for row in self.rows)
+
+    @property
+    def first_divergence(self) -> PairComparison | None:
+        """The first pair whose activations diverge; where every activation
+        agrees, the last pair whose gradients diverge; `None` when all agree."""
+        for row in self.rows:
+            if not row.activations_agree:
+                return row
+        for row in reversed(self.rows):
+            if not row.grads_agree:
+                return row
+        return None
+
+    def __str__(self) -> str:
+        headers = (
+            "#",
+            "site A",
+            "site B",
+            "kind",
+            "shape",
+            "act abs",
+            "act rel",
+            "grad abs",
+            "grad rel",
+            "",
+        )
+        first = self.first_divergence
+        lines = []
+        for number, row in enumerate(self.rows):
+            verdict = "ok" if row.agree else "DIFFERS"
+            if row is first:
+                verdict += " <- first divergence"
+            lines.append(
+                (
+                    str(number),
+                    row.site_a,
+                    row.site_b,
+                    row.kind,
+                    "x".join(map(str, row.shape)) or "()",
+                    f"{row.activation_abs:.2e}",
+                    f"{row.activation_rel:.2e}",
+                    f"{row.grad_abs:.2e}",
+                    f"{row.grad_rel:.2e}",
+                    verdict,
+                )
+            )
+        widths = [
+            max(len(cells[i]) for cells in [headers, *lines])
+            for i in range(len(headers))
+        ]
+
+        def line(cells: Sequence[str]) -> str:
+            return "  ".join(
+                cell.ljust(width) for cell, width in zip(cells, widths, strict=True)
+            ).rstrip()
+
+        table = [line(headers), line(["-" * w for w in widths])]
+        table += [line(cells) for cells in lines]
+        if first is None:
+            summary = "all pairs agree"
+        else:
+            part = "activations" if not first.activations_agree else "gradients"
+            summary = (
+                f"first divergence: {first.site_a!r} (A) / {first.site_b!r} (B), {part}"
+            )
+        header = (
+            f"loss A {self.loss_a:.6g}, loss B {self.loss_b:.6g}; "
+            f"rtol={self.rtol:g}, atol={self.atol:g}; {summary}"
+        )
+        return "\n".join([header, *table])
+
+
+def compare(
+    probe_a: Any,
+    probe_b: Any,
+    loss_fn: Callable[[Any], Any],
+    *args: Any,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **kwargs: Any,
+) -> ComparisonReport:
+    """Run two models on the same inputs and find where they part.
+
+    Pairs the calls of the models' parameterised modules in call order (as
+    `bridge.transfer` pairs the modules), runs `value_and_grad` of both (under
+    `jax.jit`), brings each pair's activations and activation gradients to a
+    common layout (channel-last: Equinox convolutions are channel-first;
+    attention head axes flattened), and measures their differences.
+
+    `report.first_divergence` is the first pair in call order whose
+    activations differ beyond tolerance — a forward bug shows there, while
+    gradients differ everywhere upstream of it. Where every activation agrees
+    but gradients do not (a bug in a backward pass), it is the last pair
+    whose gradients differ. `None` when everything agrees.
+
+    Args:
+      probe_a, probe_b: the two models' probes.
+      loss_fn: `outputs -> scalar`, applied to each model's outputs.
+      *args, **kwargs: the call arguments both models accept.
+      rtol, atol: an element agrees when `|a - b| <= atol + rtol * |b|`, as in
+        `numpy.allclose`. The defaults suit float32 models whose operations
+        run in a different order (differences near 1e-7 relative); loosen
+        them for deep models or bfloat16. A hyperparameter mismatch shows
+        only as far as it changes numbers: LayerNorm epsilons of 1e-6 and
+        1e-5 differ visibly only where the normalised variance is small.
+
+    Returns:
+      A `ComparisonReport`: `str(report)` is a table; `report.rows` the data.
+
+    Example:
+      >>> report = bridge.compare(linen_probe, eqx_probe, loss_fn, x)
+      >>> print(report)
+      >>> report.first_divergence
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            "`loss_fn` must be a function `outputs -> scalar`; got "
+            f"{type(loss_fn).__name__}. The inputs come after it: "
+            "bridge.compare(probe_a, probe_b, loss_fn, x)."
+        )
+    porting_module(probe_a, "probe_a")
+    porting_module(probe_b, "probe_b")
+    # The root module is no site: its output is the models' outputs.
+    layers_a = [
+        layer
+        for layer in parameterised_layers(probe_a, "probe_a", args, kwargs)[1]
+        if layer.site
+    ]
+    layers_b = [
+        layer
+        for layer in parameterised_layers(probe_b, "probe_b", args, kwargs)[1]
+        if layer.site
+    ]
+    pairs = pair(layers_a, layers_b, ("probe_a", "probe_b"))
+    for layer_a, layer_b in pairs:
+        if layer_a.kind != layer_b.kind:
+            raise ValueError(
+                f"Cannot compare site {layer_a.site!r} ({layer_a.described}) of "
+                f"probe_a with site {layer_b.site!r} ({layer_b.described}) of "
+                f"probe_b: their kinds differ ({layer_a.kind} vs {layer_b.kind}). "
+                "compare pairs parameterised modules in call order: check that "
+                "both models call the same layers in the same order."
+            )
+    result_a, result_b = _run_both(
+        probe_a,
+        probe_b,
+        loss_fn,
+        [layer.site for layer in layers_a],
+        [layer.site for layer in layers_b],
+        args,
+        kwargs,
+    )
+    rows = [
+        _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol)
+        for layer_a, layer_b in pairs
+    ]
+    return ComparisonReport(
+        rows, float(result_a.loss), float(result_b.loss), rtol, atol
+    )
+
+
+def _run_both(probe_a, probe_b, loss_fn, sites_a, sites_b, args, kwargs):
+    from ._probe import _split_arrays  # the probes' own split: arrays traced
+
+    dynamic, rebuild = _split_arrays((args, kwargs))
+
+    @jax.jit
+    def run(probe_a, probe_b, dynamic):
+        args, kwargs = rebuild(dynamic)
+        return (
+            probe_a.value_and_grad(loss_fn, *args, at=_exactly(sites_a), **kwargs),
+            probe_b.value_and_grad(loss_fn, *args, at=_exactly(sites_b), **kwargs),
+        )
+
+    return run(probe_a, probe_b, dynamic)
+
+
+def _exactly(names: Sequence[str]) -> list[str] | Callable:
+    """A selection of exactly these sites. Glob characters in a name would
+    widen a pattern; such names are few and harmless (the extra sites are
+    recorded, never compared)."""
+    return list(dict.fromkeys(names))
+
+
+def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
+    values_a = _common(layer_a, result_a.activations[layer_a.site])
+    values_b = _common(layer_b, result_b.activations[layer_b.site])
+    grads_a = _common(layer_a, result_a.activation_grads[layer_a.site])
+    grads_b = _common(layer_b, result_b.activation_grads[layer_b.site])
+    shapes_a = [np.shape(v) for v in values_a]
+    shapes_b = [np.shape(v) for v in values_b]
+    if shapes_a != shapes_b:
+        raise ValueError(
+            f"Cannot compare site {layer_a.site!r} ({layer_a.described}) of probe_a "
+            f"with site {layer_b.site!r} ({layer_b.described}) of probe_b: their "
+            f"activations have shapes {shapes_a} and {shapes_b} in the common "
+            "layout (channel-last, head axes flattened, batch first). Check that "
+            "both models are given the same inputs, and vmap=True for an Equinox "
+            "model that handles one example."
+        )
+    act_abs, act_rel, act_ok = _differences(values_a, values_b, rtol, atol)
+    grad_abs, grad_rel, grad_ok = _differences(grads_a, grads_b, rtol, atol)
+    return PairComparison(
+        layer_a.site,
+        layer_b.site,
+        layer_a.kind,
+        tuple(shapes_a[0]) if shapes_a else (),
+        act_abs,
+        act_rel,
+        act_ok,
+        grad_abs,
+        grad_rel,
+        grad_ok,
+    )
+
+
+def _common(layer: Layer, value: Any) -> list[np.ndarray]:
+    return [np.asarray(layer.to_common(leaf)) for leaf in layer.select(value)]
+
+
+def _differences(
+    values_a: list, values_b: list, rtol: float, atol: float
+) -> tuple[float, float, bool]:
+    largest_abs, largest_b, agree = 0.0, 0.0, True
+    for a, b in zip(values_a, values_b, strict=True):
+        if a.size == 0:
+            continue
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        difference = np.abs(a - b)
+        largest_abs = max(largest_abs, float(difference.max()))
+        largest_b = max(largest_b, float(np.abs(b).max()))
+        agree = agree and bool(np.all(difference <= atol + rtol * np.abs(b)))
+    relative = largest_abs / largest_b if largest_b > 0 else largest_abs
+    return largest_abs, relative, agree
+
+
+# -- layout helpers for the porting modules -------------------------------------
+
+
+def flat_size(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def dense_kernel(kernel: Any, inputs: int) -> Any:
+    """A kernel `(*in_axes, *out_axes)` as `(in, out)`, flattened row-major."""
+    shape = np.shape(kernel)
+    return jnp.reshape(kernel, (flat_size(shape[:inputs]), flat_size(shape[inputs:])))
+
+
+def flattened(value: Any) -> Any:
+    return None if value is None else jnp.reshape(value, (-1,))
+
+
+def flatten_trailing(count: int) -> Callable[[Any], Any]:
+    """Activation layout: the last `count` axes (attention heads) flattened."""
+    if count <= 1:
+        return lambda value: value
+    return lambda value: jnp.reshape(
+        value, (*np.shape(value)[:-count], flat_size(np.shape(value)[-count:]))
+    )
+
+
+def key_name(key: Any) -> str:
+    """One entry of a JAX key path as a path component (`layers`, `0`)."""
+    for attribute in ("key", "name", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
+def replace_leaves(
+    tree: Any, updates: dict[tuple[str, ...], Any], named: Callable[[tuple], tuple]
+) -> Any:
+    """A copy of `tree` whose leaves at the named paths are replaced.
+
+    `named(key_path)` gives a leaf's path as strings. Each replacement is
+    cast to the leaf's dtype; its shape is the caller's to have checked.
+    """
+    used = set()
+
+    def replace(key_path, leaf):
+        path = named(key_path)
+        if path not in updates:
+            return leaf
+        used.add(path)
+        new = updates[path]
+        return jnp.reshape(
+            jnp.asarray(new, dtype=jnp.result_type(leaf)), jnp.shape(leaf)
+        )
+
+    new_tree = jax.tree_util.tree_map_with_path(replace, tree)
+    missing = set(updates) - used
+    if missing:
+        raise AssertionError(f"bridge bug: no weight at {sorted(missing)}")
+    return new_tree
