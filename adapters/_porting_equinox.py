@@ -91,6 +91,7 @@ def _first(value: Any) -> list:
 
 def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Layer:
     described = f"eqx.nn.{type(module).__name__}"
+    lead = site.stacked  # iteration axes of a scan over stacked layers
     at = tuple(site.path.split("/")) if site.path else ()
 
     def location(name, convert=lambda value: value):
@@ -111,8 +112,10 @@ def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Laye
         )
     if isinstance(module, eqx.nn.Conv) and not isinstance(module, eqx.nn.ConvTranspose):
         n = module.num_spatial_dims
-        to_hwio = (*range(2, n + 2), 1, 0)
-        to_oihw = (n + 1, n, *range(n))
+        stack = tuple(range(lead))
+        window = tuple(range(lead + 2, lead + n + 2))
+        to_hwio = (*stack, *window, lead + 1, lead)
+        to_oihw = (*stack, lead + n + 1, lead + n, *range(lead, lead + n))
         return Layer(
             site.name,
             site.path,
@@ -120,7 +123,7 @@ def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Laye
             described,
             {
                 "kernel": jnp.transpose(own["weight"], to_hwio),
-                "bias": flattened(own.get("bias")),
+                "bias": flattened(own.get("bias"), lead),
             },
             to_common=_channel_last(n),
             locations={
@@ -130,10 +133,10 @@ def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Laye
         )
     if isinstance(module, eqx.nn.LayerNorm | eqx.nn.RMSNorm):
         kind = "layernorm" if isinstance(module, eqx.nn.LayerNorm) else "rmsnorm"
-        weights = {"scale": flattened(own.get("weight"))}
+        weights = {"scale": flattened(own.get("weight"), lead)}
         locations = {"scale": location("weight")}
         if kind == "layernorm" or own.get("bias") is not None:
-            weights["bias"] = flattened(own.get("bias"))
+            weights["bias"] = flattened(own.get("bias"), lead)
             locations["bias"] = location("bias")
         return Layer(
             site.name, site.path, kind, described, weights, locations=locations
@@ -141,8 +144,8 @@ def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Laye
     if isinstance(module, eqx.nn.BatchNorm):
         mean, var = _running_statistics(probe.state, module)
         weights = {
-            "scale": flattened(own.get("weight")),
-            "bias": flattened(own.get("bias")),
+            "scale": flattened(own.get("weight"), lead),
+            "bias": flattened(own.get("bias"), lead),
             "mean": mean,
             "var": var,
         }
@@ -246,6 +249,6 @@ def _set_statistics(state: Any, module: Any, weights: dict, layer: Layer) -> Any
         (as_running(mean, old_mean), as_running(var, old_var)),
     )
     counter = state.get(module.batch_counter)
-    return state.set(
-        module.batch_counter, jnp.asarray(SETTLED_COUNTER, jnp.result_type(counter))
-    )
+    # `counter - counter` keeps the count's dtype and weak type, which
+    # `State.set` checks.
+    return state.set(module.batch_counter, counter - counter + SETTLED_COUNTER)

@@ -54,24 +54,25 @@ def _identity(names: dict) -> dict:
 def _layer(probe: Any, site: Site, own: dict) -> Layer:
     module, path = site.module, site.path
     described = f"hk.{type(module).__name__}"
+    lead = site.stacked
     at = ("params", path)
     if isinstance(module, hk.Linear):
         weights = {"kernel": own["w"], "bias": own.get("b")}
         locations = {"kernel": (*at, "w"), "bias": (*at, "b")}
         kind = "dense"
     elif isinstance(module, hk.ConvND):
-        weights = {"kernel": own["w"], "bias": flattened(own.get("b"))}
+        weights = {"kernel": own["w"], "bias": flattened(own.get("b"), lead)}
         locations = {"kernel": (*at, "w"), "bias": (*at, "b")}
         kind = "conv"
     elif isinstance(module, hk.LayerNorm):
         weights = {
-            "scale": flattened(own.get("scale")),
-            "bias": flattened(own.get("offset")),
+            "scale": flattened(own.get("scale"), lead),
+            "bias": flattened(own.get("offset"), lead),
         }
         locations = {"scale": (*at, "scale"), "bias": (*at, "offset")}
         kind = "layernorm"
     elif isinstance(module, hk.RMSNorm):
-        weights = {"scale": flattened(own.get("scale"))}
+        weights = {"scale": flattened(own.get("scale"), lead)}
         locations = {"scale": (*at, "scale")}
         kind = "rmsnorm"
     elif isinstance(module, hk.BatchNorm):
@@ -79,10 +80,10 @@ def _layer(probe: Any, site: Site, own: dict) -> Layer:
         mean = state.get(f"{path}/~/mean_ema", {}).get("average")
         var = state.get(f"{path}/~/var_ema", {}).get("average")
         weights = {
-            "scale": flattened(own.get("scale")),
-            "bias": flattened(own.get("offset")),
-            "mean": flattened(mean),
-            "var": flattened(var),
+            "scale": flattened(own.get("scale"), lead),
+            "bias": flattened(own.get("offset"), lead),
+            "mean": flattened(mean, lead),
+            "var": flattened(var, lead),
         }
         locations = _identity({"scale": (*at, "scale"), "bias": (*at, "offset")})
         for name, ema in (("mean", "mean_ema"), ("var", "var_ema")):

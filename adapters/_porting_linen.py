@@ -61,14 +61,15 @@ class _Root:
 
 def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
     module = site.module
+    lead = site.stacked  # iteration axes of an nn.scan around the module
     described = f"nn.{type(module).__name__}"
     at = ("params", *scope)
     if isinstance(module, nn.DenseGeneral | nn.Dense) and "kernel" in own:
         inputs = _count(module.axis) if isinstance(module, nn.DenseGeneral) else 1
         outputs = _count(module.features) if isinstance(module, nn.DenseGeneral) else 1
         weights = {
-            "kernel": dense_kernel(own["kernel"], inputs),
-            "bias": flattened(own.get("bias")),
+            "kernel": dense_kernel(own["kernel"], inputs, lead),
+            "bias": flattened(own.get("bias"), lead),
         }
         locations = {"kernel": (*at, "kernel"), "bias": (*at, "bias")}
         return Layer(
@@ -89,10 +90,10 @@ def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
         )  # fmt: skip
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
-        weights = {"scale": flattened(own.get("scale"))}
+        weights = {"scale": flattened(own.get("scale"), lead)}
         locations = {"scale": (*at, "scale")}
         if kind == "layernorm":
-            weights["bias"] = flattened(own.get("bias"))
+            weights["bias"] = flattened(own.get("bias"), lead)
             locations["bias"] = (*at, "bias")
         return Layer(
             site.name, site.path, kind, described, weights,
@@ -101,10 +102,10 @@ def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
     if isinstance(module, nn.BatchNorm):
         stats = _node(variables.get("batch_stats", {}), scope) or {}
         weights = {
-            "scale": flattened(own.get("scale")),
-            "bias": flattened(own.get("bias")),
-            "mean": flattened(stats.get("mean")),
-            "var": flattened(stats.get("var")),
+            "scale": flattened(own.get("scale"), lead),
+            "bias": flattened(own.get("bias"), lead),
+            "mean": flattened(stats.get("mean"), lead),
+            "var": flattened(stats.get("var"), lead),
         }
         stats_at = ("batch_stats", *scope)
         locations = {

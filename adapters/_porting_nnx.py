@@ -59,6 +59,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 
 def _layer(site: Site, own: dict, rest: dict) -> Layer:
     module = site.module
+    lead = site.stacked  # iteration axes of an nnx.scan around the module
     described = f"nnx.{type(module).__name__}"
     at = ("params", *site.path.split("/")) if site.path else ("params",)
     rest_at = ("rest", *at[1:])
@@ -71,8 +72,8 @@ def _layer(site: Site, own: dict, rest: dict) -> Layer:
         inputs = len(module.in_features) if general else 1
         outputs = len(module.out_features) if general else 1
         weights = {
-            "kernel": dense_kernel(own["kernel"], inputs),
-            "bias": flattened(own.get("bias")),
+            "kernel": dense_kernel(own["kernel"], inputs, lead),
+            "bias": flattened(own.get("bias"), lead),
         }
         return Layer(
             site.name,
@@ -100,15 +101,15 @@ def _layer(site: Site, own: dict, rest: dict) -> Layer:
             site.path,
             kind,
             described,
-            {name: flattened(own.get(name)) for name in names},
+            {name: flattened(own.get(name), lead) for name in names},
             locations=identity({name: (*at, name) for name in names}),
         )
     if isinstance(module, nnx.BatchNorm):
         weights = {
-            "scale": flattened(own.get("scale")),
-            "bias": flattened(own.get("bias")),
-            "mean": flattened(rest.get("mean")),
-            "var": flattened(rest.get("var")),
+            "scale": flattened(own.get("scale"), lead),
+            "bias": flattened(own.get("bias"), lead),
+            "mean": flattened(rest.get("mean"), lead),
+            "var": flattened(rest.get("var"), lead),
         }
         locations = {
             "scale": (*at, "scale"),
@@ -133,11 +134,7 @@ def _layer(site: Site, own: dict, rest: dict) -> Layer:
             {"embedding": own["embedding"]},
             locations=identity({"embedding": (*at, "embedding")}),
         )
-    cls = (
-        type(module).__mro__[1]
-        if getattr(module, "_bridge_reports", False)
-        else type(module)
-    )
+    cls = type(module)  # a reporting subclass keeps the module and name
     return Layer(
         site.name,
         site.path,

@@ -20,6 +20,7 @@ canonical layout is channel-last and `(in, out)`:
 | `batchnorm` | `scale`, `bias`, `mean`, `var` (flattened; the running statistics) |
 | `embed` | `embedding` `(vocabulary, features)` |
 
+A scanned layer's weights keep their leading iteration axes (`Site.stacked`).
 A weight the module does not have (no bias) is `None`. Anything else is of
 kind `module:<class>`: it is moved only between two modules of the same class,
 weight by weight.
@@ -217,7 +218,7 @@ def transfer(src_probe: Any, dst_probe: Any, *args: Any, **kwargs: Any) -> Any:
     """
     porting_module(src_probe, "src_probe")
     porting_module(dst_probe, "dst_probe")
-    source, source_layers = parameterised_layers(src_probe, "src_probe", args, kwargs)
+    _, source_layers = parameterised_layers(src_probe, "src_probe", args, kwargs)
     target, target_layers = parameterised_layers(dst_probe, "dst_probe", args, kwargs)
     pairs = pair(
         first_calls(source_layers),
@@ -228,7 +229,6 @@ def transfer(src_probe: Any, dst_probe: Any, *args: Any, **kwargs: Any) -> Any:
     for source_layer, target_layer in pairs:
         check_fits(source_layer, target_layer)
         updates.append((target_layer, source_layer.weights))
-    del source
     return target.with_weights(dst_probe, updates)
 
 
@@ -532,14 +532,21 @@ def flat_size(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def dense_kernel(kernel: Any, inputs: int) -> Any:
-    """A kernel `(*in_axes, *out_axes)` as `(in, out)`, flattened row-major."""
+def dense_kernel(kernel: Any, inputs: int, stacked: int = 0) -> Any:
+    """A kernel `(*stack, *in_axes, *out_axes)` as `(*stack, in, out)`,
+    flattened row-major; `stack` are the iteration axes of a scanned layer."""
     shape = np.shape(kernel)
-    return jnp.reshape(kernel, (flat_size(shape[:inputs]), flat_size(shape[inputs:])))
+    lead, rest = shape[:stacked], shape[stacked:]
+    return jnp.reshape(
+        kernel, (*lead, flat_size(rest[:inputs]), flat_size(rest[inputs:]))
+    )
 
 
-def flattened(value: Any) -> Any:
-    return None if value is None else jnp.reshape(value, (-1,))
+def flattened(value: Any, stacked: int = 0) -> Any:
+    """A vector parameter (a bias, a scale) as `(*stack, size)`."""
+    if value is None:
+        return None
+    return jnp.reshape(value, (*np.shape(value)[:stacked], -1))
 
 
 def flatten_trailing(count: int) -> Callable[[Any], Any]:

@@ -1,11 +1,12 @@
 """Port a Haiku CNN to Flax Linen, Equinox and Flax NNX, and find a porting bug.
 
-The source is a small Haiku convolutional classifier of 8x8 digit images
-(scikit-learn's bundled digits): a 3x3 convolution, a LayerNorm over the
-channels, ReLU, a second convolution, ReLU, flatten, a dense head. Each port
-is written the way its library's users write it — the Equinox one
-channel-first and one example at a time, transposing at its entry — and
-initialised its own way. Then
+The source is a small Haiku convolutional classifier of 8x8 one-channel
+images: a 3x3 convolution, a LayerNorm over the channels, ReLU, a second
+convolution, ReLU, flatten, a dense head. Its weights stand in for a trained
+checkpoint. Each port is written the way its library's users write it — the
+Equinox one channel-first and one example at a time, transposing at its
+entry — and needs no initialisation of its own: ``jax.eval_shape`` gives its
+structure, and ``bridge.transfer`` fills it. Then
 
 1. ``bridge.transfer(haiku_probe, port_probe, x)`` pairs the two models'
    parameterised layers in call order and moves the weights, converting
@@ -26,11 +27,13 @@ port sets it.
 
     python examples/porting.py
 
-``BRIDGE_EXAMPLES_SMOKE=1`` uses a smaller batch.
+``BRIDGE_EXAMPLES_SMOKE=1`` uses a smaller batch. Each ``compare`` compiles
+both models once; nothing else compiles.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -48,18 +51,44 @@ SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
 BATCH = 16 if SMOKE else 256
 CHANNELS = (8, 16)
 CLASSES = 10
-SIDE = 8  # the digits are 8x8, one channel
+SIDE = 8  # images are 8x8, one channel
 EPSILON = 1e-5  # Haiku's and Equinox's LayerNorm default; Flax's is 1e-6
 FLAT = (SIDE - 2) * (SIDE - 2) * CHANNELS[1]  # after a VALID 3x3 convolution
 
 
-def digits(count: int) -> tuple[jax.Array, jax.Array]:
-    """`count` digit images `(N, 8, 8, 1)` scaled to [0, 1], and their labels."""
-    from sklearn.datasets import load_digits
+def images(count: int) -> tuple[jax.Array, jax.Array]:
+    """`count` random images `(N, 8, 8, 1)` and class labels."""
+    generator = np.random.default_rng(0)
+    pixels = generator.uniform(size=(count, SIDE, SIDE, 1))
+    labels = generator.integers(0, CLASSES, size=count)
+    return jnp.asarray(pixels, jnp.float32), jnp.asarray(labels)
 
-    images, labels = load_digits(return_X_y=True)
-    images = images[:count].reshape(-1, SIDE, SIDE, 1) / 16.0
-    return jnp.asarray(images, jnp.float32), jnp.asarray(labels[:count])
+
+def checkpoint(shapes):
+    """Weights for the abstract leaves of `shapes` (what `jax.eval_shape` of an
+    initialisation returns), drawn with numpy: a stand-in for the trained
+    checkpoint you would port. Kernels have variance 1 / fan-in."""
+    generator = np.random.default_rng(1)
+
+    def draw(leaf):
+        fan_in = math.prod(leaf.shape[:-1]) or 1
+        scale = 1 / math.sqrt(fan_in) if len(leaf.shape) > 1 else 0.1
+        return jnp.asarray(scale * generator.standard_normal(leaf.shape), leaf.dtype)
+
+    return jax.tree.map(draw, shapes)
+
+
+def placeholders(shapes):
+    """Zeros in place of the abstract leaves of `shapes`: a port's own weights
+    are all replaced by `bridge.transfer`, so drawing them would be wasted."""
+    return jax.tree.map(
+        lambda leaf: (
+            jnp.zeros(leaf.shape, leaf.dtype)
+            if isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf
+        ),
+        shapes,
+    )
 
 
 def cross_entropy(labels):
@@ -112,8 +141,11 @@ class EquinoxCNN(eqx.Module):
 
     def __call__(self, image):  # (H, W, C), as the other libraries take it
         x = self.conv1(jnp.transpose(image, (2, 0, 1)))
-        # The LayerNorm normalises the channels of each pixel.
-        per_pixel = jax.vmap(jax.vmap(self.norm, in_axes=1, out_axes=1), 2, 2)
+        # The LayerNorm normalises the channels of each pixel. Mapping over
+        # rows outside columns makes its site `(N, H, W, C)`, as in the
+        # channel-last libraries (a site inside the model's own vmaps holds
+        # the mapped axes first, outermost first).
+        per_pixel = jax.vmap(jax.vmap(self.norm, in_axes=1, out_axes=1), 1, 1)
         x = jax.nn.relu(per_pixel(x))
         x = jax.nn.relu(self.conv2(x))
         # Back to channel-last before flattening, or the head's inputs are
@@ -155,20 +187,35 @@ def show(title: str, report) -> None:
         print(f"-> first divergence: Haiku {first.site_a!r} / port {first.site_b!r}")
 
 
+def linen_port(x):
+    module = LinenCNN()
+    shapes = jax.eval_shape(module.init, jax.random.key(0), x)
+    return bridge.probe(module, placeholders(shapes))
+
+
+def equinox_port(**hyperparameters):
+    shapes = eqx.filter_eval_shape(EquinoxCNN, jax.random.key(0), **hyperparameters)
+    return bridge.probe(placeholders(shapes), vmap=True)
+
+
+def nnx_port(cls=NnxCNN):
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: cls(nnx.Rngs(0))))
+    return bridge.probe(nnx.merge(graphdef, placeholders(shapes)))
+
+
 def main() -> None:
     start = time.perf_counter()
-    x, labels = digits(BATCH)
+    x, labels = images(BATCH)
     loss_fn = cross_entropy(labels)
 
     source_model = hk.transform(haiku_cnn)
-    source = bridge.probe(source_model, source_model.init(jax.random.key(0), x))
+    params = checkpoint(jax.eval_shape(source_model.init, jax.random.key(0), x))
+    source = bridge.probe(source_model, params)
 
     ports = {
-        "Flax Linen": bridge.probe(
-            LinenCNN(), LinenCNN().init(jax.random.key(1), x)
-        ),
-        "Equinox": bridge.probe(EquinoxCNN(jax.random.key(2)), vmap=True),
-        "Flax NNX": bridge.probe(NnxCNN(nnx.Rngs(3))),
+        "Flax Linen": linen_port(x),
+        "Equinox": equinox_port(),
+        "Flax NNX": nnx_port(),
     }
     for name, port in ports.items():
         ported = bridge.transfer(source, port, x)
@@ -177,14 +224,15 @@ def main() -> None:
         assert report.first_divergence is None, name
 
     buggy = {
-        # Layer by layer the same weights, but no ReLU between norm and conv2.
+        # The same weights, layer by layer, but no ReLU between norm and conv2:
+        # the first layer whose activations part is the one after the bug.
         "Flax NNX without the ReLU after the LayerNorm": (
-            bridge.probe(NnxCNNWithoutReLU(nnx.Rngs(3))),
+            nnx_port(NnxCNNWithoutReLU),
             "conv2_d_1",
         ),
         # Reflection instead of zeros at the border of the first convolution.
         "Equinox with reflection padding": (
-            bridge.probe(EquinoxCNN(jax.random.key(2), "REFLECT"), vmap=True),
+            equinox_port(padding_mode="REFLECT"),
             "conv2_d",
         ),
     }
@@ -198,5 +246,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

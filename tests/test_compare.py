@@ -98,6 +98,7 @@ def test_a_forward_bug_is_found_at_its_pair():
     assert "first divergence: 'LayerNorm_0' (A) / 'layer_norm' (B)" in str(report)
 
 
+@pytest.mark.slow
 def test_a_wrong_nonlinearity_shows_at_the_next_parameterised_module():
     reference = build("nnx")
     buggy = bridge.transfer(

@@ -341,7 +341,7 @@ def test_a_scan_body_jax_traced_before_still_gives_every_site():
     again = probe.value_and_grad(_mlp_loss, x)
     assert list(probe.sites(x)) == list(again.activations) == ["layers"]
     hidden = x @ model.layers.weight[0].T + model.layers.bias[0][None]
-    np.testing.assert_allclose(again.activations["layers"][:, 0], hidden, rtol=1e-6)
+    np.testing.assert_allclose(again.activations["layers"][0], hidden, rtol=1e-6)
     np.testing.assert_allclose(
         again.activation_grads["layers"], first.activation_grads["layers"]
     )

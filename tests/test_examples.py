@@ -29,6 +29,7 @@ CASES = {
         ("gradient_flow.png",),
     ),
     "sharded_step.py": (("flax",), ()),
+    "porting.py": (("flax", "equinox", "haiku"), ()),
     "kfac.py": (("flax", "matplotlib"), ("kfac.png",)),
     "activation_patching.py": (
         ("flax", "optax", "matplotlib"),

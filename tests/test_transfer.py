@@ -303,3 +303,55 @@ def test_equinox_batch_mode_statistics_move_both_ways():
     np.testing.assert_allclose(
         jax.jit(outputs)(equinox, x), linen_outputs, rtol=1e-5, atol=1e-5
     )
+
+
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(4)(x)), None
+
+
+class _LinenStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            _ScanBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        return stack()(x, None)[0]
+
+
+class _EqxStack(eqx.Module):
+    layers: eqx.nn.Linear  # three stacked Linears, scanned over
+
+    def __call__(self, x):
+        arrays, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(x, layer):
+            return jnp.tanh(eqx.combine(layer, static)(x)), None
+
+        return jax.lax.scan(step, x, arrays)[0]
+
+
+def test_scanned_layers_keep_their_iteration_axis():
+    x = IMAGES[:, 0, :4, 0]
+    linen = _linen(_LinenStack(), x)
+    stacked = filled(
+        eqx.filter_eval_shape(
+            lambda keys: _EqxStack(
+                eqx.filter_vmap(lambda key: eqx.nn.Linear(4, 4, key=key))(keys)
+            ),
+            jax.random.split(jax.random.key(0), 3),
+        ),
+        seed=3,
+    )
+    ported = bridge.transfer(linen, bridge.probe(stacked, vmap=True), x)
+    kernel = linen.variables["params"]["Scan_ScanBlock_0"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(
+        ported.model.layers.weight, jnp.swapaxes(kernel, 1, 2)
+    )
+    expected = jax.jit(linen.module.apply)(linen.variables, x)
+    got = eqx.filter_jit(lambda model, x: jax.vmap(model)(x))(ported.model, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -45,7 +45,7 @@ ARCHITECTURES = ("mlp", "cnn", "transformer")
 EPSILON = 1e-5  # every LayerNorm's: Linen and NNX default to 1e-6
 BATCH = 4
 MLP_SIZES = (6, 16, 16, 3)  # input, hidden, hidden, output
-IMAGE = (6, 6, 3)  # (H, W, C), channel-last as three of the libraries want it
+IMAGE = (6, 5, 3)  # (H, W, C), channel-last; not square, so axes cannot be mixed
 CONV_CHANNELS = (4, 8)
 CLASSES = 3
 TOKENS, WIDTH, HEADS, MLP_WIDTH = 5, 16, 2, 32
@@ -469,7 +469,9 @@ CNN = {
         "linen",
         LinenCNN(),
         sites=dict(zip(_CNN_LAYERS, _LINEN_CNN, strict=True)),
-        layers={name: (path,) for name, path in zip(_CNN_LAYERS, _LINEN_CNN)},
+        layers={
+            name: (path,) for name, path in zip(_CNN_LAYERS, _LINEN_CNN, strict=True)
+        },
     ),
     "nnx": Port(
         "nnx",
