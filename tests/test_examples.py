@@ -37,17 +37,8 @@ CASES = {
     ),
 }
 
-# The examples CI runs; the others are in the slow tier.
-DEFAULT_TIER = {"quickstart.py", "saliency.py", "gradient_flow.py"}
 
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=() if name in DEFAULT_TIER else pytest.mark.slow)
-        for name in CASES
-    ],
-)
+@pytest.mark.parametrize("name", list(CASES))
 def test_example_runs_in_smoke_mode(name, tmp_path):
     needs, figures = CASES[name]
     for package in needs:
