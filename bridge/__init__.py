@@ -5,6 +5,7 @@ gradients of the loss with respect to those activations, without editing the
 model's code.
 """
 
+from . import testing as testing
 from ._porting import ComparisonReport as ComparisonReport
 from ._porting import PairComparison as PairComparison
 from ._porting import compare as compare
@@ -35,5 +36,6 @@ __all__ = [
     "probe",
     "register_adapter",
     "tap",
+    "testing",
     "transfer",
 ]
