@@ -19,7 +19,14 @@ import jax.numpy as jnp
 from ._result import ForwardResult, ProbeResult
 from ._selection import check_selection, matches_pattern, select
 from ._session import Session
-from ._sites import Site, explicit_sharding, is_array, zeros_like_struct
+from ._sites import (
+    Site,
+    explicit_sharding,
+    fits,
+    is_array,
+    shapes_and_dtypes,
+    zeros_like_struct,
+)
 
 #: The axis name of the probe's own `jax.vmap` with `vmap=True`, for models
 #: whose layers reduce over the batch (BatchNorm).
@@ -372,9 +379,8 @@ def _resolve_patches(patch: Mapping[str, Any] | None, sites: list[Site]) -> dict
 
 
 def _check_patch_value(site: Site, value: Any) -> None:
-    expected = jax.tree.map(lambda s: (s.shape, jnp.dtype(s.dtype)), site.struct)
-    got = jax.tree.map(lambda v: (jnp.shape(v), jnp.result_type(v)), value)
-    if jax.tree.structure(site.struct) != jax.tree.structure(value) or expected != got:
+    if not fits(site.struct, value):
+        expected, got = shapes_and_dtypes(site.struct), shapes_and_dtypes(value)
         raise ValueError(
             f"patch for site {site.name!r} does not fit: the site's value has "
             f"(shape, dtype) {expected}, the patch has {got}. Give a value of the "
@@ -394,9 +400,8 @@ def _check_patch_function(site: Site, function: Callable[[Any], Any]) -> None:
         new = jax.eval_shape(function, site.struct)
     except Exception:  # noqa: BLE001 - checked again where the patch is applied
         return
-    expected = jax.tree.map(lambda s: (s.shape, jnp.dtype(s.dtype)), site.struct)
-    got = jax.tree.map(lambda s: (s.shape, jnp.dtype(s.dtype)), new)
-    if jax.tree.structure(site.struct) != jax.tree.structure(new) or expected != got:
+    if not fits(site.struct, new):
+        expected, got = shapes_and_dtypes(site.struct), shapes_and_dtypes(new)
         raise ValueError(
             f"patch for site {site.name!r} does not fit: the site's value has "
             f"(shape, dtype) {expected}, the patch function returns {got}. A patch "

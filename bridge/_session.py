@@ -23,6 +23,7 @@ from ._sites import (
     abstract,
     add_epsilon,
     differentiable_part,
+    fits,
     is_array,
     site_name,
 )
@@ -250,10 +251,7 @@ def _apply_patch(name: str, patch: Any, value: Any, batch_axis: str | None) -> A
         index = jax.lax.axis_index(batch_axis)
         new = jax.tree.map(lambda v: v[index], patch(whole))
     expected, got = abstract(value), abstract(new)
-    if jax.tree.structure(expected) != jax.tree.structure(got) or any(
-        (e.shape, e.dtype) != (g.shape, g.dtype)
-        for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True)
-    ):
+    if not fits(expected, got):
         raise ValueError(
             f"patch for site {name!r} does not fit: the site's value is {expected}, "
             f"the patch gives {got}. A patch must keep the site's structure, shape "
