@@ -9,13 +9,15 @@ scanned site without vmap, `(iterations, batch, ...)`; axis 0 otherwise).
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from checks import (
+    check_batch_sharded,
+    check_explicit_axes,
+    check_shard_map,
+    stacked_spec,
+)
+from jax.sharding import AxisType
 
 import bridge
-
-assert jax.device_count() == 8, jax.devices()
 
 
 class Dense(eqx.Module):
@@ -60,73 +62,29 @@ def loss(y):
 
 x = jax.random.normal(jax.random.key(0), (32, 16))
 model = Stack(jax.random.key(1))
-# Auto axes (GSPMD propagation); Explicit axes at the end.
-mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-batch_sharded = NamedSharding(mesh, P("data"))
-replicated = NamedSharding(mesh, P())
 step = jax.jit(lambda probe, x: probe.value_and_grad(loss, x))
+# (iterations, batch, ...) with or without vmap=True.
+spec_of = stacked_spec(lambda name: name == "layers")
+# Auto axes (GSPMD propagation); Explicit axes at the end.
+auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 
 for vmap in (False, True):
     probe = bridge.probe(model, vmap=vmap)
     single = step(probe, x)
-    # (iterations, batch, ...) with or without vmap=True.
     assert single.activation_grads["layers"].shape == (4, 32, 16)
-    sharded = step(jax.device_put(probe, replicated), jax.device_put(x, batch_sharded))
-    np.testing.assert_allclose(sharded.loss, single.loss, rtol=1e-6)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        (sharded.grads, sharded.activations, sharded.activation_grads),
-        (single.grads, single.activations, single.activation_grads),
-    )
-    for name, grad in sharded.activation_grads.items():
-        spec = P(None, "data") if name == "layers" else P("data")
-        assert grad.sharding.is_equivalent_to(NamedSharding(mesh, spec), grad.ndim), (
-            vmap,
-            name,
-            grad.sharding,
-        )
-
-
-# shard_map: each device probes its shard. Epsilons vary across devices like
-# the activations they perturb, or their gradients would be summed over devices.
-def local_step(probe, x):
-    res = probe.value_and_grad(lambda y: jnp.sum(jnp.square(y - 1.0)) / (32 * 16), x)
-    return res.grads, res.activation_grads
-
-
-for vmap in (False, True):
-    probe = bridge.probe(model, vmap=vmap)
-    single = step(probe, x)
-    specs = {name: P("data") for name in single.activation_grads}
-    specs["layers"] = P(None, "data")  # (iterations, batch, ...)
-    local = jax.jit(
-        jax.shard_map(
-            local_step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), specs)
-        )
-    )
-    grads, activation_grads = local(
-        jax.device_put(probe, replicated), jax.device_put(x, batch_sharded)
-    )
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-        (grads, activation_grads),
-        (single.grads, single.activation_grads),
+    check_batch_sharded(step, probe, x, single, spec_of, mesh=auto)
+    check_shard_map(
+        probe,
+        x,
+        single,
+        spec_of,
+        lambda y: jnp.sum(jnp.square(y - 1.0)) / (32 * 16),
+        mesh=auto,
     )
 
 # Explicit axes: the per-example model under the probe's vmap, its epsilons'
 # batch axis sharded like the inputs'.
-explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 probe = bridge.probe(model, vmap=True)
-single = step(probe, x)
-with jax.set_mesh(explicit):
-    result = step(
-        jax.device_put(probe, NamedSharding(explicit, P())),
-        jax.device_put(x, NamedSharding(explicit, P("data"))),
-    )
-jax.tree.map(
-    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-    (result.loss, result.grads, result.activation_grads),
-    (single.loss, single.grads, single.activation_grads),
-)
+result = check_explicit_axes(step, probe, x, step(probe, x))
 assert result.activation_grads["layers"].sharding.spec[:2] == (None, "data")
 print("ok")
