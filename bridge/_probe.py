@@ -20,6 +20,8 @@ from ._result import ForwardResult, ProbeResult
 from ._selection import check_selection, matches_pattern, select
 from ._session import Session
 from ._sites import (
+    JAX_ARRAYS,
+    Arrays,
     Site,
     explicit_sharding,
     fits,
@@ -76,15 +78,15 @@ class ProbeBase:
         **kwargs: Any,
     ) -> ForwardResult:
         check_selection(at)
-        _check_patch_kind(patch)
+        check_patch_kind(patch)
         self._check_inputs(args, kwargs)
         discovered, _ = self._discover(args, kwargs)
         chosen = select(at, discovered)
-        patches = _resolve_patches(patch, discovered)
+        patches = resolve_patches(patch, discovered)
         outputs, state, activations, _ = self._call(
             self._trainable(), args, kwargs, chosen, {}, patches, False, discovered
         )
-        return ForwardResult(outputs, _in_order(activations, chosen), state)
+        return ForwardResult(outputs, in_order(activations, chosen), state)
 
     def value_and_grad(
         self,
@@ -103,12 +105,12 @@ class ProbeBase:
                 "model's inputs come after it: probe.value_and_grad(loss_fn, x)."
             )
         check_selection(at)
-        _check_patch_kind(patch)
+        check_patch_kind(patch)
         self._check_inputs(args, kwargs)
         discovered, loss_struct = self._discover(args, kwargs, loss_fn)
-        _check_loss(loss_struct, has_aux)
+        check_loss(loss_struct, has_aux)
         chosen = select(at, discovered)
-        patches = _resolve_patches(patch, discovered)
+        patches = resolve_patches(patch, discovered)
         epsilons = {site.name: zeros_like_struct(site.value_struct) for site in chosen}
 
         def objective(trainable, epsilons):
@@ -135,10 +137,10 @@ class ProbeBase:
             loss=loss,
             aux=aux,
             grads=self._format_grads(grads),
-            activations=_in_order(activations, chosen),
-            activation_grads=_in_order(activation_grads, chosen),
+            activations=in_order(activations, chosen),
+            activation_grads=in_order(activation_grads, chosen),
             state=state,
-            inputs=_in_order(inputs, chosen) if with_inputs else None,
+            inputs=in_order(inputs, chosen) if with_inputs else None,
         )
 
     # -- the machinery -----------------------------------------------------------
@@ -322,7 +324,7 @@ def _batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:
     }
 
 
-def _check_loss(loss_struct: Any, has_aux: bool) -> None:
+def check_loss(loss_struct: Any, has_aux: bool) -> None:
     if has_aux:
         if not (isinstance(loss_struct, tuple | list) and len(loss_struct) == 2):
             raise ValueError(
@@ -347,7 +349,7 @@ def _check_loss(loss_struct: Any, has_aux: bool) -> None:
         )
 
 
-def _check_patch_kind(patch: Any) -> None:
+def check_patch_kind(patch: Any) -> None:
     if patch is not None and not isinstance(patch, Mapping):
         raise TypeError(
             "`patch` must map site paths or globs to a value or a function of the "
@@ -356,7 +358,9 @@ def _check_patch_kind(patch: Any) -> None:
         )
 
 
-def _resolve_patches(patch: Mapping[str, Any] | None, sites: list[Site]) -> dict:
+def resolve_patches(
+    patch: Mapping[str, Any] | None, sites: list[Site], arrays: Arrays = JAX_ARRAYS
+) -> dict:
     """`{site name: value or function}` for every site a patch key matches."""
     if not patch:
         return {}
@@ -371,16 +375,17 @@ def _resolve_patches(patch: Mapping[str, Any] | None, sites: list[Site]) -> dict
             )
         for site in matched:
             if callable(replacement):
-                _check_patch_function(site, replacement)
+                _check_patch_function(site, replacement, arrays)
             else:
-                _check_patch_value(site, replacement)
+                _check_patch_value(site, replacement, arrays)
             resolved[site.name] = replacement
     return resolved
 
 
-def _check_patch_value(site: Site, value: Any) -> None:
-    if not fits(site.struct, value):
-        expected, got = shapes_and_dtypes(site.struct), shapes_and_dtypes(value)
+def _check_patch_value(site: Site, value: Any, arrays: Arrays) -> None:
+    if not arrays.fits(site.struct, value):
+        expected = shapes_and_dtypes(site.struct)
+        got = arrays.shapes_and_dtypes(value)
         raise ValueError(
             f"patch for site {site.name!r} does not fit: the site's value has "
             f"(shape, dtype) {expected}, the patch has {got}. Give a value of the "
@@ -389,7 +394,9 @@ def _check_patch_value(site: Site, value: Any) -> None:
         )
 
 
-def _check_patch_function(site: Site, function: Callable[[Any], Any]) -> None:
+def _check_patch_function(
+    site: Site, function: Callable[[Any], Any], arrays: Arrays
+) -> None:
     """A patch function that changes the site's shape fails here, by abstract
     evaluation, before any work. A stacked site's function sees one iteration
     at a time, and one that cannot be evaluated abstractly here is left to the
@@ -397,7 +404,7 @@ def _check_patch_function(site: Site, function: Callable[[Any], Any]) -> None:
     if site.stacked:
         return
     try:
-        new = jax.eval_shape(function, site.struct)
+        new = arrays.eval_shape(function, site.struct)
     except Exception:  # noqa: BLE001 - checked again where the patch is applied
         return
     if not fits(site.struct, new):
@@ -410,6 +417,6 @@ def _check_patch_function(site: Site, function: Callable[[Any], Any]) -> None:
         )
 
 
-def _in_order(values: dict[str, Any], chosen: list[Site]) -> dict[str, Any]:
+def in_order(values: dict[str, Any], chosen: list[Site]) -> dict[str, Any]:
     """Dicts come back from traced functions with sorted keys: restore call order."""
     return {site.name: values[site.name] for site in chosen if site.name in values}

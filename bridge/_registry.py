@@ -24,7 +24,8 @@ _SUPPORTED = (
     "Equinox: bridge.probe(module), or bridge.probe(module, state) for a model "
     "with an eqx.nn.State; "
     "Haiku: bridge.probe(hk.transform(f), params), or "
-    "bridge.probe(hk.transform_with_state(f), params, state)"
+    "bridge.probe(hk.transform_with_state(f), params, state); "
+    "PyTorch: bridge.probe(module) with a torch.nn.Module"
 )
 
 
@@ -161,6 +162,9 @@ register_adapter(
 )
 register_adapter(
     _instance_of("equinox", "Module"), "bridge.adapters.equinox:probe", name="equinox"
+)
+register_adapter(
+    _instance_of("torch.nn", "Module"), "bridge.adapters.torch:probe", name="torch"
 )
 register_adapter(
     _instance_of("haiku", "Transformed", "TransformedWithState"),

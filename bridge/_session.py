@@ -18,15 +18,7 @@ from typing import Any
 
 import jax
 
-from ._sites import (
-    Site,
-    abstract,
-    add_epsilon,
-    differentiable_part,
-    fits,
-    is_array,
-    site_name,
-)
+from ._sites import JAX_ARRAYS, Arrays, Site, site_name
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None
@@ -67,6 +59,7 @@ class Session:
         patches: Mapping[str, Any] | None = None,
         with_inputs: bool = False,
         batch_axis: str | None = None,
+        arrays: Arrays = JAX_ARRAYS,
     ):
         self.discovering = selected is None
         self.selected = selected or {}
@@ -76,6 +69,8 @@ class Session:
         # Set when the model runs under the probe's own `jax.vmap` (vmap=True):
         # a patch function then still sees the whole batch.
         self.batch_axis = batch_axis
+        # The framework's values: JAX arrays, or an adapter's own (PyTorch).
+        self.arrays = arrays
         self.sites: list[Site | None] = []
         self.activations: dict[str, Any] = {}
         self.inputs: dict[str, tuple] = {}
@@ -115,7 +110,7 @@ class Session:
             call.slot = len(self.sites)
             self.sites.append(None)
         elif record and self.with_inputs and call.name in self.selected:
-            self.inputs[call.name] = positional_arrays(args)
+            self.inputs[call.name] = self.arrays.positional(args)
         self._enclosing.append(path)
         return call
 
@@ -145,27 +140,28 @@ class Session:
                 call.method,
                 call.index,
                 call.module,
-                abstract(value),
+                self.arrays.abstract(value),
                 call.origin,
             )
             return value
         if call.name in self.patches:
-            value = _apply_patch(
-                call.name, self.patches[call.name], value, self.batch_axis
-            )
+            value = self._apply_patch(call.name, self.patches[call.name], value)
         if call.name in self.selected:
             epsilon = self.epsilons.get(call.name)
             if epsilon is not None:
-                value = perturb(value) if perturb else add_epsilon(value, epsilon)
+                if perturb is None:
+                    value = self.arrays.add_epsilon(value, epsilon)
+                else:
+                    value = perturb(value)
             if record:
-                self.activations[call.name] = differentiable_part(value)
+                self.activations[call.name] = self.arrays.recorded(value)
         return value
 
     def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:
         """Hand over a selected site's value (and inputs) recorded by the adapter."""
-        self.activations[name] = differentiable_part(value)
+        self.activations[name] = self.arrays.recorded(value)
         if inputs is not None and self.with_inputs:
-            self.inputs[name] = positional_arrays(inputs)
+            self.inputs[name] = self.arrays.positional(inputs)
 
     def checkpoint(self) -> tuple[dict[str, int], int, int]:
         """The naming state now, to `restore` when a library traces a body again."""
@@ -211,7 +207,7 @@ class Session:
     def restructure(self, name: str, value: Any) -> None:
         """Discovery: the site's value is `value`, as it leaves a lifted transform
         (stacked over a scan's iterations), not as seen inside it."""
-        struct = abstract(value)
+        struct = self.arrays.abstract(value)
         for slot, site in enumerate(self.sites):
             if site is not None and site.name == name:
                 added = _ndim(struct) - _ndim(site.struct)
@@ -224,6 +220,28 @@ class Session:
         path = f"{self._enclosing[-1]}/{name}" if self._enclosing else name
         return self.exit(self.enter(path, None, None), value)
 
+    def _apply_patch(self, name: str, patch: Any, value: Any) -> Any:
+        if not callable(patch):
+            new = patch
+        elif self.batch_axis is None:
+            new = patch(value)
+        else:
+            # Under the probe's vmap each example sees only itself; the contract
+            # gives a patch function the whole batch: gather it, patch it, and
+            # keep this example's row.
+            axis = self.batch_axis
+            whole = jax.tree.map(lambda v: jax.lax.all_gather(v, axis), value)
+            index = jax.lax.axis_index(axis)
+            new = jax.tree.map(lambda v: v[index], patch(whole))
+        expected = self.arrays.abstract(value)
+        if not self.arrays.fits(expected, new):
+            raise ValueError(
+                f"patch for site {name!r} does not fit: the site's value is "
+                f"{expected}, the patch gives {self.arrays.abstract(new)}. A patch "
+                "must keep the site's structure, shape and dtype."
+            )
+        return new
+
     def discovered(self) -> list[Site]:
         return [site for site in self.sites if site is not None]
 
@@ -235,29 +253,7 @@ def _ndim(struct: Any) -> int:
 
 def positional_arrays(args: tuple) -> tuple:
     """A call's positional arguments, array leaves kept, anything else `None`."""
-    return jax.tree.map(lambda a: a if is_array(a) else None, tuple(args))
-
-
-def _apply_patch(name: str, patch: Any, value: Any, batch_axis: str | None) -> Any:
-    if not callable(patch):
-        new = patch
-    elif batch_axis is None:
-        new = patch(value)
-    else:
-        # Under the probe's vmap each example sees only itself; the contract
-        # gives a patch function the whole batch: gather it, patch it, and
-        # keep this example's row.
-        whole = jax.tree.map(lambda v: jax.lax.all_gather(v, batch_axis), value)
-        index = jax.lax.axis_index(batch_axis)
-        new = jax.tree.map(lambda v: v[index], patch(whole))
-    expected, got = abstract(value), abstract(new)
-    if not fits(expected, got):
-        raise ValueError(
-            f"patch for site {name!r} does not fit: the site's value is {expected}, "
-            f"the patch gives {got}. A patch must keep the site's structure, shape "
-            "and dtype."
-        )
-    return new
+    return JAX_ARRAYS.positional(args)
 
 
 def tap(name: str, value: Any) -> Any:

@@ -174,3 +174,54 @@ def add_epsilon(value: Any, epsilon: Any) -> Any:
     """`value + epsilon` on the floating leaves; `epsilon` has `None` elsewhere."""
     perturbed = jax.tree.map(jnp.add, differentiable_part(value), epsilon)
     return merge_differentiable(value, perturbed)
+
+
+class Arrays:
+    """How the session handles one framework's values: JAX arrays by default.
+
+    The session names, selects, patches and records the calls of any model
+    the same way; what differs between frameworks is only what an array is,
+    its abstract shape, how an epsilon is added and what a recording keeps.
+    A non-JAX adapter (PyTorch) passes its own `Arrays` to the `Session`.
+    Values are traversed with `jax.tree`, whose containers (tuples, lists,
+    dicts, named tuples) are those models return; a framework's arrays are
+    its leaves.
+    """
+
+    def is_array(self, leaf: Any) -> bool:
+        return is_array(leaf)
+
+    def abstract(self, tree: Any) -> Any:
+        """`jax.ShapeDtypeStruct` of each array leaf, `None` elsewhere."""
+        return abstract(tree)
+
+    def shapes_and_dtypes(self, tree: Any) -> Any:
+        return shapes_and_dtypes(tree)
+
+    def differentiable_part(self, tree: Any) -> Any:
+        return differentiable_part(tree)
+
+    def add_epsilon(self, value: Any, epsilon: Any) -> Any:
+        return add_epsilon(value, epsilon)
+
+    def recorded(self, value: Any) -> Any:
+        """What a recording keeps of a site's value: its floating leaves."""
+        return differentiable_part(value)
+
+    def positional(self, args: tuple) -> tuple:
+        """A call's positional arguments, array leaves kept, the rest `None`."""
+        return jax.tree.map(lambda a: a if self.is_array(a) else None, tuple(args))
+
+    def fits(self, expected: Any, got: Any) -> bool:
+        """Whether the values `got` have the structure, shapes and dtypes of the
+        abstract `expected`: what a patch must keep."""
+        return jax.tree.structure(expected) == jax.tree.structure(got) and (
+            shapes_and_dtypes(expected) == self.shapes_and_dtypes(got)
+        )
+
+    def eval_shape(self, function: Any, struct: Any) -> Any:
+        """The abstract result of `function` on values shaped like `struct`."""
+        return jax.eval_shape(function, struct)
+
+
+JAX_ARRAYS = Arrays()

@@ -1,0 +1,482 @@
+"""PyTorch: a `torch.nn.Module` through the same protocol as the JAX libraries.
+
+Most ports into JAX start from a PyTorch model, so `bridge.transfer` and
+`bridge.compare` must see a PyTorch model the way they see a JAX one. The
+mechanism is the epsilon trick in PyTorch's own terms:
+
+- Each submodule (every entry of `named_modules()` but the root) gets a
+  forward pre-hook and a forward hook for the length of one call, removed in
+  a `finally`, also when the model or the loss raises. The pre-hook reports
+  the call's entry to the `Session` (sites are ordered by call entry, named by
+  `named_modules()` paths, `#k` for repeated calls); the forward hook hands the
+  output to the session, which patches it, adds a fresh zero epsilon that
+  requires grad, and records a detached copy.
+- One `torch.autograd.grad` of the loss with respect to the parameters and
+  the epsilons gives both gradient sets in one backward pass. Each call has an
+  epsilon of its own, so the gradients of a module called twice are never
+  summed.
+- The model runs through `torch.func.functional_call` with detached aliases
+  of the parameters (no copy; `.grad` of the user's parameters is never
+  touched) and clones of the buffers (a training-mode BatchNorm updates the
+  clones, returned in `res.state`, never the user's running statistics).
+- Discovery (`sites`, and the checks before a call) runs the model on fake
+  tensors (`FakeTensorMode`): shapes without FLOPs. A model that fake tensors
+  cannot run (data-dependent shapes, an operator without a meta kernel) is
+  discovered by a real forward pass instead, with the RNG state restored.
+
+Every forward pass runs with autograd enabled and the parameters'
+`requires_grad` as the user set them, in discovery and in `apply` too: fused
+inference fast paths (`nn.TransformerEncoderLayer`, `nn.MultiheadAttention`
+in `eval()` without grad) skip their submodules, and the sites must not
+change between discovery and the real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from bridge._probe import (
+    check_loss,
+    check_patch_kind,
+    in_order,
+    resolve_patches,
+)
+from bridge._result import ForwardResult, ProbeResult
+from bridge._selection import check_selection, select
+from bridge._session import Call, Session, current
+from bridge._sites import Arrays, Site
+
+_DTYPES = {
+    torch.float32: jnp.float32,
+    torch.float64: jnp.float64,
+    torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16,
+    torch.complex64: jnp.complex64,
+    torch.complex128: jnp.complex128,
+    torch.int8: jnp.int8,
+    torch.int16: jnp.int16,
+    torch.int32: jnp.int32,
+    torch.int64: jnp.int64,
+    torch.uint8: jnp.uint8,
+    torch.bool: jnp.bool_,
+}
+
+
+def jax_dtype(dtype: torch.dtype) -> Any:
+    """The NumPy/JAX dtype of a torch dtype (sites are `jax.ShapeDtypeStruct`s)."""
+    if dtype not in _DTYPES:
+        raise TypeError(f"bridge has no JAX dtype for the torch dtype {dtype}.")
+    return np.dtype(_DTYPES[dtype])
+
+
+def _inexact(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and (
+        leaf.is_floating_point() or leaf.is_complex()
+    )
+
+
+class TorchArrays(Arrays):
+    """The session's view of torch tensors: leaves of `jax.tree`."""
+
+    def is_array(self, leaf: Any) -> bool:
+        return isinstance(leaf, torch.Tensor)
+
+    def abstract(self, tree: Any) -> Any:
+        return jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(tuple(x.shape), jax_dtype(x.dtype))
+                if isinstance(x, torch.Tensor)
+                else None
+            ),
+            tree,
+        )
+
+    def shapes_and_dtypes(self, tree: Any) -> Any:
+        return jax.tree.map(
+            lambda x: (
+                (tuple(x.shape), jax_dtype(x.dtype))
+                if isinstance(x, torch.Tensor)
+                else (tuple(np.shape(x)), jnp.result_type(x))
+            ),
+            tree,
+        )
+
+    def differentiable_part(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: x if _inexact(x) else None, tree)
+
+    def add_epsilon(self, value: Any, epsilon: Any) -> Any:
+        raise AssertionError("bridge bug: torch epsilons are added by the adapter")
+
+    def recorded(self, value: Any) -> Any:
+        # A copy: models modify outputs in place (`x += residual`,
+        # `nn.ReLU(inplace=True)`), which would rewrite a recorded alias.
+        return jax.tree.map(
+            lambda x: x.detach().clone() if _inexact(x) else None, value
+        )
+
+    def positional(self, args: tuple) -> tuple:
+        return jax.tree.map(
+            lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else None,
+            tuple(args),
+        )
+
+    def eval_shape(self, function: Any, struct: Any) -> Any:
+        with _fake_mode() as mode:
+            values = jax.tree.map(lambda s: _fake_like(mode, s), struct)
+            return self.abstract(function(values))
+
+
+TORCH_ARRAYS = TorchArrays()
+
+
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_like(mode: Any, struct: jax.ShapeDtypeStruct) -> torch.Tensor:
+    dtype = next(t for t, d in _DTYPES.items() if np.dtype(d) == struct.dtype)
+    with mode:
+        return torch.empty(struct.shape, dtype=dtype)
+
+
+_NOT_JAX = (
+    "A PyTorch model runs in PyTorch: jax.jit, jax.vmap and jax.grad cannot trace "
+    "it. Call the probe outside JAX transformations; batch the inputs as the "
+    "PyTorch model expects."
+)
+
+
+def to_torch(tree: Any) -> Any:
+    """NumPy and JAX arrays in `tree` as torch tensors, without a copy where the
+    memory can be shared (DLPack for JAX, `from_numpy` for writable NumPy)."""
+
+    def convert(leaf):
+        if isinstance(leaf, jax.core.Tracer):
+            raise TypeError(_NOT_JAX)
+        if isinstance(leaf, jax.Array):
+            return torch.from_dlpack(leaf)
+        if isinstance(leaf, np.ndarray):
+            if leaf.flags.writeable:
+                return torch.from_numpy(leaf)
+            return torch.tensor(leaf)
+        return leaf
+
+    return jax.tree.map(convert, tree)
+
+
+def _detached(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree
+    )
+
+
+class TorchProbe:
+    """A `torch.nn.Module` under probe. Results are detached torch tensors."""
+
+    _porting = "bridge.adapters._porting_torch"
+    vmap = False
+
+    def __init__(self, module: torch.nn.Module, *variables: Any, vmap: bool = False):
+        if vmap:
+            raise ValueError(
+                "vmap=True does not apply to a PyTorch model: the probe calls it "
+                "on the whole batch, as PyTorch models are written. Use "
+                "bridge.probe(module) and pass batched inputs."
+            )
+        if variables:
+            raise TypeError(
+                "A PyTorch module carries its own parameters and buffers: call "
+                f"bridge.probe(module) without variables; got {len(variables)} "
+                "more argument(s)."
+            )
+        self.module = module
+
+    def __repr__(self) -> str:
+        return f"TorchProbe({type(self.module).__name__})"
+
+    # -- the protocol ------------------------------------------------------------
+
+    def sites(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        args, kwargs = self._check_inputs(args, kwargs)
+        discovered, _ = self._discover(args, kwargs)
+        return {s.name: s.value_struct for s in discovered if s.differentiable}
+
+    def apply(
+        self,
+        *args: Any,
+        at: Any = None,
+        patch: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ForwardResult:
+        check_selection(at)
+        check_patch_kind(patch)
+        args, kwargs = self._check_inputs(args, kwargs)
+        discovered, _ = self._discover(args, kwargs)
+        chosen = select(at, discovered)
+        patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
+        run = self._run(args, kwargs, chosen, patches, with_inputs=False)
+        with run as (outputs, session, _, buffers):
+            pass
+        return ForwardResult(
+            _detached(outputs),
+            in_order(session.activations, chosen),
+            _state(buffers),
+        )
+
+    def value_and_grad(
+        self,
+        loss_fn: Callable[[Any], Any],
+        *args: Any,
+        at: Any = None,
+        has_aux: bool = False,
+        patch: Mapping[str, Any] | None = None,
+        with_inputs: bool = False,
+        **kwargs: Any,
+    ) -> ProbeResult:
+        if not callable(loss_fn):
+            raise TypeError(
+                "`loss_fn` must be a function `outputs -> scalar tensor` (or "
+                f"`(scalar, aux)` with has_aux=True); got {type(loss_fn).__name__}. "
+                "The model's inputs come after it: probe.value_and_grad(loss_fn, x)."
+            )
+        check_selection(at)
+        check_patch_kind(patch)
+        args, kwargs = self._check_inputs(args, kwargs)
+        discovered, loss_struct = self._discover(args, kwargs, loss_fn)
+        check_loss(loss_struct, has_aux)
+        chosen = select(at, discovered)
+        patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
+        run = self._run(args, kwargs, chosen, patches, with_inputs, perturb=True)
+        with run as (outputs, session, params, buffers):
+            loss_out = loss_fn(outputs)
+        loss, aux = loss_out if has_aux else (loss_out, None)
+        epsilons = session.epsilon_leaves
+        trainable = {n: p for n, p in params.items() if p.requires_grad}
+        wrt = [*trainable.values(), *epsilons.values()]
+        if loss.requires_grad and wrt:
+            found = torch.autograd.grad(loss, wrt, allow_unused=True)
+        else:
+            found = [None] * len(wrt)
+        found = [
+            torch.zeros_like(x) if g is None else g
+            for x, g in zip(wrt, found, strict=True)
+        ]
+        grads = dict(zip(trainable, found[: len(trainable)], strict=True))
+        epsilon_grads = dict(zip(epsilons, found[len(trainable) :], strict=True))
+        activation_grads = {
+            name: jax.tree.map(lambda e: epsilon_grads[id(e)], tree)
+            for name, tree in session.epsilon_trees.items()
+        }
+        return ProbeResult(
+            loss=loss.detach(),
+            aux=_detached(aux),
+            grads=grads,
+            activations=in_order(session.activations, chosen),
+            activation_grads=in_order(activation_grads, chosen),
+            state=_state(buffers),
+            inputs=in_order(session.inputs, chosen) if with_inputs else None,
+        )
+
+    # -- the machinery -----------------------------------------------------------
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The inputs as torch tensors; refuses JAX tracers, before any work."""
+        return to_torch(tuple(args)), to_torch(dict(kwargs))
+
+    def _discover(
+        self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
+    ) -> tuple[list[Site], Any]:
+        """Every site of one forward pass, on fake tensors: no FLOPs.
+
+        Also returns the abstract loss when `loss_fn` is given. The global RNG
+        is left as it was, so a dropout mask is the one a plain call draws.
+        """
+        args, kwargs = to_torch(args), to_torch(kwargs)
+        try:
+            with _fake_mode() as mode, _restored_rng(self.module):
+                params = {
+                    name: mode.from_tensor(p).requires_grad_(p.requires_grad)
+                    for name, p in self.module.named_parameters()
+                }
+                buffers = {
+                    name: mode.from_tensor(b) for name, b in self.module.named_buffers()
+                }
+                fake = jax.tree.map(
+                    lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
+                    (args, kwargs),
+                )
+                sites, loss_out = self._discover_with(params, buffers, *fake, loss_fn)
+        except Exception:  # noqa: BLE001 - fake tensors cannot run every model
+            with _restored_rng(self.module):
+                params = {
+                    name: p.detach().requires_grad_(p.requires_grad)
+                    for name, p in self.module.named_parameters()
+                }
+                buffers = {
+                    n: b.detach().clone() for n, b in self.module.named_buffers()
+                }
+                sites, loss_out = self._discover_with(
+                    params, buffers, args, kwargs, loss_fn
+                )
+        if loss_fn is None:
+            return sites, None
+        _check_loss_is_a_tensor(loss_out)
+        return sites, TORCH_ARRAYS.abstract(loss_out)
+
+    def _discover_with(self, params, buffers, args, kwargs, loss_fn):
+        session = _TorchSession()
+        with torch.enable_grad():
+            with self._hooks(session), session.active():
+                outputs = functional_call(self.module, (params, buffers), args, kwargs)
+            loss_out = loss_fn(outputs) if loss_fn is not None else None
+        return session.discovered(), loss_out
+
+    @contextlib.contextmanager
+    def _run(
+        self,
+        args: tuple,
+        kwargs: dict,
+        chosen: list[Site],
+        patches: dict,
+        with_inputs: bool,
+        perturb: bool = False,
+    ) -> Iterator[tuple[Any, _TorchSession, dict, dict]]:
+        """One real forward pass: `(outputs, session, parameters, buffers)`.
+
+        The parameters are detached aliases of the user's, requiring grad as
+        the user's do; the buffers are clones, updated by the call.
+        """
+        selected = {site.name: site for site in chosen}
+        session = _TorchSession(
+            selected,
+            {name: site.struct for name, site in selected.items()} if perturb else {},
+            patches,
+            with_inputs,
+        )
+        params = {
+            name: p.detach().requires_grad_(p.requires_grad)
+            for name, p in self.module.named_parameters()
+        }
+        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        with torch.enable_grad():
+            with self._hooks(session), session.active():
+                outputs = functional_call(self.module, (params, buffers), args, kwargs)
+            yield outputs, session, params, buffers
+
+    @contextlib.contextmanager
+    def _hooks(self, session: _TorchSession) -> Iterator[None]:
+        """Report every submodule call to `session`, for the length of the block.
+
+        The hooks act only while `session` is this thread's active session: a
+        call of the same module from another thread goes through untouched.
+        """
+        handles = []
+        open_calls: dict[int, list[Call]] = {}
+
+        def enter(module, args, kwargs, path):
+            if current() is session:
+                call = session.enter(path, None, module, args)
+                open_calls.setdefault(id(module), []).append(call)
+
+        def leave(module, args, kwargs, output):
+            if current() is session:
+                call = open_calls[id(module)].pop()
+                return session.exit(call, output, perturb=session.perturb(call.name))
+            return None
+
+        try:
+            for path, module in self.module.named_modules():
+                if not path:  # the root model is no site
+                    continue
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, a, k, path=path: enter(m, a, k, path),
+                        with_kwargs=True,
+                    )
+                )
+                handles.append(module.register_forward_hook(leave, with_kwargs=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _TorchSession(Session):
+    """A session over torch tensors whose epsilons are made at the call.
+
+    An epsilon is a fresh zero tensor that requires grad, created where the
+    value appears: on its device, with its dtype. `epsilon_trees` keeps, per
+    site, the pytree of epsilons (`None` at integer leaves); `epsilon_leaves`
+    every epsilon by `id`, in creation order, for `torch.autograd.grad`.
+    """
+
+    def __init__(self, selected=None, epsilons=None, patches=None, with_inputs=False):
+        super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
+        self.epsilon_trees: dict[str, Any] = {}
+        self.epsilon_leaves: dict[int, torch.Tensor] = {}
+
+    def perturb(self, name: str) -> Callable[[Any], Any]:
+        def add(value: Any) -> Any:
+            def epsilon_like(x):
+                if not _inexact(x):
+                    return None
+                epsilon = torch.zeros_like(x, requires_grad=True)
+                self.epsilon_leaves[id(epsilon)] = epsilon
+                return epsilon
+
+            tree = jax.tree.map(epsilon_like, value)
+            self.epsilon_trees[name] = tree
+            leaves = iter(jax.tree.leaves(tree))
+            return jax.tree.map(lambda x: x + next(leaves) if _inexact(x) else x, value)
+
+        return add
+
+
+@contextlib.contextmanager
+def _restored_rng(module: torch.nn.Module) -> Iterator[None]:
+    """The global RNG state (CPU, and the model's CUDA devices) as it was."""
+    devices = sorted(
+        {p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"}
+    )
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _check_loss_is_a_tensor(loss_out: Any) -> None:
+    loss = loss_out[0] if isinstance(loss_out, tuple | list) else loss_out
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "`loss_fn` receives the PyTorch model's outputs as torch tensors and "
+            f"must return a scalar torch tensor; it returned a {type(loss).__name__}. "
+            "Compute the loss with torch operations, e.g. "
+            "`lambda y: ((y - target) ** 2).mean()` with a torch `target`."
+        )
+
+
+def _state(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The buffers after the call, keyed like `named_buffers()`; `None` where the
+    model has none."""
+    return {name: b.detach() for name, b in buffers.items()} or None
+
+
+def probe(module: Any, *variables: Any, vmap: bool = False) -> TorchProbe:
+    return TorchProbe(module, *variables, vmap=vmap)
+
+
+jax.tree_util.register_pytree_node(
+    TorchProbe,
+    # No JAX leaves: a torch model cannot be traced. Under `jax.jit` the probe is
+    # static, and its inputs, then tracers, are refused with `_NOT_JAX`.
+    lambda probe: ((), probe),
+    lambda probe, _: probe,
+)
