@@ -391,7 +391,7 @@ class TorchProbe:
         def leave(module, args, kwargs, output):
             if current() is session:
                 call = open_calls[id(module)].pop()
-                return session.exit(call, output, perturb=session.perturb(call.name))
+                return session.exit(call, output)
             return None
 
         try:
@@ -424,6 +424,10 @@ class _TorchSession(Session):
         super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
         self.epsilon_trees: dict[str, Any] = {}
         self.epsilon_leaves: dict[int, torch.Tensor] = {}
+
+    def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
+        # Module calls and `bridge.tap` alike: the epsilon is made here.
+        return super().exit(call, value, perturb or self.perturb(call.name), record)
 
     def perturb(self, name: str) -> Callable[[Any], Any]:
         def add(value: Any) -> Any:

@@ -18,6 +18,7 @@ canonical layout is channel-last and `(in, out)`:
 | `conv` | `kernel` `(*window, in / groups, out)` (HWIO), `bias` `(out,)` |
 | `layernorm`, `rmsnorm` | `scale`, `bias` (flattened) |
 | `batchnorm` | `scale`, `bias`, `mean`, `var` (flattened; the running statistics) |
+| `groupnorm` | `scale`, `bias` (flattened) |
 | `embed` | `embedding` `(vocabulary, features)` |
 
 A scanned layer's weights keep their leading iteration axes (`Site.stacked`).
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -68,7 +69,7 @@ class Layer:
 
 
 #: The libraries `transfer` and `compare` know, for error messages.
-_KNOWN = "Flax Linen, Flax NNX, Equinox and Haiku"
+_KNOWN = "Flax Linen, Flax NNX, Equinox, Haiku and PyTorch"
 
 
 def porting_module(probe: Any, argument: str) -> Any:
@@ -137,7 +138,13 @@ def pair(
 
 
 def _label(layer: Layer) -> str:
-    return f"site {layer.site!r}" if layer.site else "the root module"
+    return (
+        f"site {layer.site!r}"
+        if layer.site
+        else repr(layer.path)
+        if layer.path
+        else "the root module"
+    )
 
 
 def _listed(layers: Sequence[Layer]) -> str:
@@ -176,7 +183,14 @@ def check_fits(source: Layer, target: Layer) -> None:
             )
 
 
-def transfer(src_probe: Any, dst_probe: Any, *args: Any, **kwargs: Any) -> Any:
+def transfer(
+    src_probe: Any,
+    dst_probe: Any,
+    *args: Any,
+    args_b: tuple | None = None,
+    kwargs_b: dict | None = None,
+    **kwargs: Any,
+) -> Any:
     """A probe of `dst_probe`'s model carrying the weights of `src_probe`'s model.
 
     Both models are called on `*args, **kwargs` (abstractly: no FLOPs). Their
@@ -201,6 +215,8 @@ def transfer(src_probe: Any, dst_probe: Any, *args: Any, **kwargs: Any) -> Any:
         `probe.sites` (library keywords such as Haiku `rng` go to both; pass
         keywords only one library accepts through a `functools.partial` of its
         model instead).
+      args_b, kwargs_b: the destination's inputs, where they differ from the
+        source's (a PyTorch model's NCHW images against a JAX model's NHWC).
 
     Returns:
       A probe of `dst_probe`'s model with the converted weights.
@@ -218,8 +234,11 @@ def transfer(src_probe: Any, dst_probe: Any, *args: Any, **kwargs: Any) -> Any:
     """
     porting_module(src_probe, "src_probe")
     porting_module(dst_probe, "dst_probe")
+    args_b, kwargs_b = _second_inputs(args, kwargs, args_b, kwargs_b)
     _, source_layers = parameterised_layers(src_probe, "src_probe", args, kwargs)
-    target, target_layers = parameterised_layers(dst_probe, "dst_probe", args, kwargs)
+    target, target_layers = parameterised_layers(
+        dst_probe, "dst_probe", args_b, kwargs_b
+    )
     pairs = pair(
         first_calls(source_layers),
         first_calls(target_layers),
@@ -364,10 +383,12 @@ class ComparisonReport:
 def compare(
     probe_a: Any,
     probe_b: Any,
-    loss_fn: Callable[[Any], Any],
+    loss_fn: Callable[[Any], Any] | tuple[Callable, Callable],
     *args: Any,
     rtol: float = 1e-5,
     atol: float = 1e-6,
+    args_b: tuple | None = None,
+    kwargs_b: dict | None = None,
     **kwargs: Any,
 ) -> ComparisonReport:
     """Run two models on the same inputs and find where they part.
@@ -375,8 +396,10 @@ def compare(
     Pairs the calls of the models' parameterised modules in call order (as
     `bridge.transfer` pairs the modules), runs `value_and_grad` of both (under
     `jax.jit`), brings each pair's activations and activation gradients to a
-    common layout (channel-last: Equinox convolutions are channel-first;
-    attention head axes flattened), and measures their differences.
+    common layout (channel-last: Equinox and PyTorch convolutions are
+    channel-first; attention head axes flattened; PyTorch's sequence-first
+    attention batch-first), and measures their differences. A PyTorch model
+    runs eagerly in PyTorch, the JAX model under `jax.jit`.
 
     `report.first_divergence` is the first pair in call order whose
     activations differ beyond tolerance — a forward bug shows there, while
@@ -386,14 +409,20 @@ def compare(
 
     Args:
       probe_a, probe_b: the two models' probes.
-      loss_fn: `outputs -> scalar`, applied to each model's outputs.
-      *args, **kwargs: the call arguments both models accept.
+      loss_fn: `outputs -> scalar`, applied to each model's outputs; or a pair
+        `(loss_fn_a, loss_fn_b)` where one function cannot serve both (a
+        PyTorch model's loss takes torch tensors).
+      *args, **kwargs: the call arguments both models accept (the first
+        model's, when `args_b`/`kwargs_b` are given).
       rtol, atol: an element agrees when `|a - b| <= atol + rtol * |b|`, as in
         `numpy.allclose`. The defaults suit float32 models whose operations
         run in a different order (differences near 1e-7 relative); loosen
         them for deep models or bfloat16. A hyperparameter mismatch shows
         only as far as it changes numbers: LayerNorm epsilons of 1e-6 and
         1e-5 differ visibly only where the normalised variance is small.
+      args_b, kwargs_b: the second model's inputs, where they differ from the
+        first's: `args_b=(x_nhwc,)` for a JAX port of a PyTorch model that
+        takes `x_nchw`. Values are compared in the common layout either way.
 
     Returns:
       A `ComparisonReport`: `str(report)` is a table; `report.rows` the data.
@@ -403,26 +432,20 @@ def compare(
       >>> print(report)
       >>> report.first_divergence
     """
-    if not callable(loss_fn):
-        raise TypeError(
-            "`loss_fn` must be a function `outputs -> scalar`; got "
-            f"{type(loss_fn).__name__}. The inputs come after it: "
-            "bridge.compare(probe_a, probe_b, loss_fn, x)."
-        )
+    loss_a, loss_b = _loss_pair(loss_fn)
     porting_module(probe_a, "probe_a")
     porting_module(probe_b, "probe_b")
-    # The root module is no site: its output is the models' outputs.
-    layers_a = [
-        layer
-        for layer in parameterised_layers(probe_a, "probe_a", args, kwargs)[1]
-        if layer.site
+    args_b, kwargs_b = _second_inputs(args, kwargs, args_b, kwargs_b)
+    layers_a = parameterised_layers(probe_a, "probe_a", args, kwargs)[1]
+    layers_b = parameterised_layers(probe_b, "probe_b", args_b, kwargs_b)[1]
+    # Paired first, compared where both sides have a value: the root module is
+    # no site (its output is the models' outputs), nor is an inner projection
+    # of a fused layer (PyTorch's `nn.MultiheadAttention` query/key/value).
+    pairs = [
+        (layer_a, layer_b)
+        for layer_a, layer_b in pair(layers_a, layers_b, ("probe_a", "probe_b"))
+        if layer_a.site and layer_b.site
     ]
-    layers_b = [
-        layer
-        for layer in parameterised_layers(probe_b, "probe_b", args, kwargs)[1]
-        if layer.site
-    ]
-    pairs = pair(layers_a, layers_b, ("probe_a", "probe_b"))
     for layer_a, layer_b in pairs:
         if layer_a.kind != layer_b.kind:
             raise ValueError(
@@ -433,13 +456,10 @@ def compare(
                 "both models call the same layers in the same order."
             )
     result_a, result_b = _run_both(
-        probe_a,
-        probe_b,
-        loss_fn,
-        [layer.site for layer in layers_a],
-        [layer.site for layer in layers_b],
-        args,
-        kwargs,
+        (probe_a, probe_b),
+        (loss_a, loss_b),
+        ([a.site for a, _ in pairs], [b.site for _, b in pairs]),
+        ((args, kwargs), (args_b, kwargs_b)),
     )
     rows = [
         _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol)
@@ -450,20 +470,77 @@ def compare(
     )
 
 
-def _run_both(probe_a, probe_b, loss_fn, sites_a, sites_b, args, kwargs):
-    from ._probe import _split_arrays  # the probes' own split: arrays traced
+def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
+    pair_ = tuple(loss_fn) if isinstance(loss_fn, tuple | list) else (loss_fn,) * 2
+    if len(pair_) != 2 or not all(callable(f) for f in pair_):
+        raise TypeError(
+            "`loss_fn` must be a function `outputs -> scalar`, or a pair "
+            "`(loss_fn_a, loss_fn_b)` of them when the models' outputs differ in "
+            f"kind (torch tensors against JAX arrays); got {loss_fn!r}. The inputs "
+            "come after it: bridge.compare(probe_a, probe_b, loss_fn, x)."
+        )
+    return pair_
 
+
+def _second_inputs(args, kwargs, args_b, kwargs_b) -> tuple[tuple, dict]:
+    """The second model's inputs: its own where given, else the first's."""
+    if args_b is not None and not isinstance(args_b, tuple | list):
+        raise TypeError(
+            "`args_b` must be a tuple of the second model's positional inputs, "
+            f"e.g. args_b=(x_nhwc,); got {type(args_b).__name__}."
+        )
+    if kwargs_b is not None and not isinstance(kwargs_b, Mapping):
+        raise TypeError(
+            "`kwargs_b` must be a dict of the second model's keyword inputs; got "
+            f"{type(kwargs_b).__name__}."
+        )
+    if args_b is None and kwargs_b is None:
+        return args, kwargs
+    return tuple(args if args_b is None else args_b), dict(kwargs_b or {})
+
+
+def _run_both(probes, loss_fns, sites, inputs):
+    """Both models' `value_and_grad` at their paired sites: JAX models under one
+    `jax.jit` (no parameter baked in), a PyTorch model eagerly in PyTorch."""
+    from ._probe import ProbeBase, _split_arrays  # the probes' own split
+
+    traceable = [isinstance(probe, ProbeBase) for probe in probes]
+    if not all(traceable):
+        return tuple(
+            _run_one(probe, loss, names, args, kwargs, jit)
+            for probe, loss, names, (args, kwargs), jit in zip(
+                probes, loss_fns, sites, inputs, traceable, strict=True
+            )
+        )
+    dynamic, rebuild = _split_arrays(inputs)
+
+    @jax.jit
+    def run(probes, dynamic):
+        results = []
+        for probe, loss, names, (args, kwargs) in zip(
+            probes, loss_fns, sites, rebuild(dynamic), strict=True
+        ):
+            results.append(
+                probe.value_and_grad(loss, *args, at=_exactly(names), **kwargs)
+            )
+        return tuple(results)
+
+    return run(probes, dynamic)
+
+
+def _run_one(probe, loss_fn, names, args, kwargs, jit):
+    from ._probe import _split_arrays
+
+    if not jit:
+        return probe.value_and_grad(loss_fn, *args, at=_exactly(names), **kwargs)
     dynamic, rebuild = _split_arrays((args, kwargs))
 
     @jax.jit
-    def run(probe_a, probe_b, dynamic):
+    def run(probe, dynamic):
         args, kwargs = rebuild(dynamic)
-        return (
-            probe_a.value_and_grad(loss_fn, *args, at=_exactly(sites_a), **kwargs),
-            probe_b.value_and_grad(loss_fn, *args, at=_exactly(sites_b), **kwargs),
-        )
+        return probe.value_and_grad(loss_fn, *args, at=_exactly(names), **kwargs)
 
-    return run(probe_a, probe_b, dynamic)
+    return run(probe, dynamic)
 
 
 def _exactly(names: Sequence[str]) -> list[str] | Callable:
@@ -506,7 +583,14 @@ def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
 
 
 def _common(layer: Layer, value: Any) -> list[np.ndarray]:
-    return [np.asarray(layer.to_common(leaf)) for leaf in layer.select(value)]
+    return [_numpy(layer.to_common(leaf)) for leaf in layer.select(value)]
+
+
+def _numpy(value: Any) -> np.ndarray:
+    """A JAX, NumPy or (detached) torch array as NumPy, on the host."""
+    if hasattr(value, "detach"):  # torch, imported only by its adapter
+        value = value.detach().cpu()
+    return np.asarray(value)
 
 
 def _differences(

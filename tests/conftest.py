@@ -22,10 +22,16 @@ def case(request):
     return _build(request.param)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
 def pytest_collection_modifyitems(items):
     """Keep each conformance case on one xdist worker (`--dist loadgroup`): a
     case is built, and its eager operations compiled, once instead of once per
-    worker."""
+    worker.
+
+    A PyTorch case has no jitted mode: its eager runs, in the slow tier for
+    JAX cases (where the jitted run covers the behaviour), are its only runs
+    and stay in the default tier.
+    """
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None or "case" not in callspec.params:
@@ -34,3 +40,5 @@ def pytest_collection_modifyitems(items):
         if parts[0] in ("eager", "jit"):
             parts = parts[1:]
         item.add_marker(pytest.mark.xdist_group("-".join(parts[:2])))
+        if parts[0] == "torch":
+            item.own_markers = [m for m in item.own_markers if m.name != "slow"]

@@ -31,10 +31,11 @@ MODES = ["eager", "jit"]
 MODES_EAGER_SLOW = [pytest.param("eager", marks=pytest.mark.slow), "jit"]
 
 
-def full_result(case, mode="jit"):
+def full_result(case, mode=None):
     """The every-site result of a case, computed once per mode: eager calls
     compile each operation, jitted ones the whole program, and a probe never
-    changes its inputs."""
+    changes its inputs. By default jitted, where the model is a JAX one."""
+    mode = mode or case.modes[-1]
     cache = case.__dict__.setdefault("_full_results", {})
     if mode not in cache:
         cache[mode] = value_and_grad(case, mode)
@@ -42,12 +43,20 @@ def full_result(case, mode="jit"):
 
 
 def value_and_grad(case, mode, **options):
+    if mode not in case.modes:
+        pytest.skip(f"{mode} does not apply to this model (a PyTorch one)")
+
     def run(probe, args):
         return probe.value_and_grad(case.loss_fn, *args, **options, **case.kwargs)
 
     if mode == "jit":
         run = jax.jit(run)
-    return run(case.probe, case.args)
+    return case.to_host(run(case.probe, case.args))
+
+
+def _jax_only(case, why):
+    if "jit" not in case.modes:
+        pytest.skip(f"a PyTorch model: {why}")
 
 
 pytestmark = pytest.mark.parametrize("case", CASES, indirect=True)
@@ -88,6 +97,7 @@ def test_activation_gradients_equal_jvp_of_a_hand_inserted_perturbation(case, mo
             continue
         delta = random_like(_struct(grad), seed)
         directional = _directional_derivative(case, site, delta, seed)
+        grad = case.to_host(grad)
         np.testing.assert_allclose(
             tree_vdot(grad, delta), directional, rtol=2e-4, atol=1e-6, err_msg=site
         )
@@ -105,11 +115,7 @@ def _directional_derivative(case, site, delta, seed):
     """`jax.jvp` of the loss along a hand-inserted perturbation, computed once."""
     cache = case.__dict__.setdefault("_jvp_references", {})
     if (site, seed) not in cache:
-
-        def loss_along(t):
-            return case.perturbed_loss(site, jax.tree.map(lambda d: t * d, delta))
-
-        cache[site, seed] = jax.jvp(loss_along, (0.0,), (1.0,))[1]
+        cache[site, seed] = case.directional_derivative(site, delta)
     return cache[site, seed]
 
 
@@ -192,9 +198,7 @@ def test_a_patch_equals_the_model_edited_by_hand(case, mode):
     # Eagerly the first site, jitted the last: both ends of the model, once each.
     site = eligible[0] if mode == "eager" else eligible[-1]
     delta = random_like(sites[site], 10)
-    res = value_and_grad(
-        case, mode, patch={site: lambda v: add_at_float_leaves(v, delta)}
-    )
+    res = value_and_grad(case, mode, patch={site: case.adding(delta)})
     np.testing.assert_allclose(
         res.loss, case.perturbed_loss(site, delta), rtol=1e-5, atol=1e-7
     )
@@ -211,18 +215,19 @@ def test_apply_records_the_forward_values(case):
     fwd = case.probe.apply(*case.args, **case.kwargs)
     assert isinstance(fwd, bridge.ForwardResult)
     assert sorted(fwd.activations) == sorted(full.activations)
-    assert_tree_allclose(fwd.activations, full.activations)
+    assert_tree_allclose(case.to_host(fwd.activations), full.activations)
 
 
 def test_nothing_the_user_passed_is_mutated(case):
     before = case.snapshot()
     value_and_grad(case, "eager")
-    value_and_grad(case, "jit", at=case.expected_sites[-1])
+    value_and_grad(case, case.modes[-1], at=case.expected_sites[-1])
     case.probe.sites(*case.args, **case.kwargs)
     assert_tree_equal(case.snapshot(), before)
 
 
 def test_the_probe_is_a_pytree_so_jit_does_not_bake_in_parameters(case):
+    _jax_only(case, "jax.jit does not apply")
     leaves = [x for x in jax.tree.leaves(case.probe) if np.size(x) > 1]
     closed = jax.make_jaxpr(
         lambda probe, args: probe.value_and_grad(case.loss_fn, *args, **case.kwargs)
@@ -246,6 +251,7 @@ def test_unselected_sites_cost_nothing(case):
     Whatever the other sites are, they add nothing to the compiled program: the
     bound depends on the selected site only.
     """
+    _jax_only(case, "no compiled program (tests/test_torch.py counts its FLOPs)")
     reference = _flops(
         jax.value_and_grad(case.reference_loss), case.trainable, case.args
     )

@@ -16,8 +16,9 @@ from typing import Any
 
 import jax
 import pytest
+from helpers import add_at_float_leaves
 
-LIBRARIES = ("linen", "haiku", "equinox", "nnx")
+LIBRARIES = ("linen", "haiku", "equinox", "nnx", "torch")
 
 
 @dataclasses.dataclass
@@ -58,8 +59,28 @@ class Case:
     reference_activations: Callable[[], dict[str, Any]] | None = None
     reference_state: Callable[[], Any] | None = None
 
+    #: How the probe can be called: eagerly, and under `jax.jit` for JAX models.
+    modes = ("eager", "jit")
+
     def reference_value_and_grad(self) -> tuple[Any, Any]:
         return jax.value_and_grad(self.reference_loss)(self.trainable, self.args)
+
+    def directional_derivative(self, site: str, delta: Any) -> Any:
+        """d/dt of the loss with `t * delta` added at `site` by the test's own
+        hook, at t = 0: `jax.jvp`."""
+
+        def loss_along(t):
+            return self.perturbed_loss(site, jax.tree.map(lambda d: t * d, delta))
+
+        return jax.jvp(loss_along, (0.0,), (1.0,))[1]
+
+    def adding(self, delta: Any) -> Callable[[Any], Any]:
+        """A patch function adding `delta` (a JAX pytree) to a site's value."""
+        return lambda value: add_at_float_leaves(value, delta)
+
+    def to_host(self, tree: Any) -> Any:
+        """Results as the tests compare them (JAX arrays as they are)."""
+        return tree
 
 
 def case_params() -> Iterator[Any]:
@@ -69,7 +90,7 @@ def case_params() -> Iterator[Any]:
             module = importlib.import_module(f"cases.{library}")
         except ModuleNotFoundError as error:
             # The adapter's cases are not written yet, or its library is absent.
-            if error.name in (f"cases.{library}", "flax", "haiku", "equinox"):
+            if error.name in (f"cases.{library}", "flax", "haiku", "equinox", "torch"):
                 continue
             raise
         for name, builder in module.CASES.items():
