@@ -4,9 +4,12 @@ Most ports into JAX start from a PyTorch model, so `bridge.transfer` and
 `bridge.compare` must see a PyTorch model the way they see a JAX one. The
 mechanism is the epsilon trick in PyTorch's own terms:
 
-- Each submodule (every entry of `named_modules()` but the root) gets a
-  forward pre-hook and a forward hook for the length of one call, removed in
-  a `finally`, also when the model or the loss raises. The pre-hook reports
+- The model runs on a *shell*: a structural copy of the module whose
+  parameters and buffers are meta tensors (no weight copied), so nothing of
+  the user's module is touched, not even for the length of a call. Each
+  submodule of the shell (every entry of `named_modules()` but the root) gets
+  a forward pre-hook and a forward hook, removed in a `finally`, also when
+  the model or the loss raises. The pre-hook reports
   the call's entry to the `Session` (sites are ordered by call entry, named by
   `named_modules()` paths, `#k` for repeated calls); the forward hook hands the
   output to the session, which patches it, adds a fresh zero epsilon that
@@ -15,8 +18,8 @@ mechanism is the epsilon trick in PyTorch's own terms:
   the epsilons gives both gradient sets in one backward pass. Each call has an
   epsilon of its own, so the gradients of a module called twice are never
   summed.
-- The model runs through `torch.func.functional_call` with detached aliases
-  of the parameters (no copy; `.grad` of the user's parameters is never
+- The shell runs through `torch.func.functional_call` with detached aliases
+  of the user's parameters (no copy; `.grad` of the user's parameters is never
   touched) and clones of the buffers (a training-mode BatchNorm updates the
   clones, returned in `res.state`, never the user's running statistics).
 - Discovery (`sites`, and the checks before a call) runs the model on fake
@@ -34,6 +37,7 @@ change between discovery and the real run.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -336,8 +340,7 @@ class TorchProbe:
     def _discover_with(self, params, buffers, args, kwargs, loss_fn):
         session = _TorchSession()
         with torch.enable_grad():
-            with self._hooks(session), session.active():
-                outputs = functional_call(self.module, (params, buffers), args, kwargs)
+            outputs = self._call(session, params, buffers, args, kwargs)
             loss_out = loss_fn(outputs) if loss_fn is not None else None
         return session.discovered(), loss_out
 
@@ -369,46 +372,76 @@ class TorchProbe:
         }
         buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
         with torch.enable_grad():
-            with self._hooks(session), session.active():
-                outputs = functional_call(self.module, (params, buffers), args, kwargs)
+            outputs = self._call(session, params, buffers, args, kwargs)
             yield outputs, session, params, buffers
 
-    @contextlib.contextmanager
-    def _hooks(self, session: _TorchSession) -> Iterator[None]:
-        """Report every submodule call to `session`, for the length of the block.
+    def _call(self, session, params, buffers, args, kwargs) -> Any:
+        """Call the model on `params` and `buffers`, every submodule call
+        reported to `session`.
 
-        The hooks act only while `session` is this thread's active session: a
-        call of the same module from another thread goes through untouched.
+        The call runs on a shell of the module (`_shell`), never on the user's
+        module: hooks, parameters and buffers are swapped in on the shell only,
+        so another thread calling or probing the same module meanwhile sees
+        nothing of it. The shell takes the user's current training flags.
         """
-        handles = []
-        open_calls: dict[int, list[Call]] = {}
+        shell = _shell(self.module)
+        pairs = list(zip(self.module.modules(), shell.modules(), strict=True))
+        for original, copied in pairs:
+            copied.training = original.training
+        with _hooked(session, self.module, shell), session.active():
+            return functional_call(shell, (params, buffers), args, kwargs)
 
-        def enter(module, args, kwargs, path):
-            if current() is session:
-                call = session.enter(path, None, module, args)
-                open_calls.setdefault(id(module), []).append(call)
 
-        def leave(module, args, kwargs, output):
-            if current() is session:
-                call = open_calls[id(module)].pop()
-                return session.exit(call, output)
-            return None
+def _shell(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module's structure whose parameters and buffers are meta
+    tensors: no weight is copied, and `functional_call` supplies them."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        meta = torch.empty_like(p, device="meta")
+        memo[id(p)] = torch.nn.Parameter(meta, requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
 
-        try:
-            for path, module in self.module.named_modules():
-                if not path:  # the root model is no site
-                    continue
-                handles.append(
-                    module.register_forward_pre_hook(
-                        lambda m, a, k, path=path: enter(m, a, k, path),
-                        with_kwargs=True,
-                    )
+
+@contextlib.contextmanager
+def _hooked(
+    session: _TorchSession, module: torch.nn.Module, shell: torch.nn.Module
+) -> Iterator[None]:
+    """Report every submodule call of `shell` to `session` as a call of the
+    user's `module` at the same path, for the length of the block; the hooks
+    are removed however the block ends."""
+    handles = []
+    open_calls: dict[int, list[Call]] = {}
+
+    def enter(copied, args, kwargs, path, original):
+        if current() is session:
+            call = session.enter(path, None, original, args)
+            open_calls.setdefault(id(copied), []).append(call)
+
+    def leave(copied, args, kwargs, output):
+        if current() is session:
+            return session.exit(open_calls[id(copied)].pop(), output)
+        return None
+
+    try:
+        named = zip(module.named_modules(), shell.modules(), strict=True)
+        for (path, original), copied in named:
+            if not path:  # the root model is no site
+                continue
+            handles.append(
+                copied.register_forward_pre_hook(
+                    lambda m, a, k, path=path, original=original: enter(
+                        m, a, k, path, original
+                    ),
+                    with_kwargs=True,
                 )
-                handles.append(module.register_forward_hook(leave, with_kwargs=True))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+            )
+            handles.append(copied.register_forward_hook(leave, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class _TorchSession(Session):

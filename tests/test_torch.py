@@ -1,0 +1,332 @@
+"""PyTorch behaviours beyond the conformance suite: library modules' own
+quirks, nothing of the user's changed, hooks gone after a failure, the errors.
+
+References are plain PyTorch: `loss.backward()` on a deep copy, forward hooks
+of the test's own, `torch.utils.flop_counter`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import bridge  # noqa: E402
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _x(*shape, seed=1):
+    return torch.from_numpy(np.random.default_rng(seed).normal(size=shape)).float()
+
+
+def _hook_counts(model):
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+
+
+def _plain(model, loss_fn, *args):
+    replica = copy.deepcopy(model)
+    loss = loss_fn(replica(*args))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in replica.named_parameters()}, replica
+
+
+def test_results_are_detached_torch_tensors_keyed_like_the_module():
+    model, x = _mlp(), _x(4, 6)
+    res = bridge.probe(model).value_and_grad(
+        lambda y: (y**2).mean(), x, with_inputs=True
+    )
+    assert list(res.grads) == [n for n, _ in model.named_parameters()]
+    assert list(res.activations) == ["0", "1", "2"]
+    for tensor in jax.tree.leaves(
+        (res.loss, res.grads, res.activations, res.activation_grads, res.inputs)
+    ):
+        assert isinstance(tensor, torch.Tensor)
+        assert not tensor.requires_grad and tensor.grad_fn is None
+    assert res.state is None  # no buffers
+
+
+def test_kfac_identity_weight_gradient_is_output_gradient_times_input():
+    model, x = _mlp(), _x(4, 6)
+    res = bridge.probe(model).value_and_grad(
+        lambda y: (y**2).mean(), x, with_inputs=True
+    )
+    for site in ("0", "2"):
+        (inputs,) = res.inputs[site]
+        expected = res.activation_grads[site].T @ inputs
+        torch.testing.assert_close(res.grads[f"{site}.weight"], expected)
+    torch.testing.assert_close(res.inputs["0"][0], x)
+
+
+def test_numpy_and_jax_inputs_give_the_torch_numbers():
+    model, x = _mlp(), _x(4, 6)
+    loss_fn = lambda y: (y**2).mean()
+    probe = bridge.probe(model)
+    expected = probe.value_and_grad(loss_fn, x)
+    for given in (x.numpy(), jnp.asarray(x.numpy())):
+        res = probe.value_and_grad(loss_fn, given)
+        torch.testing.assert_close(res.loss, expected.loss)
+        torch.testing.assert_close(res.activation_grads, expected.activation_grads)
+
+
+def test_nothing_of_the_user_changes_in_training_mode_batchnorm():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # a user's own .grad
+    frozen = model[0].bias.requires_grad_(False)
+    before = copy.deepcopy(model.state_dict())
+    x = _x(2, 3, 6, 6)
+    loss_fn = lambda y: (y**2).mean()
+    res = bridge.probe(model).value_and_grad(loss_fn, x)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+    assert model.training and all(m.training for m in model.modules())
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert model[1].weight.grad is None and not frozen.requires_grad
+    assert "0.bias" not in res.grads  # frozen: no gradient, as in plain autograd
+    assert _hook_counts(model) == [0] * len(list(model.modules()))
+    # The running statistics moved in `res.state`, as a plain step moves them.
+    _, grads, stepped = _plain(model, loss_fn, x)
+    assert list(res.state) == [n for n, _ in model.named_buffers()]
+    for name, buffer in stepped.named_buffers():
+        torch.testing.assert_close(res.state[name], buffer)
+    assert int(res.state["1.num_batches_tracked"]) == 1
+    for name, grad in res.grads.items():
+        torch.testing.assert_close(grad, grads[name])
+
+
+class _Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.shape[0] == 5:
+            raise RuntimeError("the model's own error")
+        return h
+
+
+def test_no_hook_stays_registered_when_the_model_or_the_loss_raises():
+    model = _Raises()
+    probe = bridge.probe(model)
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        probe.value_and_grad(lambda y: y.sum(), _x(5, 3))
+    assert _hook_counts(model) == [0, 0]
+
+    def loss_fn(y):
+        if not isinstance(y, torch._subclasses.fake_tensor.FakeTensor):
+            raise ValueError("the loss's own error")
+        return y.sum()
+
+    with pytest.raises(ValueError, match="the loss's own error"):
+        probe.value_and_grad(loss_fn, _x(2, 3))
+    assert _hook_counts(model) == [0, 0]
+    # And the probe still works afterwards.
+    probe.value_and_grad(lambda y: y.sum(), _x(2, 3))
+    assert _hook_counts(model) == [0, 0]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_transformer_encoder_layer_sites_and_outputs(train):
+    """In `eval()` under `torch.no_grad()`, PyTorch takes a fused fast path that
+    calls no submodule: the probe runs with autograd on, so every submodule is
+    a site, and its output equals the fast path's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    layer.train(train)
+    x = _x(2, 5, 16)
+    probe = bridge.probe(layer)
+    fwd = probe.apply(x)
+    assert list(fwd.activations) == [
+        "self_attn",
+        "dropout1",
+        "norm1",
+        "linear1",
+        "dropout",
+        "linear2",
+        "dropout2",
+        "norm2",
+    ]
+    with torch.no_grad():
+        expected = layer(x)
+    torch.testing.assert_close(fwd.outputs, expected, rtol=1e-5, atol=1e-5)
+    res = probe.value_and_grad(lambda y: (y**2).mean(), x)
+    loss, grads, _ = _plain(layer, lambda y: (y**2).mean(), x)
+    torch.testing.assert_close(res.loss, loss)
+    torch.testing.assert_close(res.grads, grads)
+    # nn.MultiheadAttention returns (output, weights); the encoder asks for no
+    # weights, so the second leaf is None and has no gradient.
+    assert res.activation_grads["self_attn"][1] is None
+
+
+def test_dropout_with_a_fixed_seed_draws_the_plain_mask_and_advances_the_rng():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 2))
+    x, loss_fn = _x(16, 8), lambda y: (y**2).mean()
+    torch.manual_seed(123)
+    loss, grads, _ = _plain(model, loss_fn, x)
+    after_plain = torch.random.get_rng_state()
+    torch.manual_seed(123)
+    res = bridge.probe(model).value_and_grad(loss_fn, x)
+    torch.testing.assert_close(res.loss, loss)
+    torch.testing.assert_close(res.grads, grads)
+    assert torch.equal(torch.random.get_rng_state(), after_plain)
+    mask = res.activations["1"] != 0
+    assert 0.3 < mask.float().mean() < 0.7
+    # The gradient at the dropout's output is zero exactly where it dropped.
+    assert torch.all(res.activation_grads["0"][~mask] == 0)
+
+
+def test_lstm_site_is_a_pytree_with_a_gradient_per_leaf():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 8, batch_first=True)
+    model = nn.Sequential()
+    model.add_module("lstm", lstm)
+    x = _x(2, 3, 4)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = lstm
+
+        def forward(self, x):
+            out, (h, c) = self.lstm(x)
+            return out.sum() + 2 * h.sum() + 3 * c.sum()
+
+    res = bridge.probe(Head()).value_and_grad(lambda y: y, x)
+    out_grad, (h_grad, c_grad) = res.activation_grads["lstm"]
+    # d loss / d output leaf is the loss's own coefficient, leaf by leaf.
+    torch.testing.assert_close(out_grad, torch.ones_like(out_grad))
+    torch.testing.assert_close(h_grad, 2 * torch.ones_like(h_grad))
+    torch.testing.assert_close(c_grad, 3 * torch.ones_like(c_grad))
+
+
+def test_patch_ablates_and_gradients_flow_through_the_patched_value():
+    model, x = _mlp(), _x(4, 6)
+    probe = bridge.probe(model)
+    res = probe.value_and_grad(
+        lambda y: (y**2).mean(), x, patch={"1": torch.zeros_like}
+    )
+    assert torch.all(res.activations["1"] == 0)
+    # Nothing upstream of an ablated value reaches the loss.
+    assert torch.all(res.grads["0.weight"] == 0)
+    expected = model[2].bias.detach().expand(4, 3)
+    torch.testing.assert_close(
+        probe.apply(x, patch={"1": torch.zeros(4, 16)}).outputs, expected
+    )
+
+
+def test_unselected_sites_add_no_flops():
+    """Counted by PyTorch's own FLOP counter: a probed step at every site costs
+    the matrix products of a plain forward and backward, nothing more. The
+    counter also counts the discovery pass on fake tensors (shapes only, no
+    arithmetic), which is exactly what `probe.sites` counts."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = _mlp(), _x(64, 6)
+    loss_fn = lambda y: (y**2).mean()
+    probe = bridge.probe(model)
+    probe.value_and_grad(loss_fn, x)  # warm
+
+    def count(step):
+        with FlopCounterMode(display=False) as counter:
+            step()
+        return counter.get_total_flops()
+
+    plain = count(lambda: _plain(model, loss_fn, x))
+    discovery = count(lambda: probe.sites(x))
+    assert plain > 0 and discovery < plain
+    assert count(lambda: probe.value_and_grad(loss_fn, x)) == plain + discovery
+    at_one = count(lambda: probe.value_and_grad(loss_fn, x, at="2"))
+    assert at_one == plain + discovery
+
+
+def test_two_threads_probe_the_same_module():
+    model = _mlp()
+    xs = [_x(4, 6, seed=s) for s in (1, 2)]
+    loss_fn = lambda y: (y**2).mean()
+    expected = [bridge.probe(model).value_and_grad(loss_fn, x) for x in xs]
+    results = [None, None]
+
+    def work(i):
+        for _ in range(5):
+            results[i] = bridge.probe(model).value_and_grad(loss_fn, xs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for got, want in zip(results, expected, strict=True):
+        torch.testing.assert_close(got.activation_grads, want.activation_grads)
+        torch.testing.assert_close(got.grads, want.grads)
+    assert _hook_counts(model) == [0] * 4
+
+
+def test_tap_outside_a_probe_is_the_tensor_itself():
+    x = _x(2, 3)
+    assert bridge.tap("t", x) is x
+
+
+# -- errors, each before any work ------------------------------------------------
+
+
+def test_vmap_true_is_refused():
+    with pytest.raises(ValueError, match=r"vmap=True does not apply to a PyTorch"):
+        bridge.probe(_mlp(), vmap=True)
+
+
+def test_variables_are_refused():
+    with pytest.raises(
+        TypeError, match=r"carries its own parameters.*bridge.probe\(module\)"
+    ):
+        bridge.probe(_mlp(), {"params": 1})
+
+
+def test_jax_jit_is_refused_saying_why():
+    probe = bridge.probe(_mlp())
+    step = jax.jit(lambda probe, x: probe.value_and_grad(lambda y: y.sum(), x))
+    with pytest.raises(TypeError, match=r"jax.jit, jax.vmap and jax.grad cannot trace"):
+        step(probe, jnp.ones((2, 6)))
+
+
+def test_a_loss_that_is_not_a_tensor_is_refused():
+    with pytest.raises(
+        TypeError, match=r"must return a scalar torch tensor; it returned a float"
+    ):
+        bridge.probe(_mlp()).value_and_grad(lambda y: 1.0, _x(2, 6))
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused():
+    with pytest.raises(ValueError, match=r"must return a real floating-point scalar"):
+        bridge.probe(_mlp()).value_and_grad(lambda y: y, _x(2, 6))
+
+
+def test_has_aux_mismatch_is_refused():
+    with pytest.raises(ValueError, match=r"has_aux=True, but `loss_fn` did not"):
+        bridge.probe(_mlp()).value_and_grad(lambda y: y.sum(), _x(2, 6), has_aux=True)
+
+
+def test_a_selection_that_matches_nothing_names_the_closest_sites():
+    with pytest.raises(ValueError, match=re.escape("matches no site. Closest paths: '2'")):
+        bridge.probe(_mlp()).value_and_grad(lambda y: y.sum(), _x(2, 6), at="3")
+
+
+def test_a_patch_of_the_wrong_shape_is_refused():
+    probe = bridge.probe(_mlp())
+    with pytest.raises(ValueError, match=r"patch for site '1' does not fit"):
+        probe.apply(_x(2, 6), patch={"1": torch.zeros(3, 16)})
+    with pytest.raises(ValueError, match=r"patch for site '1' does not fit.*function"):
+        probe.apply(_x(2, 6), patch={"1": lambda v: v[:, :4]})
