@@ -464,6 +464,17 @@ class _TorchSession(Session):
 
     def perturb(self, name: str) -> Callable[[Any], Any]:
         def add(value: Any) -> Any:
+            if not torch.is_grad_enabled():
+                # An epsilon added here would be invisible to autograd: its
+                # gradient would read as zero, a wrong number.
+                raise RuntimeError(
+                    f"Site {name!r} runs with autograd disabled (inside "
+                    "`torch.no_grad()`, `torch.inference_mode()` or a reentrant "
+                    "`torch.utils.checkpoint`), so the loss's gradient with respect "
+                    "to it cannot be taken. Leave it out of `at` (select sites "
+                    "outside that region), or use `probe.apply` for its activations."
+                )
+
             def epsilon_like(x):
                 if not _inexact(x):
                     return None

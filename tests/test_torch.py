@@ -320,7 +320,9 @@ def test_has_aux_mismatch_is_refused():
 
 
 def test_a_selection_that_matches_nothing_names_the_closest_sites():
-    with pytest.raises(ValueError, match=re.escape("matches no site. Closest paths: '2'")):
+    with pytest.raises(
+        ValueError, match=re.escape("matches no site. Closest paths: '2'")
+    ):
         bridge.probe(_mlp()).value_and_grad(lambda y: y.sum(), _x(2, 6), at="3")
 
 
@@ -330,3 +332,24 @@ def test_a_patch_of_the_wrong_shape_is_refused():
         probe.apply(_x(2, 6), patch={"1": torch.zeros(3, 16)})
     with pytest.raises(ValueError, match=r"patch for site '1' does not fit.*function"):
         probe.apply(_x(2, 6), patch={"1": lambda v: v[:, :4]})
+
+
+class _FrozenBackbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            features = self.backbone(x)
+        return self.head(features)
+
+
+def test_a_site_without_autograd_is_refused_not_given_a_zero_gradient():
+    probe = bridge.probe(_FrozenBackbone())
+    with pytest.raises(RuntimeError, match=r"Site 'backbone' runs with autograd"):
+        probe.value_and_grad(lambda y: y.sum(), _x(2, 4))
+    res = probe.value_and_grad(lambda y: y.sum(), _x(2, 4), at="head")
+    assert list(res.activation_grads) == ["head"]
+    assert list(probe.apply(_x(2, 4)).activations) == ["backbone", "head"]
