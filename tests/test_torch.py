@@ -106,12 +106,18 @@ def test_nothing_of_the_user_changes_in_training_mode_batchnorm():
         torch.testing.assert_close(grad, grads[name])
 
 
+_CALLED_AS: list[nn.Module] = []  # outside the model: the probe copies its fields
+
+
 class _Raises(nn.Module):
+    """Raises on a batch of 5; keeps the module objects it was called as."""
+
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(3, 3)
 
     def forward(self, x):
+        _CALLED_AS.append(self.linear)
         h = self.linear(x)
         if h.shape[0] == 5:
             raise RuntimeError("the model's own error")
@@ -119,23 +125,41 @@ class _Raises(nn.Module):
 
 
 def test_no_hook_stays_registered_when_the_model_or_the_loss_raises():
+    """The probe runs a weightless copy of the module (never the user's): the
+    user's module has no hook even during the call, and the copy's hooks are
+    removed however the call ends."""
     model = _Raises()
     probe = bridge.probe(model)
+    _CALLED_AS.clear()
     with pytest.raises(RuntimeError, match="the model's own error"):
         probe.value_and_grad(lambda y: y.sum(), _x(5, 3))
     assert _hook_counts(model) == [0, 0]
+    assert _CALLED_AS and all(m is not model.linear for m in _CALLED_AS)
+    assert all(_hook_counts(m) == [0] for m in _CALLED_AS)
 
     def loss_fn(y):
+        assert _hook_counts(model) == [0, 0]  # not even during the call
         if not isinstance(y, torch._subclasses.fake_tensor.FakeTensor):
             raise ValueError("the loss's own error")
         return y.sum()
 
+    _CALLED_AS.clear()
     with pytest.raises(ValueError, match="the loss's own error"):
         probe.value_and_grad(loss_fn, _x(2, 3))
-    assert _hook_counts(model) == [0, 0]
+    assert len(_CALLED_AS) == 2  # discovery and the real run
+    assert all(_hook_counts(m) == [0] for m in _CALLED_AS)
     # And the probe still works afterwards.
     probe.value_and_grad(lambda y: y.sum(), _x(2, 3))
     assert _hook_counts(model) == [0, 0]
+
+
+def test_has_aux_returns_the_aux_detached():
+    model, x = _mlp(), _x(4, 6)
+    res = bridge.probe(model).value_and_grad(
+        lambda y: ((y**2).mean(), {"logits": y}), x, has_aux=True
+    )
+    torch.testing.assert_close(res.aux["logits"], model(x).detach())
+    assert not res.aux["logits"].requires_grad
 
 
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
