@@ -36,16 +36,20 @@ change between discovery and the real run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.func import functional_call
+from torch.utils import _pytree as torch_pytree
 
 from bridge._probe import (
     check_loss,
@@ -87,6 +91,13 @@ def _inexact(leaf: Any) -> bool:
     )
 
 
+def _map(function: Callable[[Any], Any], tree: Any) -> Any:
+    """`jax.tree.map` over one tree, a lone tensor (the common site) first."""
+    if isinstance(tree, torch.Tensor):
+        return function(tree)
+    return jax.tree.map(function, tree)
+
+
 class TorchArrays(Arrays):
     """The session's view of torch tensors: leaves of `jax.tree`."""
 
@@ -94,7 +105,7 @@ class TorchArrays(Arrays):
         return isinstance(leaf, torch.Tensor)
 
     def abstract(self, tree: Any) -> Any:
-        return jax.tree.map(
+        return _map(
             lambda x: (
                 jax.ShapeDtypeStruct(tuple(x.shape), jax_dtype(x.dtype))
                 if isinstance(x, torch.Tensor)
@@ -104,7 +115,7 @@ class TorchArrays(Arrays):
         )
 
     def shapes_and_dtypes(self, tree: Any) -> Any:
-        return jax.tree.map(
+        return _map(
             lambda x: (
                 (tuple(x.shape), jax_dtype(x.dtype))
                 if isinstance(x, torch.Tensor)
@@ -114,7 +125,7 @@ class TorchArrays(Arrays):
         )
 
     def differentiable_part(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: x if _inexact(x) else None, tree)
+        return _map(lambda x: x if _inexact(x) else None, tree)
 
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
         raise AssertionError("bridge bug: torch epsilons are added by the adapter")
@@ -122,19 +133,17 @@ class TorchArrays(Arrays):
     def recorded(self, value: Any) -> Any:
         # A copy: models modify outputs in place (`x += residual`,
         # `nn.ReLU(inplace=True)`), which would rewrite a recorded alias.
-        return jax.tree.map(
-            lambda x: x.detach().clone() if _inexact(x) else None, value
-        )
+        return _map(lambda x: x.detach().clone() if _inexact(x) else None, value)
 
     def positional(self, args: tuple) -> tuple:
-        return jax.tree.map(
+        return _map(
             lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else None,
             tuple(args),
         )
 
     def eval_shape(self, function: Any, struct: Any) -> Any:
         with _fake_mode() as mode:
-            values = jax.tree.map(lambda s: _fake_like(mode, s), struct)
+            values = _map(lambda s: _fake_like(mode, s), struct)
             return self.abstract(function(values))
 
 
@@ -204,6 +213,8 @@ class TorchProbe:
                 "more argument(s)."
             )
         self.module = module
+        self._discovered: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"TorchProbe({type(self.module).__name__})"
@@ -257,12 +268,15 @@ class TorchProbe:
         check_patch_kind(patch)
         args, kwargs = self._check_inputs(args, kwargs)
         discovered, loss_struct = self._discover(args, kwargs, loss_fn)
-        check_loss(loss_struct, has_aux)
+        if loss_struct is not _UNCHECKED:
+            check_loss(loss_struct, has_aux)
         chosen = select(at, discovered)
         patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
         run = self._run(args, kwargs, chosen, patches, with_inputs, perturb=True)
         with run as (outputs, session, params, buffers):
             loss_out = loss_fn(outputs)
+        _check_loss_is_a_tensor(loss_out)
+        check_loss(TORCH_ARRAYS.abstract(loss_out), has_aux)
         loss, aux = loss_out if has_aux else (loss_out, None)
         epsilons = session.epsilon_leaves
         trainable = {n: p for n, p in params.items() if p.requires_grad}
@@ -278,7 +292,7 @@ class TorchProbe:
         grads = dict(zip(trainable, found[: len(trainable)], strict=True))
         epsilon_grads = dict(zip(epsilons, found[len(trainable) :], strict=True))
         activation_grads = {
-            name: jax.tree.map(lambda e: epsilon_grads[id(e)], tree)
+            name: _map(lambda e: epsilon_grads[id(e)], tree)
             for name, tree in session.epsilon_trees.items()
         }
         return ProbeResult(
@@ -302,47 +316,72 @@ class TorchProbe:
     ) -> tuple[list[Site], Any]:
         """Every site of one forward pass, on fake tensors: no FLOPs.
 
-        Also returns the abstract loss when `loss_fn` is given. The global RNG
-        is left as it was, so a dropout mask is the one a plain call draws.
+        Also returns the abstract loss when `loss_fn` is given (`_UNCHECKED`
+        where fake tensors cannot run it: the real loss is checked instead).
+        Discovery is reused for later calls with the same signature (see
+        `_signature`): on fake tensors it costs about as much Python time as a
+        real forward pass.
         """
         args, kwargs = to_torch(args), to_torch(kwargs)
+        key = _signature(self.module, (args, kwargs))
+        with self._lock:
+            found = self._discovered.get(key) if key is not None else None
+            if found is not None:
+                self._discovered.move_to_end(key)
+        if found is None:
+            found = (*self._discover_afresh(args, kwargs), {})
+            if key is not None:
+                with self._lock:
+                    self._discovered[key] = found
+                    while len(self._discovered) > _DISCOVERIES_KEPT:
+                        self._discovered.popitem(last=False)
+        sites, outputs, losses = found
+        if loss_fn is None:
+            return sites, None
+        # The same loss function on the same outputs: checked already. A weak
+        # reference tells a new function from a dead one whose id was reused.
+        known = losses.get(id(loss_fn))
+        if known is not None and known[0]() is loss_fn:
+            return sites, known[1]
+        struct = _abstract_loss(outputs, loss_fn)
+        with contextlib.suppress(TypeError), self._lock:  # TypeError: no weakref
+            losses[id(loss_fn)] = (weakref.ref(loss_fn), struct)
+            while len(losses) > _DISCOVERIES_KEPT:
+                del losses[next(iter(losses))]
+        return sites, struct
+
+    def _discover_afresh(self, args: tuple, kwargs: dict) -> tuple[list, _Spec]:
+        """`(sites, the outputs' spec)` from one forward pass on fake tensors,
+        or, where fake tensors cannot run the model, a real one. The global RNG
+        is left as it was, so a dropout mask is the one a plain call draws."""
+        module = self.module
         try:
-            with _fake_mode() as mode, _restored_rng(self.module):
+            with _fake_mode() as mode, _restored_rng(module):
                 params = {
                     name: mode.from_tensor(p).requires_grad_(p.requires_grad)
-                    for name, p in self.module.named_parameters()
+                    for name, p in module.named_parameters()
                 }
-                buffers = {
-                    name: mode.from_tensor(b) for name, b in self.module.named_buffers()
-                }
+                buffers = {n: mode.from_tensor(b) for n, b in module.named_buffers()}
                 fake = jax.tree.map(
                     lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
                     (args, kwargs),
                 )
-                sites, loss_out = self._discover_with(params, buffers, *fake, loss_fn)
+                return self._discover_with(params, buffers, *fake)
         except Exception:  # noqa: BLE001 - fake tensors cannot run every model
-            with _restored_rng(self.module):
-                params = {
-                    name: p.detach().requires_grad_(p.requires_grad)
-                    for name, p in self.module.named_parameters()
-                }
-                buffers = {
-                    n: b.detach().clone() for n, b in self.module.named_buffers()
-                }
-                sites, loss_out = self._discover_with(
-                    params, buffers, args, kwargs, loss_fn
-                )
-        if loss_fn is None:
-            return sites, None
-        _check_loss_is_a_tensor(loss_out)
-        return sites, TORCH_ARRAYS.abstract(loss_out)
+            pass
+        with _restored_rng(module):
+            params = {
+                name: p.detach().requires_grad_(p.requires_grad)
+                for name, p in module.named_parameters()
+            }
+            buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+            return self._discover_with(params, buffers, args, kwargs)
 
-    def _discover_with(self, params, buffers, args, kwargs, loss_fn):
+    def _discover_with(self, params, buffers, args, kwargs) -> tuple[list, _Spec]:
         session = _TorchSession()
         with torch.enable_grad():
             outputs = self._call(session, params, buffers, args, kwargs)
-            loss_out = loss_fn(outputs) if loss_fn is not None else None
-        return session.discovered(), loss_out
+        return session.discovered(), _Spec.of(outputs)
 
     @contextlib.contextmanager
     def _run(
@@ -382,26 +421,45 @@ class TorchProbe:
         The call runs on a shell of the module (`_shell`), never on the user's
         module: hooks, parameters and buffers are swapped in on the shell only,
         so another thread calling or probing the same module meanwhile sees
-        nothing of it. The shell takes the user's current training flags.
+        nothing of it. A shell is made per call: it has the module's current
+        attributes and training flags.
         """
         shell = _shell(self.module)
-        pairs = list(zip(self.module.modules(), shell.modules(), strict=True))
-        for original, copied in pairs:
-            copied.training = original.training
         with _hooked(session, self.module, shell), session.active():
             return functional_call(shell, (params, buffers), args, kwargs)
 
 
-def _shell(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the module's structure whose parameters and buffers are meta
-    tensors: no weight is copied, and `functional_call` supplies them."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        meta = torch.empty_like(p, device="meta")
-        memo[id(p)] = torch.nn.Parameter(meta, requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
+#: The containers `nn.Module.__init__` gives every module: parameters,
+#: buffers, submodules, hooks. A shell has its own copy of each.
+_MODULE_CONTAINERS = tuple(
+    name
+    for name, value in vars(torch.nn.Module()).items()
+    if isinstance(value, dict | set)
+)
+
+
+def _shell(module: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
+    """A copy of the module tree that shares no container with it.
+
+    Each module is copied shallowly, and each container `nn.Module` keeps its
+    state in (parameters, buffers, submodules, hooks) is copied, so
+    `functional_call` can swap tensors in and hooks can be added on the shell
+    without touching the user's module; submodules are shells too (a shared
+    one once). Other attributes are the module's own, as in a plain call.
+    """
+    memo = {} if memo is None else memo
+    if id(module) in memo:
+        return memo[id(module)]
+    shell = memo[id(module)] = object.__new__(type(module))
+    shell.__dict__.update(module.__dict__)
+    for name in _MODULE_CONTAINERS:
+        if name in module.__dict__:
+            shell.__dict__[name] = copy.copy(module.__dict__[name])
+    shell.__dict__["_modules"] = type(module._modules)(
+        (name, None if child is None else _shell(child, memo))
+        for name, child in module._modules.items()
+    )
+    return shell
 
 
 @contextlib.contextmanager
@@ -482,8 +540,10 @@ class _TorchSession(Session):
                 self.epsilon_leaves[id(epsilon)] = epsilon
                 return epsilon
 
-            tree = jax.tree.map(epsilon_like, value)
+            tree = _map(epsilon_like, value)
             self.epsilon_trees[name] = tree
+            if isinstance(value, torch.Tensor):
+                return value if tree is None else value + tree
             leaves = iter(jax.tree.leaves(tree))
             return jax.tree.map(lambda x: x + next(leaves) if _inexact(x) else x, value)
 
@@ -491,10 +551,11 @@ class _TorchSession(Session):
 
 
 @contextlib.contextmanager
-def _restored_rng(module: torch.nn.Module) -> Iterator[None]:
+def _restored_rng(module: torch.nn.Module | None) -> Iterator[None]:
     """The global RNG state (CPU, and the model's CUDA devices) as it was."""
+    parameters = [] if module is None else module.parameters()
     devices = sorted(
-        {p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"}
+        {p.device.index or 0 for p in parameters if p.device.type == "cuda"}
     )
     with torch.random.fork_rng(devices=devices):
         yield
@@ -515,6 +576,93 @@ def _state(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The buffers after the call, keyed like `named_buffers()`; `None` where the
     model has none."""
     return {name: b.detach() for name, b in buffers.items()} or None
+
+
+#: Discoveries a probe keeps (most recently used first), one per signature.
+_DISCOVERIES_KEPT = 16
+
+#: The loss could not be evaluated on fake tensors: it is checked when real.
+_UNCHECKED = object()
+
+
+def _signature(module: torch.nn.Module, inputs: Any) -> tuple | None:
+    """What the sites of a call depend on: the inputs' structure, shapes,
+    dtypes and devices (and any other input, where hashable), which modules the
+    model holds and their training flags, the parameters' and buffers' shapes
+    and `requires_grad`. `None` (no reuse) for an unhashable input. A change of
+    a module's attributes that alters its calls (say `norm_first`) is not
+    seen: make a new probe after one."""
+    leaves, treedef = torch_pytree.tree_flatten(inputs)
+    described = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append(_TensorLeaf.of(leaf))
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            return None
+        described.append((type(leaf), leaf))
+    return (
+        str(treedef),
+        tuple(described),
+        tuple((id(m), m.training) for m in module.modules()),
+        tuple(
+            (id(p), tuple(p.shape), p.dtype, p.requires_grad)
+            for p in module.parameters()
+        ),
+        tuple((id(b), tuple(b.shape), b.dtype) for b in module.buffers()),
+    )
+
+
+class _TensorLeaf(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> _TensorLeaf:
+        return cls(tuple(x.shape), x.dtype, x.device, x.requires_grad)
+
+
+class _Spec(NamedTuple):
+    """The structure of a model's outputs, kept to rebuild them as fake
+    tensors for the loss check (any container `torch.utils._pytree` knows,
+    Hugging Face's `ModelOutput` included)."""
+
+    treespec: Any
+    leaves: list
+
+    @classmethod
+    def of(cls, outputs: Any) -> _Spec:
+        leaves, treespec = torch_pytree.tree_flatten(outputs)
+        return cls(
+            treespec,
+            [_TensorLeaf.of(x) if isinstance(x, torch.Tensor) else x for x in leaves],
+        )
+
+    def fake(self, mode: Any) -> Any:
+        def make(leaf):
+            if not isinstance(leaf, _TensorLeaf):
+                return leaf
+            x = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
+            return x.requires_grad_(leaf.requires_grad)
+
+        with mode:
+            leaves = [make(leaf) for leaf in self.leaves]
+        return torch_pytree.tree_unflatten(leaves, self.treespec)
+
+
+def _abstract_loss(outputs: _Spec, loss_fn: Callable) -> Any:
+    """The loss's abstract value, from `loss_fn` on fake outputs: no FLOPs."""
+    try:
+        with _fake_mode() as mode, _restored_rng(None):
+            loss_out = loss_fn(outputs.fake(mode))
+    except Exception:  # noqa: BLE001 - checked on the real loss instead
+        return _UNCHECKED
+    _check_loss_is_a_tensor(loss_out)
+    return TORCH_ARRAYS.abstract(loss_out)
 
 
 def probe(module: Any, *variables: Any, vmap: bool = False) -> TorchProbe:
