@@ -377,3 +377,33 @@ def test_a_site_without_autograd_is_refused_not_given_a_zero_gradient():
     res = probe.value_and_grad(lambda y: y.sum(), _x(2, 4), at="head")
     assert list(res.activation_grads) == ["head"]
     assert list(probe.apply(_x(2, 4)).activations) == ["backbone", "head"]
+
+
+def test_discovery_is_reused_for_the_same_signature_and_redone_otherwise(
+    monkeypatch,
+):
+    from bridge.adapters import torch as adapter
+
+    afresh = []
+    original = adapter.TorchProbe._discover_afresh
+    monkeypatch.setattr(
+        adapter.TorchProbe,
+        "_discover_afresh",
+        lambda self, *a: afresh.append(1) or original(self, *a),
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    probe, loss_fn = bridge.probe(model), lambda y: (y**2).mean()
+    for seed in (1, 2):  # new values, same shapes: discovered once
+        probe.value_and_grad(loss_fn, _x(4, 6, seed=seed))
+    assert len(afresh) == 1
+    probe.value_and_grad(loss_fn, _x(5, 6))  # a new batch size
+    assert len(afresh) == 2
+    model.eval()  # a new mode: discovered again, and the run is in eval mode
+    res = probe.value_and_grad(loss_fn, _x(4, 6))
+    assert len(afresh) == 3
+    torch.testing.assert_close(res.loss, loss_fn(model(_x(4, 6))).detach())
+    # A bad loss on a known signature is still refused before the run.
+    with pytest.raises(ValueError, match=r"must return a real floating-point scalar"):
+        probe.value_and_grad(lambda y: y, _x(4, 6))
+    assert len(afresh) == 3
