@@ -5,6 +5,8 @@ the probe's model by its site path (the pytree path). Equinox differs from
 the canonical layout: `eqx.nn.Linear.weight` is `(out, in)`; convolutions are
 channel-first, weights `(out, in / groups, *window)` (OIHW) with a bias
 `(out, 1, ..., 1)`, and so are their activations, `(C, H, W)` per example.
+An `eqx.nn.GroupNorm` normalises channel-first values, `(C, *spatial)`; its
+activations are brought channel-last like those of the latest convolution.
 `eqx.nn.BatchNorm` keeps its running statistics in the `eqx.nn.State`:
 `mode="ema"` as `(mean, var)` with a first-time flag, which a moved statistic
 clears; `mode="batch"` zero-debiased like Haiku's, so a moved statistic gets
@@ -63,7 +65,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     modules[""] = probe.model
     sites = [Site("", "", None, 0, probe.model, None), *sites]
     found = []
-    spatial = 0  # of the latest convolution: the layout of a BatchNorm after it
+    spatial = 0  # of the latest convolution: the layout of a norm after it
     for site in sites:
         module = modules.get(site.path)
         if module is None:
@@ -140,6 +142,25 @@ def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Laye
             locations["bias"] = location("bias")
         return Layer(
             site.name, site.path, kind, described, weights, locations=locations
+        )
+    if isinstance(module, eqx.nn.GroupNorm):
+        weights = {
+            "scale": flattened(own.get("weight"), lead),
+            "bias": flattened(own.get("bias"), lead),
+        }
+        locations = {"scale": location("weight"), "bias": location("bias")}
+        # Channel-first like the convolutions; at most the value's own axes.
+        outer = lead + int(bool(probe.vmap))
+        return Layer(
+            site.name,
+            site.path,
+            "groupnorm",
+            described,
+            weights,
+            to_common=lambda value: _channel_last(
+                min(spatial, max(jnp.ndim(value) - outer - 1, 0))
+            )(value),
+            locations=locations,
         )
     if isinstance(module, eqx.nn.BatchNorm):
         mean, var = _running_statistics(probe.state, module)

@@ -4,7 +4,9 @@ A parameterised module is one whose name keys an entry of `params` (Haiku
 keys parameters by module name); `hk.BatchNorm` counts even without scale
 and offset, for its moving averages. Haiku is channel-last with `(in, out)`
 kernels, the canonical layout already; `hk.MultiHeadAttention` projects with
-plain `hk.Linear`s, flat kernels.
+plain `hk.Linear`s, flat kernels. An `hk.GroupNorm` with
+`data_format="channels_first"` keeps `(C, 1, ..., 1)` parameters (flattened
+here) and channel-first activations, brought channel-last to compare.
 
 `hk.BatchNorm` keeps its running statistics in the state of two
 `ExponentialMovingAverage` submodules (`<name>/~/mean_ema`,
@@ -75,6 +77,21 @@ def _layer(probe: Any, site: Site, own: dict) -> Layer:
         weights = {"scale": flattened(own.get("scale"), lead)}
         locations = {"scale": (*at, "scale")}
         kind = "rmsnorm"
+    elif isinstance(module, hk.GroupNorm):
+        weights = {
+            "scale": flattened(own.get("scale"), lead),
+            "bias": flattened(own.get("offset"), lead),
+        }
+        locations = _identity({"scale": (*at, "scale"), "bias": (*at, "offset")})
+        return Layer(
+            site.name,
+            path,
+            "groupnorm",
+            described,
+            weights,
+            to_common=_channel_layout(probe, site, module),
+            locations=locations,
+        )
     elif isinstance(module, hk.BatchNorm):
         state = probe.state or {}
         mean = state.get(f"{path}/~/mean_ema", {}).get("average")
@@ -89,7 +106,13 @@ def _layer(probe: Any, site: Site, own: dict) -> Layer:
         for name, ema in (("mean", "mean_ema"), ("var", "var_ema")):
             locations[name] = (("state", f"{path}/~/{ema}"), _ema_entries)
         return Layer(
-            site.name, path, "batchnorm", described, weights, locations=locations
+            site.name,
+            path,
+            "batchnorm",
+            described,
+            weights,
+            to_common=_channel_layout(probe, site, module),
+            locations=locations,
         )
     elif isinstance(module, hk.Embed):
         weights = {"embedding": own["embeddings"]}
@@ -101,7 +124,26 @@ def _layer(probe: Any, site: Site, own: dict) -> Layer:
         locations = {name: (*at, name) for name in own}
         kind = f"module:{cls.__module__}.{cls.__qualname__}"
     return Layer(
-        site.name, path, kind, described, weights, locations=_identity(locations)
+        site.name,
+        path,
+        kind,
+        described,
+        weights,
+        to_common=_channel_layout(probe, site, module),
+        locations=_identity(locations),
+    )
+
+
+def _channel_layout(probe: Any, site: Site, module: Any):
+    """Activation layout of a module with a `data_format` (`hk.ConvND`,
+    `hk.BatchNorm`, `hk.GroupNorm`): channels first (`NCHW`,
+    `"channels_first"`) has its channel axis (1, after the scan and vmap axes)
+    moved last."""
+    if getattr(module, "channel_index", -1) == -1:
+        return lambda value: value
+    channel = site.stacked + int(bool(probe.vmap)) + 1
+    return lambda value: (
+        jnp.moveaxis(value, channel, -1) if jnp.ndim(value) > channel + 1 else value
     )
 
 

@@ -99,6 +99,13 @@ def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
             site.name, site.path, kind, described, weights,
             locations=_identity(locations),
         )  # fmt: skip
+    if isinstance(module, nn.GroupNorm):
+        weights = {name: flattened(own.get(name), lead) for name in ("scale", "bias")}
+        locations = {name: (*at, name) for name in ("scale", "bias")}
+        return Layer(
+            site.name, site.path, "groupnorm", described, weights,
+            locations=_identity(locations),
+        )  # fmt: skip
     if isinstance(module, nn.BatchNorm):
         stats = _node(variables.get("batch_stats", {}), scope) or {}
         weights = {

@@ -104,6 +104,16 @@ def _layer(site: Site, own: dict, rest: dict) -> Layer:
             {name: flattened(own.get(name), lead) for name in names},
             locations=identity({name: (*at, name) for name in names}),
         )
+    if isinstance(module, nnx.GroupNorm):
+        names = ("scale", "bias")
+        return Layer(
+            site.name,
+            site.path,
+            "groupnorm",
+            described,
+            {name: flattened(own.get(name), lead) for name in names},
+            locations=identity({name: (*at, name) for name in names}),
+        )
     if isinstance(module, nnx.BatchNorm):
         weights = {
             "scale": flattened(own.get("scale"), lead),

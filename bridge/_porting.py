@@ -47,8 +47,8 @@ class Layer:
     Attributes:
       site: the site name of the call (`path`, `path#1`, ...).
       path: the module's path.
-      kind: `dense`, `conv`, `layernorm`, `rmsnorm`, `batchnorm`, `embed`, or
-        `module:<class>`.
+      kind: `dense`, `conv`, `layernorm`, `rmsnorm`, `groupnorm`, `batchnorm`,
+        `embed`, or `module:<class>`.
       described: the module's class as its library names it (`nn.Dense`).
       weights: `{name: array or None}` in the canonical layout.
       to_common: maps one activation leaf to the common layout (channel-last,
@@ -148,7 +148,9 @@ def _label(layer: Layer) -> str:
 
 
 def _listed(layers: Sequence[Layer]) -> str:
-    names = [f"{layer.site or '(root)'}: {layer.kind}" for layer in layers[:6]]
+    names = [
+        f"{layer.site or layer.path or '(root)'}: {layer.kind}" for layer in layers[:6]
+    ]
     return ", ".join(names) + (", ..." if len(layers) > 6 else "")
 
 
@@ -438,23 +440,20 @@ def compare(
     args_b, kwargs_b = _second_inputs(args, kwargs, args_b, kwargs_b)
     layers_a = parameterised_layers(probe_a, "probe_a", args, kwargs)[1]
     layers_b = parameterised_layers(probe_b, "probe_b", args_b, kwargs_b)[1]
-    # Paired first, compared where both sides have a value: the root module is
-    # no site (its output is the models' outputs), nor is an inner projection
-    # of a fused layer (PyTorch's `nn.MultiheadAttention` query/key/value).
-    pairs = [
-        (layer_a, layer_b)
-        for layer_a, layer_b in pair(layers_a, layers_b, ("probe_a", "probe_b"))
-        if layer_a.site and layer_b.site
-    ]
-    for layer_a, layer_b in pairs:
+    paired = pair(layers_a, layers_b, ("probe_a", "probe_b"))
+    for layer_a, layer_b in paired:
         if layer_a.kind != layer_b.kind:
             raise ValueError(
-                f"Cannot compare site {layer_a.site!r} ({layer_a.described}) of "
-                f"probe_a with site {layer_b.site!r} ({layer_b.described}) of "
+                f"Cannot compare {_label(layer_a)} ({layer_a.described}) of "
+                f"probe_a with {_label(layer_b)} ({layer_b.described}) of "
                 f"probe_b: their kinds differ ({layer_a.kind} vs {layer_b.kind}). "
                 "compare pairs parameterised modules in call order: check that "
                 "both models call the same layers in the same order."
             )
+    # Compared where both sides have a value: the root module is no site (its
+    # output is the models' outputs), nor is an inner projection of a fused
+    # layer (PyTorch's `nn.MultiheadAttention` query/key/value).
+    pairs = [(a, b) for a, b in paired if a.site and b.site]
     result_a, result_b = _run_both(
         (probe_a, probe_b),
         (loss_a, loss_b),

@@ -35,6 +35,10 @@ CASES = {
         ("flax", "optax", "matplotlib"),
         ("activation_patching.png",),
     ),
+    "port_from_pytorch.py": (
+        ("flax", "torch", "transformers", "matplotlib"),
+        ("port_from_pytorch.png",),
+    ),
 }
 
 
