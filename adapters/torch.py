@@ -91,15 +91,32 @@ def _inexact(leaf: Any) -> bool:
     )
 
 
+def _jax_tree(value: Any) -> Any:
+    """`value` as a pytree JAX knows: mappings JAX does not (a Hugging Face
+    `ModelOutput`, any dict subclass) become plain dicts, recursively."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        return {key: _jax_tree(item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_jax_tree(item) for item in value))
+    if type(value) in (tuple, list):
+        return type(value)(_jax_tree(item) for item in value)
+    return value
+
+
 def _map(function: Callable[[Any], Any], tree: Any) -> Any:
-    """`jax.tree.map` over one tree, a lone tensor (the common site) first."""
+    """`jax.tree.map` over a site's value as JAX sees it (`_jax_tree`), a lone
+    tensor (the common site) first."""
     if isinstance(tree, torch.Tensor):
         return function(tree)
-    return jax.tree.map(function, tree)
+    return jax.tree.map(function, _jax_tree(tree))
 
 
 class TorchArrays(Arrays):
-    """The session's view of torch tensors: leaves of `jax.tree`."""
+    """The session's view of torch tensors: leaves of `jax.tree`. A value's
+    containers are seen as `_jax_tree` makes them: a `ModelOutput` returned
+    by a submodule is recorded (and its gradient given) as a dict."""
 
     def is_array(self, leaf: Any) -> bool:
         return isinstance(leaf, torch.Tensor)
@@ -140,6 +157,9 @@ class TorchArrays(Arrays):
             lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else None,
             tuple(args),
         )
+
+    def fits(self, expected: Any, got: Any) -> bool:
+        return super().fits(expected, _jax_tree(got))
 
     def eval_shape(self, function: Any, struct: Any) -> Any:
         with _fake_mode() as mode:
@@ -540,12 +560,20 @@ class _TorchSession(Session):
                 self.epsilon_leaves[id(epsilon)] = epsilon
                 return epsilon
 
-            tree = _map(epsilon_like, value)
-            self.epsilon_trees[name] = tree
             if isinstance(value, torch.Tensor):
-                return value if tree is None else value + tree
-            leaves = iter(jax.tree.leaves(tree))
-            return jax.tree.map(lambda x: x + next(leaves) if _inexact(x) else x, value)
+                epsilon = epsilon_like(value)
+                self.epsilon_trees[name] = epsilon
+                return value if epsilon is None else value + epsilon
+            # The model goes on with a value of its own type (a `ModelOutput`
+            # stays one): rebuilt by PyTorch's pytrees, which know its type.
+            leaves, spec = torch_pytree.tree_flatten(value)
+            epsilons = [epsilon_like(x) for x in leaves]
+            tree = torch_pytree.tree_unflatten(epsilons, spec)
+            self.epsilon_trees[name] = _jax_tree(tree)
+            perturbed = [
+                x if e is None else x + e for x, e in zip(leaves, epsilons, strict=True)
+            ]
+            return torch_pytree.tree_unflatten(perturbed, spec)
 
         return add
 

@@ -407,3 +407,38 @@ def test_discovery_is_reused_for_the_same_signature_and_redone_otherwise(
     with pytest.raises(ValueError, match=r"must return a real floating-point scalar"):
         probe.value_and_grad(lambda y: y, _x(4, 6))
     assert len(afresh) == 3
+
+
+def test_a_submodule_returning_a_hugging_face_model_output_is_a_site():
+    """`ResNetModel` and its encoder return `ModelOutput`s (a dict subclass
+    JAX's pytrees do not know): they are sites, recorded as dicts, and the
+    model goes on with the `ModelOutput`. Their gradients follow from the
+    layers after them: the classifier flattens `resnet`'s `pooler_output`,
+    which nothing else reads (its `last_hidden_state` reaches no loss), and the
+    pooler averages the encoder's `last_hidden_state` over its 4 x 4 pixels."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3
+    )
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).eval()
+    x = _x(2, 3, 32, 32)
+    probe = bridge.probe(model)
+    assert set(probe.sites(x)["resnet"]) == {"last_hidden_state", "pooler_output"}
+    res = probe.value_and_grad(
+        lambda out: out.logits.square().mean(),
+        x,
+        at=["resnet", "resnet.encoder", "classifier.0"],
+    )
+    resnet = res.activation_grads["resnet"]
+    flat = res.activation_grads["classifier.0"]
+    torch.testing.assert_close(resnet["pooler_output"], flat.reshape(2, 16, 1, 1))
+    assert torch.all(resnet["last_hidden_state"] == 0)
+    torch.testing.assert_close(
+        res.activation_grads["resnet.encoder"]["last_hidden_state"],
+        (resnet["pooler_output"] / 16).expand(2, 16, 4, 4),
+    )
+    expected = model(x).logits.square().mean()
+    torch.testing.assert_close(res.loss, expected.detach())
+    fwd = probe.apply(x, patch={"resnet": lambda out: out})
+    assert type(fwd.outputs).__name__ == "ImageClassifierOutputWithNoAttention"
