@@ -4,12 +4,13 @@ Most ports into JAX start from a PyTorch model, so `bridge.transfer` and
 `bridge.compare` must see a PyTorch model the way they see a JAX one. The
 mechanism is the epsilon trick in PyTorch's own terms:
 
-- The model runs on a *shell*: a structural copy of the module whose
-  parameters and buffers are meta tensors (no weight copied), so nothing of
-  the user's module is touched, not even for the length of a call. Each
-  submodule of the shell (every entry of `named_modules()` but the root) gets
-  a forward pre-hook and a forward hook, removed in a `finally`, also when
-  the model or the loss raises. The pre-hook reports
+- The model runs on a *shell*, made per call: a shallow copy of each module
+  with its own containers (parameters, buffers, submodules, hooks), so
+  nothing of the user's module is touched, not even for the length of a
+  call, and no weight is copied. Each submodule of the shell (every entry of
+  `named_modules()` but the root) gets a forward pre-hook and a forward hook,
+  removed in a `finally`, also when the model or the loss raises. The
+  pre-hook reports
   the call's entry to the `Session` (sites are ordered by call entry, named by
   `named_modules()` paths, `#k` for repeated calls); the forward hook hands the
   output to the session, which patches it, adds a fresh zero epsilon that
@@ -26,6 +27,7 @@ mechanism is the epsilon trick in PyTorch's own terms:
   tensors (`FakeTensorMode`): shapes without FLOPs. A model that fake tensors
   cannot run (data-dependent shapes, an operator without a meta kernel) is
   discovered by a real forward pass instead, with the RNG state restored.
+  Discovery is kept per input signature (`_signature`) and reused.
 
 Every forward pass runs with autograd enabled and the parameters'
 `requires_grad` as the user set them, in discovery and in `apply` too: fused
@@ -259,9 +261,9 @@ class TorchProbe:
         discovered, _ = self._discover(args, kwargs)
         chosen = select(at, discovered)
         patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
-        run = self._run(args, kwargs, chosen, patches, with_inputs=False)
-        with run as (outputs, session, _, buffers):
-            pass
+        outputs, session, _, buffers = self._run(
+            args, kwargs, chosen, patches, with_inputs=False
+        )
         return ForwardResult(
             _detached(outputs),
             in_order(session.activations, chosen),
@@ -292,8 +294,10 @@ class TorchProbe:
             check_loss(loss_struct, has_aux)
         chosen = select(at, discovered)
         patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
-        run = self._run(args, kwargs, chosen, patches, with_inputs, perturb=True)
-        with run as (outputs, session, params, buffers):
+        outputs, session, params, buffers = self._run(
+            args, kwargs, chosen, patches, with_inputs, perturb=True
+        )
+        with torch.enable_grad():
             loss_out = loss_fn(outputs)
         _check_loss_is_a_tensor(loss_out)
         check_loss(TORCH_ARRAYS.abstract(loss_out), has_aux)
@@ -390,12 +394,7 @@ class TorchProbe:
         except Exception:  # noqa: BLE001 - fake tensors cannot run every model
             pass
         with _restored_rng(module):
-            params = {
-                name: p.detach().requires_grad_(p.requires_grad)
-                for name, p in module.named_parameters()
-            }
-            buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
-            return self._discover_with(params, buffers, args, kwargs)
+            return self._discover_with(*_live_state(module), args, kwargs)
 
     def _discover_with(self, params, buffers, args, kwargs) -> tuple[list, _Spec]:
         session = _TorchSession()
@@ -403,7 +402,6 @@ class TorchProbe:
             outputs = self._call(session, params, buffers, args, kwargs)
         return session.discovered(), _Spec.of(outputs)
 
-    @contextlib.contextmanager
     def _run(
         self,
         args: tuple,
@@ -412,12 +410,9 @@ class TorchProbe:
         patches: dict,
         with_inputs: bool,
         perturb: bool = False,
-    ) -> Iterator[tuple[Any, _TorchSession, dict, dict]]:
-        """One real forward pass: `(outputs, session, parameters, buffers)`.
-
-        The parameters are detached aliases of the user's, requiring grad as
-        the user's do; the buffers are clones, updated by the call.
-        """
+    ) -> tuple[Any, _TorchSession, dict, dict]:
+        """One real forward pass: `(outputs, session, parameters, buffers)`,
+        the epsilons added with `perturb`."""
         selected = {site.name: site for site in chosen}
         session = _TorchSession(
             selected,
@@ -425,14 +420,10 @@ class TorchProbe:
             patches,
             with_inputs,
         )
-        params = {
-            name: p.detach().requires_grad_(p.requires_grad)
-            for name, p in self.module.named_parameters()
-        }
-        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        params, buffers = _live_state(self.module)
         with torch.enable_grad():
             outputs = self._call(session, params, buffers, args, kwargs)
-            yield outputs, session, params, buffers
+        return outputs, session, params, buffers
 
     def _call(self, session, params, buffers, args, kwargs) -> Any:
         """Call the model on `params` and `buffers`, every submodule call
@@ -456,6 +447,19 @@ _MODULE_CONTAINERS = tuple(
     for name, value in vars(torch.nn.Module()).items()
     if isinstance(value, dict | set)
 )
+
+
+def _live_state(module: torch.nn.Module) -> tuple[dict, dict]:
+    """The parameters and buffers a call runs on: detached aliases of the
+    user's parameters (no copy), requiring grad as theirs do, so autograd
+    never touches their `.grad`; clones of the buffers, which the call may
+    update (a training-mode BatchNorm's running statistics)."""
+    params = {
+        name: p.detach().requires_grad_(p.requires_grad)
+        for name, p in module.named_parameters()
+    }
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    return params, buffers
 
 
 def _shell(module: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
