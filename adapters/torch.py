@@ -13,12 +13,15 @@ mechanism is the epsilon trick in PyTorch's own terms:
   pre-hook reports
   the call's entry to the `Session` (sites are ordered by call entry, named by
   `named_modules()` paths, `#k` for repeated calls); the forward hook hands the
-  output to the session, which patches it, adds a fresh zero epsilon that
-  requires grad, and records a detached copy.
-- One `torch.autograd.grad` of the loss with respect to the parameters and
-  the epsilons gives both gradient sets in one backward pass. Each call has an
-  epsilon of its own, so the gradients of a module called twice are never
-  summed.
+  output to the session, which patches it, records a detached copy and hands
+  the model, in its place, a fresh view of it whose gradient hooks catch the
+  epsilon's gradient without the epsilon's zeros and add (`_Gradient`) — or,
+  where the value is not fresh (a module returning its input) or does not
+  require grad yet, the value plus a zero epsilon that requires grad.
+- One `torch.autograd.grad` of the loss with respect to the parameters (and
+  epsilons) gives both gradient sets in one backward pass. Each call has a
+  view (or epsilon) of its own, consumed only by the code after the call, so
+  the gradients of a module called twice are never summed.
 - The shell runs through `torch.func.functional_call` with detached aliases
   of the user's parameters (no copy; `.grad` of the user's parameters is never
   touched) and clones of the buffers (a training-mode BatchNorm updates the
@@ -315,10 +318,7 @@ class TorchProbe:
         ]
         grads = dict(zip(trainable, found[: len(trainable)], strict=True))
         epsilon_grads = dict(zip(epsilons, found[len(trainable) :], strict=True))
-        activation_grads = {
-            name: _map(lambda e: epsilon_grads[id(e)], tree)
-            for name, tree in session.epsilon_trees.items()
-        }
+        activation_grads = session.activation_grads(epsilon_grads)
         return ProbeResult(
             loss=loss.detach(),
             aux=_detached(aux),
@@ -332,8 +332,10 @@ class TorchProbe:
     # -- the machinery -----------------------------------------------------------
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The inputs as torch tensors; refuses JAX tracers, before any work."""
-        return to_torch(tuple(args)), to_torch(dict(kwargs))
+        """The inputs as detached torch tensors (a probe returns no gradient
+        for them, nor adds to their `.grad`); refuses JAX tracers, before any
+        work."""
+        return _detached(to_torch(tuple(args))), _detached(to_torch(dict(kwargs)))
 
     def _discover(
         self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
@@ -421,6 +423,7 @@ class TorchProbe:
             with_inputs,
         )
         params, buffers = _live_state(self.module)
+        session.hold((params, buffers, args, kwargs))
         with torch.enable_grad():
             outputs = self._call(session, params, buffers, args, kwargs)
         return outputs, session, params, buffers
@@ -498,6 +501,8 @@ def _hooked(
 
     def enter(copied, args, kwargs, path, original):
         if current() is session:
+            if session.epsilons:  # value_and_grad: a call's inputs are held
+                session.hold((args, kwargs))
             call = session.enter(path, None, original, args)
             open_calls.setdefault(id(copied), []).append(call)
 
@@ -526,28 +531,103 @@ def _hooked(
             handle.remove()
 
 
-class _TorchSession(Session):
-    """A session over torch tensors whose epsilons are made at the call.
+class _Gradient:
+    """Catches the gradient of a fresh floating leaf of a site's value.
 
-    An epsilon is a fresh zero tensor that requires grad, created where the
-    value appears: on its device, with its dtype. `epsilon_trees` keeps, per
-    site, the pytree of epsilons (`None` at integer leaves); `epsilon_leaves`
-    every epsilon by `id`, in creation order, for `torch.autograd.grad`.
+    The model goes on with a fresh view of the value, and hooks on both catch
+    their gradients: the epsilon's gradient without the epsilon's zeros and
+    add. The view's gradient is exactly the epsilon's (only the code after the
+    site consumes the view); but where that code changes the view in place
+    (`nn.ReLU(inplace=True)`, `x += residual`), PyTorch does not call the
+    view's hook, and the value's hook gives the gradient of the value before
+    the change: the value is fresh, so the view is its only consumer outside
+    the module that made it.
+    """
+
+    __slots__ = ("value", "view", "version", "of_value", "of_view")
+
+    def __init__(self, value: torch.Tensor):
+        self.value, self.view = value, value.view_as(value)
+        self.version = self.view._version
+        self.of_value = self.of_view = None
+        value.register_hook(self._value_hook)
+        self.view.register_hook(self._view_hook)
+
+    def _value_hook(self, grad: torch.Tensor) -> None:
+        self.of_value = grad
+
+    def _view_hook(self, grad: torch.Tensor) -> None:
+        self.of_view = grad
+
+    def result(self) -> torch.Tensor:
+        """The gradient; zeros where the loss does not depend on the value."""
+        changed = self.view._version != self.version
+        grad = self.of_value if changed else self.of_view
+        return torch.zeros_like(self.value) if grad is None else grad
+
+
+class _TorchSession(Session):
+    """A session over torch tensors whose gradients are caught at the call.
+
+    Each floating leaf of a selected site's value is replaced by what the model
+    goes on with. A *fresh* value — one requiring grad that is not an input of
+    the call, a parameter, a buffer or a value handed out already — is watched
+    by a `_Gradient` (no copy). Any other (a module returning its input, a
+    `bridge.tap` of a value used before it, a value that does not require grad
+    yet) gets a zero epsilon that requires grad added, made on its device with
+    its dtype; its gradient is the site's. `sources` keeps, per site, the
+    pytree of `_Gradient`s and epsilons (`None` at integer leaves);
+    `epsilon_leaves` every epsilon by `id`, for `torch.autograd.grad`.
     """
 
     def __init__(self, selected=None, epsilons=None, patches=None, with_inputs=False):
         super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
-        self.epsilon_trees: dict[str, Any] = {}
+        self.sources: dict[str, Any] = {}
         self.epsilon_leaves: dict[int, torch.Tensor] = {}
+        # Tensors the model holds besides a module's new output, by `id` (kept
+        # alive, so no `id` is reused).
+        self.held: dict[int, torch.Tensor] = {}
+
+    def hold(self, tree: Any) -> None:
+        """Note tensors the model holds (a call's inputs, the parameters)."""
+        for leaf in torch_pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                self.held[id(leaf)] = leaf
 
     def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
-        # Module calls and `bridge.tap` alike: the epsilon is made here.
-        return super().exit(call, value, perturb or self.perturb(call.name), record)
+        # Module calls and `bridge.tap` alike: the gradient is caught here. A
+        # tapped value may have been used before the tap: always an epsilon.
+        perturb = perturb or self.perturb(call.name, call.module is not None)
+        return super().exit(call, value, perturb, record)
 
-    def perturb(self, name: str) -> Callable[[Any], Any]:
+    def activation_grads(self, epsilon_grads: dict[int, torch.Tensor]) -> dict:
+        """`{site: gradient pytree}` once `torch.autograd.grad` has run."""
+
+        def gradient(source):
+            if isinstance(source, _Gradient):
+                return source.result()
+            return epsilon_grads[id(source)]
+
+        return {name: _map(gradient, tree) for name, tree in self.sources.items()}
+
+    def perturb(self, name: str, output: bool) -> Callable[[Any], Any]:
+        def watch(x: Any) -> tuple[Any, Any]:
+            if not _inexact(x):
+                return x, None
+            if output and x.requires_grad and id(x) not in self.held:
+                source = _Gradient(x)
+                watched = source.view
+            else:
+                source = torch.zeros_like(x, requires_grad=True)
+                self.epsilon_leaves[id(source)] = source
+                watched = x + source
+            self.held[id(x)] = x
+            self.held[id(watched)] = watched
+            return watched, source
+
         def add(value: Any) -> Any:
             if not torch.is_grad_enabled():
-                # An epsilon added here would be invisible to autograd: its
+                # A hook or an epsilon here would be invisible to autograd: the
                 # gradient would read as zero, a wrong number.
                 raise RuntimeError(
                     f"Site {name!r} runs with autograd disabled (inside "
@@ -556,28 +636,16 @@ class _TorchSession(Session):
                     "to it cannot be taken. Leave it out of `at` (select sites "
                     "outside that region), or use `probe.apply` for its activations."
                 )
-
-            def epsilon_like(x):
-                if not _inexact(x):
-                    return None
-                epsilon = torch.zeros_like(x, requires_grad=True)
-                self.epsilon_leaves[id(epsilon)] = epsilon
-                return epsilon
-
             if isinstance(value, torch.Tensor):
-                epsilon = epsilon_like(value)
-                self.epsilon_trees[name] = epsilon
-                return value if epsilon is None else value + epsilon
+                watched, self.sources[name] = watch(value)
+                return watched
             # The model goes on with a value of its own type (a `ModelOutput`
             # stays one): rebuilt by PyTorch's pytrees, which know its type.
             leaves, spec = torch_pytree.tree_flatten(value)
-            epsilons = [epsilon_like(x) for x in leaves]
-            tree = torch_pytree.tree_unflatten(epsilons, spec)
-            self.epsilon_trees[name] = _jax_tree(tree)
-            perturbed = [
-                x if e is None else x + e for x, e in zip(leaves, epsilons, strict=True)
-            ]
-            return torch_pytree.tree_unflatten(perturbed, spec)
+            pairs = [watch(x) for x in leaves]
+            sources = [source for _, source in pairs]
+            self.sources[name] = _jax_tree(torch_pytree.tree_unflatten(sources, spec))
+            return torch_pytree.tree_unflatten([x for x, _ in pairs], spec)
 
         return add
 

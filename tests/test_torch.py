@@ -442,3 +442,45 @@ def test_a_submodule_returning_a_hugging_face_model_output_is_a_site():
     torch.testing.assert_close(res.loss, expected.detach())
     fwd = probe.apply(x, patch={"resnet": lambda out: out})
     assert type(fwd.outputs).__name__ == "ImageClassifierOutputWithNoAttention"
+
+
+class _Aliasing(nn.Module):
+    """Values the model holds elsewhere: a module returning its input (used
+    again later), a container returning its last child's output, a module
+    returning its parameter (used again later), and an in-place change of a
+    site's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.identity = nn.Identity()
+        self.block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+
+    def forward(self, x):
+        h = self.linear(x)
+        s = self.identity(h)  # the same tensor as h
+        b = self.block(s)  # the same tensor as block.1's output
+        b += 1.0  # in place, after both sites
+        return 2 * s + 3 * h + b
+
+
+def test_values_held_elsewhere_get_the_gradient_of_their_own_uses():
+    torch.manual_seed(0)
+    model, x = _Aliasing(), _x(4, 3)
+    res = bridge.probe(model).value_and_grad(lambda y: y.sum(), x)
+    ones = torch.ones(4, 3)
+    # d loss / d identity's output: its own uses only (2, and through the
+    # block); d loss / d linear's output adds the direct use (3).
+    through_block = res.activation_grads["block.0"] @ model.block[0].weight.detach()
+    torch.testing.assert_close(res.activation_grads["block"], ones)
+    torch.testing.assert_close(res.activation_grads["block.1"], ones)
+    torch.testing.assert_close(
+        res.activation_grads["identity"], 2 * ones + through_block
+    )
+    torch.testing.assert_close(
+        res.activation_grads["linear"], res.activation_grads["identity"] + 3 * ones
+    )
+    torch.testing.assert_close(res.activations["block"], res.activations["block.1"])
+    torch.testing.assert_close(
+        res.activations["block"], torch.tanh(model.block[0](model.linear(x))).detach()
+    )
