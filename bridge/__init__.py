@@ -2,7 +2,8 @@
 
 One call returns the loss, the parameter gradients, the activations and the
 gradients of the loss with respect to those activations, without editing the
-model's code.
+model's code. PyTorch models go through the same protocol, so a JAX port can be
+checked against its PyTorch original layer by layer (`transfer`, `compare`).
 """
 
 from . import testing as testing

@@ -97,8 +97,8 @@ def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
     """Wrap a model of any supported library as an `ActivationProbe`.
 
     Args:
-      model: a Flax Linen module, an NNX module, an Equinox module or a Haiku
-        transformed function.
+      model: a Flax Linen module, an NNX module, an Equinox module, a Haiku
+        transformed function, or a `torch.nn.Module`.
       *variables: what the library needs beside the model: Linen `variables`;
         Haiku `params` (and `state`); Equinox `state`, if the model has one.
       vmap: the model handles one example: map it over axis 0 of every
