@@ -58,6 +58,7 @@ from torch.utils import _pytree as torch_pytree
 
 from bridge._probe import (
     check_loss,
+    check_loss_fn,
     check_patch_kind,
     in_order,
     resolve_patches,
@@ -283,12 +284,7 @@ class TorchProbe:
         with_inputs: bool = False,
         **kwargs: Any,
     ) -> ProbeResult:
-        if not callable(loss_fn):
-            raise TypeError(
-                "`loss_fn` must be a function `outputs -> scalar tensor` (or "
-                f"`(scalar, aux)` with has_aux=True); got {type(loss_fn).__name__}. "
-                "The model's inputs come after it: probe.value_and_grad(loss_fn, x)."
-            )
+        check_loss_fn(loss_fn)
         check_selection(at)
         check_patch_kind(patch)
         args, kwargs = self._check_inputs(args, kwargs)

@@ -98,12 +98,7 @@ class ProbeBase:
         with_inputs: bool = False,
         **kwargs: Any,
     ) -> ProbeResult:
-        if not callable(loss_fn):
-            raise TypeError(
-                "`loss_fn` must be a function `outputs -> scalar` (or `(scalar, "
-                f"aux)` with has_aux=True); got {type(loss_fn).__name__}. The "
-                "model's inputs come after it: probe.value_and_grad(loss_fn, x)."
-            )
+        check_loss_fn(loss_fn)
         check_selection(at)
         check_patch_kind(patch)
         self._check_inputs(args, kwargs)
@@ -322,6 +317,15 @@ def _batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:
         )
         for name, value in values.items()
     }
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    if not callable(loss_fn):
+        raise TypeError(
+            "`loss_fn` must be a function `outputs -> scalar` (or `(scalar, "
+            f"aux)` with has_aux=True); got {type(loss_fn).__name__}. The "
+            "model's inputs come after it: probe.value_and_grad(loss_fn, x)."
+        )
 
 
 def check_loss(loss_struct: Any, has_aux: bool) -> None:
