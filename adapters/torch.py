@@ -14,14 +14,13 @@ mechanism is the epsilon trick in PyTorch's own terms:
   the call's entry to the `Session` (sites are ordered by call entry, named by
   `named_modules()` paths, `#k` for repeated calls); the forward hook hands the
   output to the session, which patches it, records a detached copy and hands
-  the model, in its place, a fresh view of it whose gradient hooks catch the
-  epsilon's gradient without the epsilon's zeros and add (`_Gradient`) — or,
-  where the value is not fresh (a module returning its input) or does not
-  require grad yet, the value plus a zero epsilon that requires grad.
-- One `torch.autograd.grad` of the loss with respect to the parameters (and
-  epsilons) gives both gradient sets in one backward pass. Each call has a
-  view (or epsilon) of its own, consumed only by the code after the call, so
-  the gradients of a module called twice are never summed.
+  the model, in its place, the output passed through `_Catch`: an identity
+  whose backward keeps the gradient it is given — what a zero epsilon added
+  there would get, without the zeros, the add or a copy.
+- One `torch.autograd.grad` of the loss with respect to the parameters gives
+  both gradient sets in one backward pass. Each call has a catch of its own,
+  consumed only by the code after the call, so the gradients of a module
+  called twice are never summed.
 - The shell runs through `torch.func.functional_call` with detached aliases
   of the user's parameters (no copy; `.grad` of the user's parameters is never
   touched) and clones of the buffers (a training-mode BatchNorm updates the
@@ -301,20 +300,19 @@ class TorchProbe:
         _check_loss_is_a_tensor(loss_out)
         check_loss(TORCH_ARRAYS.abstract(loss_out), has_aux)
         loss, aux = loss_out if has_aux else (loss_out, None)
-        epsilons = session.epsilon_leaves
         trainable = {n: p for n, p in params.items() if p.requires_grad}
-        wrt = [*trainable.values(), *epsilons.values()]
-        if loss.requires_grad and wrt:
-            found = torch.autograd.grad(loss, wrt, allow_unused=True)
+        # One backward pass: the parameters' gradients are returned, the
+        # sites' are caught on the way (`_Catch`), reached through the anchor.
+        wrt = [*trainable.values(), session.anchor]
+        if loss.requires_grad:
+            found = torch.autograd.grad(loss, wrt, allow_unused=True)[:-1]
         else:
-            found = [None] * len(wrt)
-        found = [
-            torch.zeros_like(x) if g is None else g
-            for x, g in zip(wrt, found, strict=True)
-        ]
-        grads = dict(zip(trainable, found[: len(trainable)], strict=True))
-        epsilon_grads = dict(zip(epsilons, found[len(trainable) :], strict=True))
-        activation_grads = session.activation_grads(epsilon_grads)
+            found = [None] * len(trainable)
+        grads = {
+            name: torch.zeros_like(p) if g is None else g
+            for (name, p), g in zip(trainable.items(), found, strict=True)
+        }
+        activation_grads = session.activation_grads()
         return ProbeResult(
             loss=loss.detach(),
             aux=_detached(aux),
@@ -419,7 +417,6 @@ class TorchProbe:
             with_inputs,
         )
         params, buffers = _live_state(self.module)
-        session.hold((params, buffers, args, kwargs))
         with torch.enable_grad():
             outputs = self._call(session, params, buffers, args, kwargs)
         return outputs, session, params, buffers
@@ -497,8 +494,6 @@ def _hooked(
 
     def enter(copied, args, kwargs, path, original):
         if current() is session:
-            if session.epsilons:  # value_and_grad: a call's inputs are held
-                session.hold((args, kwargs))
             call = session.enter(path, None, original, args)
             open_calls.setdefault(id(copied), []).append(call)
 
@@ -527,104 +522,78 @@ def _hooked(
             handle.remove()
 
 
-class _Gradient:
-    """Catches the gradient of a fresh floating leaf of a site's value.
+class _Slot:
+    """Where `_Catch` leaves the gradient of one floating leaf of a site."""
 
-    The model goes on with a fresh view of the value, and hooks on both catch
-    their gradients: the epsilon's gradient without the epsilon's zeros and
-    add. The view's gradient is exactly the epsilon's (only the code after the
-    site consumes the view); but where that code changes the view in place
-    (`nn.ReLU(inplace=True)`, `x += residual`), PyTorch does not call the
-    view's hook, and the value's hook gives the gradient of the value before
-    the change: the value is fresh, so the view is its only consumer outside
-    the module that made it.
-    """
+    __slots__ = ("like", "grad")
 
-    __slots__ = ("value", "view", "version", "of_value", "of_view")
-
-    def __init__(self, value: torch.Tensor):
-        self.value, self.view = value, value.view_as(value)
-        self.version = self.view._version
-        self.of_value = self.of_view = None
-        value.register_hook(self._value_hook)
-        self.view.register_hook(self._view_hook)
-
-    def _value_hook(self, grad: torch.Tensor) -> None:
-        self.of_value = grad
-
-    def _view_hook(self, grad: torch.Tensor) -> None:
-        self.of_view = grad
+    def __init__(self, like: torch.Tensor):
+        self.like = like
+        self.grad: torch.Tensor | None = None
 
     def result(self) -> torch.Tensor:
         """The gradient; zeros where the loss does not depend on the value."""
-        changed = self.view._version != self.version
-        grad = self.of_value if changed else self.of_view
-        return torch.zeros_like(self.value) if grad is None else grad
+        return torch.zeros_like(self.like) if self.grad is None else self.grad
+
+
+class _Catch(torch.autograd.Function):
+    """The identity, catching the gradient of its output: the epsilon trick
+    without the epsilon (no zeros, no add, no copy).
+
+    The output is a new tensor sharing the value's memory, as an identity
+    module's output would, so only the code after the site consumes it; its
+    gradient is exactly what a zero epsilon added there would get. An
+    in-place change of the output later (`nn.ReLU(inplace=True)`,
+    `x += residual`) is a new node after this one: the gradient caught is that
+    of the value before the change. `anchor`, a zero leaf that requires grad,
+    makes the output require grad where the value does not yet (a site before
+    any trainable parameter), so the backward pass reaches every site.
+    """
+
+    @staticmethod
+    def forward(ctx, value, anchor, slot):
+        ctx.slot = slot
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.slot.grad = grad
+        return (grad if ctx.needs_input_grad[0] else None), None, None
 
 
 class _TorchSession(Session):
     """A session over torch tensors whose gradients are caught at the call.
 
-    Each floating leaf of a selected site's value is replaced by what the model
-    goes on with. A *fresh* value — one requiring grad that is not an input of
-    the call, a parameter, a buffer or a value handed out already — is watched
-    by a `_Gradient` (no copy). Any other (a module returning its input, a
-    `bridge.tap` of a value used before it, a value that does not require grad
-    yet) gets a zero epsilon that requires grad added, made on its device with
-    its dtype; its gradient is the site's. `sources` keeps, per site, the
-    pytree of `_Gradient`s and epsilons (`None` at integer leaves);
-    `epsilon_leaves` every epsilon by `id`, for `torch.autograd.grad`.
+    Each floating leaf of a selected site's value goes on through `_Catch`;
+    `slots` keeps, per site, the pytree of `_Slot`s (`None` at integer
+    leaves). `anchor` is the one leaf to differentiate besides the
+    parameters.
     """
 
     def __init__(self, selected=None, epsilons=None, patches=None, with_inputs=False):
         super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
-        self.sources: dict[str, Any] = {}
-        self.epsilon_leaves: dict[int, torch.Tensor] = {}
-        # Tensors the model holds besides a module's new output, by `id` (kept
-        # alive, so no `id` is reused).
-        self.held: dict[int, torch.Tensor] = {}
-
-    def hold(self, tree: Any) -> None:
-        """Note tensors the model holds (a call's inputs, the parameters)."""
-        for leaf in torch_pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor):
-                self.held[id(leaf)] = leaf
+        self.slots: dict[str, Any] = {}
+        self.anchor = torch.zeros((), requires_grad=True)
 
     def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
-        # Module calls and `bridge.tap` alike: the gradient is caught here. A
-        # tapped value may have been used before the tap: always an epsilon.
-        perturb = perturb or self.perturb(call.name, call.module is not None)
-        return super().exit(call, value, perturb, record)
+        # Module calls and `bridge.tap` alike: the gradient is caught here.
+        return super().exit(call, value, perturb or self.perturb(call.name), record)
 
-    def activation_grads(self, epsilon_grads: dict[int, torch.Tensor]) -> dict:
+    def activation_grads(self) -> dict:
         """`{site: gradient pytree}` once `torch.autograd.grad` has run."""
+        return {name: _map(_Slot.result, tree) for name, tree in self.slots.items()}
 
-        def gradient(source):
-            if isinstance(source, _Gradient):
-                return source.result()
-            return epsilon_grads[id(source)]
-
-        return {name: _map(gradient, tree) for name, tree in self.sources.items()}
-
-    def perturb(self, name: str, output: bool) -> Callable[[Any], Any]:
-        def watch(x: Any) -> tuple[Any, Any]:
+    def perturb(self, name: str) -> Callable[[Any], Any]:
+        def catch(x: Any) -> tuple[Any, _Slot | None]:
             if not _inexact(x):
                 return x, None
-            if output and x.requires_grad and id(x) not in self.held:
-                source = _Gradient(x)
-                watched = source.view
-            else:
-                source = torch.zeros_like(x, requires_grad=True)
-                self.epsilon_leaves[id(source)] = source
-                watched = x + source
-            self.held[id(x)] = x
-            self.held[id(watched)] = watched
-            return watched, source
+            slot = _Slot(x)
+            return _Catch.apply(x, self.anchor, slot), slot
 
         def add(value: Any) -> Any:
             if not torch.is_grad_enabled():
-                # A hook or an epsilon here would be invisible to autograd: the
-                # gradient would read as zero, a wrong number.
+                # Autograd would not see the catch: the gradient would read as
+                # zero, a wrong number.
                 raise RuntimeError(
                     f"Site {name!r} runs with autograd disabled (inside "
                     "`torch.no_grad()`, `torch.inference_mode()` or a reentrant "
@@ -633,14 +602,14 @@ class _TorchSession(Session):
                     "outside that region), or use `probe.apply` for its activations."
                 )
             if isinstance(value, torch.Tensor):
-                watched, self.sources[name] = watch(value)
-                return watched
+                caught, self.slots[name] = catch(value)
+                return caught
             # The model goes on with a value of its own type (a `ModelOutput`
             # stays one): rebuilt by PyTorch's pytrees, which know its type.
             leaves, spec = torch_pytree.tree_flatten(value)
-            pairs = [watch(x) for x in leaves]
-            sources = [source for _, source in pairs]
-            self.sources[name] = _jax_tree(torch_pytree.tree_unflatten(sources, spec))
+            pairs = [catch(x) for x in leaves]
+            slots = [slot for _, slot in pairs]
+            self.slots[name] = _jax_tree(torch_pytree.tree_unflatten(slots, spec))
             return torch_pytree.tree_unflatten([x for x, _ in pairs], spec)
 
         return add

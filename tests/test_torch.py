@@ -454,13 +454,13 @@ class _Aliasing(nn.Module):
         super().__init__()
         self.linear = nn.Linear(3, 3)
         self.identity = nn.Identity()
-        self.block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        self.block = nn.Sequential(nn.Tanh(), nn.Linear(3, 3))
 
     def forward(self, x):
         h = self.linear(x)
         s = self.identity(h)  # the same tensor as h
         b = self.block(s)  # the same tensor as block.1's output
-        b += 1.0  # in place, after both sites
+        b += 1.0  # in place, after both sites (Linear keeps no output)
         return 2 * s + 3 * h + b
 
 
@@ -469,18 +469,31 @@ def test_values_held_elsewhere_get_the_gradient_of_their_own_uses():
     model, x = _Aliasing(), _x(4, 3)
     res = bridge.probe(model).value_and_grad(lambda y: y.sum(), x)
     ones = torch.ones(4, 3)
+    weight = model.block[1].weight.detach()
+    h = model.linear(x).detach()
     # d loss / d identity's output: its own uses only (2, and through the
     # block); d loss / d linear's output adds the direct use (3).
-    through_block = res.activation_grads["block.0"] @ model.block[0].weight.detach()
     torch.testing.assert_close(res.activation_grads["block"], ones)
     torch.testing.assert_close(res.activation_grads["block.1"], ones)
+    torch.testing.assert_close(res.activation_grads["block.0"], ones @ weight)
+    through_block = (ones @ weight) * (1 - torch.tanh(h) ** 2)
+    torch.testing.assert_close(res.activation_grads["identity"], 2 + through_block)
     torch.testing.assert_close(
-        res.activation_grads["identity"], 2 * ones + through_block
+        res.activation_grads["linear"], res.activation_grads["identity"] + 3
     )
-    torch.testing.assert_close(
-        res.activation_grads["linear"], res.activation_grads["identity"] + 3 * ones
-    )
+    # Recorded before the in-place `+= 1`.
     torch.testing.assert_close(res.activations["block"], res.activations["block.1"])
-    torch.testing.assert_close(
-        res.activations["block"], torch.tanh(model.block[0](model.linear(x))).detach()
-    )
+    torch.testing.assert_close(res.activations["block"], model.block(h).detach())
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_sites_before_any_trainable_parameter_have_gradients(frozen):
+    """The input does not require grad, nor (frozen) any parameter: the
+    gradients at the sites are still taken, the parameters' are not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Identity(), nn.Linear(3, 2)).requires_grad_(not frozen)
+    res = bridge.probe(model).value_and_grad(lambda y: y.sum(), _x(4, 3))
+    weight = model[1].weight.detach()
+    torch.testing.assert_close(res.activation_grads["0"], torch.ones(4, 2) @ weight)
+    torch.testing.assert_close(res.activation_grads["1"], torch.ones(4, 2))
+    assert list(res.grads) == ([] if frozen else ["1.weight", "1.bias"])
