@@ -410,13 +410,14 @@ class TorchProbe:
         """One real forward pass: `(outputs, session, parameters, buffers)`,
         the epsilons added with `perturb`."""
         selected = {site.name: site for site in chosen}
+        params, buffers = _live_state(self.module)
         session = _TorchSession(
             selected,
             {name: site.struct for name, site in selected.items()} if perturb else {},
             patches,
             with_inputs,
+            device=next((p.device for p in params.values()), None),
         )
-        params, buffers = _live_state(self.module)
         with torch.enable_grad():
             outputs = self._call(session, params, buffers, args, kwargs)
         return outputs, session, params, buffers
@@ -570,10 +571,12 @@ class _TorchSession(Session):
     parameters.
     """
 
-    def __init__(self, selected=None, epsilons=None, patches=None, with_inputs=False):
+    def __init__(
+        self, selected=None, epsilons=None, patches=None, with_inputs=False, device=None
+    ):
         super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
         self.slots: dict[str, Any] = {}
-        self.anchor = torch.zeros((), requires_grad=True)
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
 
     def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
         # Module calls and `bridge.tap` alike: the gradient is caught here.
