@@ -526,15 +526,20 @@ def _hooked(
 class _Slot:
     """Where `_Catch` leaves the gradient of one floating leaf of a site."""
 
-    __slots__ = ("like", "grad")
+    __slots__ = ("like", "device", "grad")
 
-    def __init__(self, like: torch.Tensor):
-        self.like = like
+    def __init__(self, value: torch.Tensor):
+        # The value's shape, dtype and strides, not the value: a slot must not
+        # keep every site's value alive until the step ends.
+        self.like = torch.empty_like(value, device="meta")
+        self.device = value.device
         self.grad: torch.Tensor | None = None
 
     def result(self) -> torch.Tensor:
         """The gradient; zeros where the loss does not depend on the value."""
-        return torch.zeros_like(self.like) if self.grad is None else self.grad
+        if self.grad is None:
+            return torch.zeros_like(self.like, device=self.device)
+        return self.grad
 
 
 class _Catch(torch.autograd.Function):
