@@ -146,11 +146,8 @@ class TorchArrays(Arrays):
             tree,
         )
 
-    def differentiable_part(self, tree: Any) -> Any:
-        return _map(lambda x: x if _inexact(x) else None, tree)
-
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
-        raise AssertionError("bridge bug: torch epsilons are added by the adapter")
+        raise AssertionError("bridge bug: torch sites are caught by `_Catch`")
 
     def recorded(self, value: Any) -> Any:
         # A copy: models modify outputs in place (`x += residual`,

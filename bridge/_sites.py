@@ -198,9 +198,6 @@ class Arrays:
     def shapes_and_dtypes(self, tree: Any) -> Any:
         return shapes_and_dtypes(tree)
 
-    def differentiable_part(self, tree: Any) -> Any:
-        return differentiable_part(tree)
-
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
         return add_epsilon(value, epsilon)
 
