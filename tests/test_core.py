@@ -204,10 +204,10 @@ def test_import_bridge_needs_no_model_library():
     script = textwrap.dedent(
         """
         import sys
-        for name in ("flax", "haiku", "equinox"):
+        for name in ("flax", "haiku", "equinox", "torch"):
             sys.modules[name] = None  # importing it now raises ImportError
         import bridge
-        assert not {"flax", "haiku", "equinox"} & {
+        assert not {"flax", "haiku", "equinox", "torch"} & {
             m for m, v in sys.modules.items() if v is not None
         }
         try:

@@ -129,6 +129,6 @@ def test_bridge_testing_imports_only_jax_numpy_and_the_core():
 @pytest.mark.slow
 def test_bridge_testing_imports_with_only_jax():
     blocked = "import sys; sys.modules.update(dict.fromkeys(%r)); import bridge.testing"
-    libraries = ["flax", "equinox", "haiku"]
+    libraries = ["flax", "equinox", "haiku", "torch"]
     subprocess.run([sys.executable, "-c", blocked % libraries], check=True)
     np.testing.assert_equal(bridge.testing.__all__[0], "assert_results_close")
