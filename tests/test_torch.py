@@ -497,3 +497,53 @@ def test_sites_before_any_trainable_parameter_have_gradients(frozen):
     torch.testing.assert_close(res.activation_grads["0"], torch.ones(4, 2) @ weight)
     torch.testing.assert_close(res.activation_grads["1"], torch.ones(4, 2))
     assert list(res.grads) == ([] if frozen else ["1.weight", "1.bias"])
+
+
+@pytest.mark.parametrize("family", ["bert-train", "gpt2-eval"])
+def test_hugging_face_pytorch_models_probe_with_plain_numbers(family):
+    """Real models nobody here wrote, from small configs: loss and parameter
+    gradients equal plain `backward()` (dropout reseeded alike), and every
+    layer adding a bias last (`nn.Linear`, GPT-2's `Conv1D`, `nn.LayerNorm`)
+    called once has its bias gradient equal to its output gradient summed
+    over the broadcast axes."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 7))
+    if family == "bert-train":
+        config = transformers.BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+        )
+        model = transformers.BertForSequenceClassification(config).train()
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=16
+        )
+        model = transformers.GPT2LMHeadModel(config).eval()
+    loss_fn = lambda out: out.logits.square().mean()
+    probe = bridge.probe(model)
+    torch.manual_seed(1)
+    res = probe.value_and_grad(loss_fn, input_ids=ids)
+    torch.manual_seed(1)
+    loss, grads, _ = _plain(model, lambda out: loss_fn(out), ids)
+    torch.testing.assert_close(res.loss, loss)
+    torch.testing.assert_close(
+        res.grads, {n: g for n, g in grads.items() if g is not None}
+    )
+    biased = [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__ in ("Linear", "Conv1D", "LayerNorm")
+        and getattr(module, "bias", None) is not None
+        and name in res.activation_grads
+        and f"{name}#1" not in res.activation_grads
+    ]
+    assert len(biased) >= 8
+    for name in biased:
+        output_grad = res.activation_grads[name]
+        summed = output_grad.reshape(-1, output_grad.shape[-1]).sum(0)
+        torch.testing.assert_close(summed, res.grads[f"{name}.bias"])
