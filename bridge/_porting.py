@@ -91,6 +91,7 @@ def parameterised_layers(probe: Any, argument: str, args: tuple, kwargs: dict):
     """`(porting module, [Layer per call of a parameterised module])`, in call
     order, found by abstract evaluation."""
     library = porting_module(probe, argument)
+    args, kwargs = inputs_for(probe, args, kwargs)
     probe._check_inputs(args, kwargs)
     discovered, _ = probe._discover(args, kwargs)
     return library, library.layers(probe, discovered)
@@ -458,7 +459,7 @@ def compare(
         (probe_a, probe_b),
         (loss_a, loss_b),
         ([a.site for a, _ in pairs], [b.site for _, b in pairs]),
-        ((args, kwargs), (args_b, kwargs_b)),
+        (inputs_for(probe_a, args, kwargs), inputs_for(probe_b, args_b, kwargs_b)),
     )
     rows = [
         _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol)
@@ -479,6 +480,25 @@ def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
             "come after it: bridge.compare(probe_a, probe_b, loss_fn, x)."
         )
     return pair_
+
+
+def inputs_for(probe: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs as `probe` takes them: a JAX model gets a PyTorch tensor
+    given for both models (a porter's `x`) as a NumPy array."""
+    from ._probe import ProbeBase
+
+    if not isinstance(probe, ProbeBase):
+        return args, kwargs
+    return jax.tree.map(_host_if_torch, (tuple(args), dict(kwargs)))
+
+
+def _host_if_torch(leaf: Any) -> Any:
+    if type(leaf).__module__.split(".")[0] != "torch" or not hasattr(leaf, "detach"):
+        return leaf
+    leaf = leaf.detach().cpu()
+    if leaf.is_floating_point() and str(leaf.dtype) == "torch.bfloat16":
+        return jnp.asarray(leaf.float().numpy(), jnp.bfloat16)
+    return leaf.numpy()
 
 
 def _second_inputs(args, kwargs, args_b, kwargs_b) -> tuple[tuple, dict]:

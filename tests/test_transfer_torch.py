@@ -675,3 +675,30 @@ def test_a_mismatch_at_an_attention_projection_names_it():
         r"destination: their kinds differ \(dense vs conv\)",
     ):
         bridge.transfer(bridge.probe(torch_model("attention")), destination, TOKENS)
+
+
+def test_one_torch_tensor_serves_both_models():
+    """A porter's `x` is often a torch tensor: without `args_b`, the JAX model
+    gets it as a NumPy array, in transfer and in compare alike."""
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+    )
+
+    class Port(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(jnp.tanh(nn.Dense(8)(x)))
+
+    x = torch.randn(3, 4)
+    variables = Port().init(jax.random.key(0), jnp.zeros((3, 4)))
+    ported = bridge.transfer(bridge.probe(source), bridge.probe(Port(), variables), x)
+    report = bridge.compare(
+        bridge.probe(source), ported, (lambda y: y.square().sum(), jax_loss), x
+    )
+    assert report.first_divergence is None, str(report)
+    # Linen numbers modules in construction order: the outer Dense is Dense_0.
+    assert [row.site_b for row in report.rows] == ["Dense_1", "Dense_0"]
+    np.testing.assert_allclose(
+        ported.apply(x.numpy()).outputs, source(x).detach().numpy(), atol=1e-6
+    )
