@@ -59,6 +59,13 @@ class _Root:
     scope = ()
 
 
+_NORM_KINDS = {
+    nn.LayerNorm: "layernorm",
+    nn.RMSNorm: "rmsnorm",
+    nn.GroupNorm: "groupnorm",
+}
+
+
 def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
     module = site.module
     lead = site.stacked  # iteration axes of an nn.scan around the module
@@ -88,22 +95,13 @@ def _layer(site: Site, scope: tuple, own: dict, variables: Mapping) -> Layer:
             site.name, site.path, "conv", described, weights,
             locations=_identity(locations),
         )  # fmt: skip
-    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
-        kind = "layernorm" if isinstance(module, nn.LayerNorm) else "rmsnorm"
-        weights = {"scale": flattened(own.get("scale"), lead)}
-        locations = {"scale": (*at, "scale")}
-        if kind == "layernorm":
-            weights["bias"] = flattened(own.get("bias"), lead)
-            locations["bias"] = (*at, "bias")
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm | nn.GroupNorm):
+        kind = next(k for cls, k in _NORM_KINDS.items() if isinstance(module, cls))
+        names = ("scale",) if kind == "rmsnorm" else ("scale", "bias")
+        weights = {name: flattened(own.get(name), lead) for name in names}
+        locations = {name: (*at, name) for name in names}
         return Layer(
             site.name, site.path, kind, described, weights,
-            locations=_identity(locations),
-        )  # fmt: skip
-    if isinstance(module, nn.GroupNorm):
-        weights = {name: flattened(own.get(name), lead) for name in ("scale", "bias")}
-        locations = {name: (*at, name) for name in ("scale", "bias")}
-        return Layer(
-            site.name, site.path, "groupnorm", described, weights,
             locations=_identity(locations),
         )  # fmt: skip
     if isinstance(module, nn.BatchNorm):

@@ -57,6 +57,13 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     return found
 
 
+_NORM_KINDS = {
+    nnx.LayerNorm: "layernorm",
+    nnx.RMSNorm: "rmsnorm",
+    nnx.GroupNorm: "groupnorm",
+}
+
+
 def _layer(site: Site, own: dict, rest: dict) -> Layer:
     module = site.module
     lead = site.stacked  # iteration axes of an nnx.scan around the module
@@ -93,23 +100,13 @@ def _layer(site: Site, own: dict, rest: dict) -> Layer:
             {"kernel": own["kernel"], "bias": own.get("bias")},
             locations=identity({"kernel": (*at, "kernel"), "bias": (*at, "bias")}),
         )
-    if isinstance(module, nnx.LayerNorm | nnx.RMSNorm):
-        kind = "layernorm" if isinstance(module, nnx.LayerNorm) else "rmsnorm"
-        names = ("scale", "bias") if kind == "layernorm" else ("scale",)
+    if isinstance(module, nnx.LayerNorm | nnx.RMSNorm | nnx.GroupNorm):
+        kind = next(k for cls, k in _NORM_KINDS.items() if isinstance(module, cls))
+        names = ("scale",) if kind == "rmsnorm" else ("scale", "bias")
         return Layer(
             site.name,
             site.path,
             kind,
-            described,
-            {name: flattened(own.get(name), lead) for name in names},
-            locations=identity({name: (*at, name) for name in names}),
-        )
-    if isinstance(module, nnx.GroupNorm):
-        names = ("scale", "bias")
-        return Layer(
-            site.name,
-            site.path,
-            "groupnorm",
             described,
             {name: flattened(own.get(name), lead) for name in names},
             locations=identity({name: (*at, name) for name in names}),

@@ -255,12 +255,7 @@ class TorchProbe:
         patch: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> ForwardResult:
-        check_selection(at)
-        check_patch_kind(patch)
-        args, kwargs = self._check_inputs(args, kwargs)
-        discovered, _ = self._discover(args, kwargs)
-        chosen = select(at, discovered)
-        patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
+        args, kwargs, chosen, patches, _ = self._prepare(at, patch, args, kwargs)
         outputs, session, _, buffers = self._run(
             args, kwargs, chosen, patches, with_inputs=False
         )
@@ -281,16 +276,13 @@ class TorchProbe:
         **kwargs: Any,
     ) -> ProbeResult:
         check_loss_fn(loss_fn)
-        check_selection(at)
-        check_patch_kind(patch)
-        args, kwargs = self._check_inputs(args, kwargs)
-        discovered, loss_struct = self._discover(args, kwargs, loss_fn)
+        args, kwargs, chosen, patches, loss_struct = self._prepare(
+            at, patch, args, kwargs, loss_fn
+        )
         if loss_struct is not _UNCHECKED:
             check_loss(loss_struct, has_aux)
-        chosen = select(at, discovered)
-        patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
         outputs, session, params, buffers = self._run(
-            args, kwargs, chosen, patches, with_inputs, perturb=True
+            args, kwargs, chosen, patches, with_inputs, catch=True
         )
         with torch.enable_grad():
             loss_out = loss_fn(outputs)
@@ -321,6 +313,17 @@ class TorchProbe:
         )
 
     # -- the machinery -----------------------------------------------------------
+
+    def _prepare(self, at, patch, args, kwargs, loss_fn=None) -> tuple:
+        """The checks before any work, and what the run needs: `(args, kwargs,
+        chosen sites, patches, abstract loss)`."""
+        check_selection(at)
+        check_patch_kind(patch)
+        args, kwargs = self._check_inputs(args, kwargs)
+        discovered, loss_struct = self._discover(args, kwargs, loss_fn)
+        chosen = select(at, discovered)
+        patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
+        return args, kwargs, chosen, patches, loss_struct
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The inputs as detached torch tensors (a probe returns no gradient
@@ -374,16 +377,12 @@ class TorchProbe:
         module = self.module
         try:
             with _fake_mode() as mode, _restored_rng(module):
-                params = {
-                    name: mode.from_tensor(p).requires_grad_(p.requires_grad)
-                    for name, p in module.named_parameters()
-                }
-                buffers = {n: mode.from_tensor(b) for n, b in module.named_buffers()}
                 fake = jax.tree.map(
                     lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
                     (args, kwargs),
                 )
-                return self._discover_with(params, buffers, *fake)
+                state = _live_state(module, mode.from_tensor, mode.from_tensor)
+                return self._discover_with(*state, *fake)
         except Exception:  # noqa: BLE001 - fake tensors cannot run every model
             pass
         with _restored_rng(module):
@@ -402,15 +401,17 @@ class TorchProbe:
         chosen: list[Site],
         patches: dict,
         with_inputs: bool,
-        perturb: bool = False,
+        catch: bool = False,
     ) -> tuple[Any, _TorchSession, dict, dict]:
-        """One real forward pass: `(outputs, session, parameters, buffers)`,
-        the epsilons added with `perturb`."""
+        """One real forward pass: `(outputs, session, parameters, buffers)`;
+        with `catch`, the selected sites' gradients are caught (`_Catch`)."""
         selected = {site.name: site for site in chosen}
         params, buffers = _live_state(self.module)
         session = _TorchSession(
             selected,
-            {name: site.struct for name, site in selected.items()} if perturb else {},
+            # The session's "epsilons": which sites `_TorchSession.perturb`
+            # catches (their gradients, no epsilon is added).
+            {name: site.struct for name, site in selected.items()} if catch else {},
             patches,
             with_inputs,
             device=next((p.device for p in params.values()), None),
@@ -443,16 +444,21 @@ _MODULE_CONTAINERS = tuple(
 )
 
 
-def _live_state(module: torch.nn.Module) -> tuple[dict, dict]:
-    """The parameters and buffers a call runs on: detached aliases of the
-    user's parameters (no copy), requiring grad as theirs do, so autograd
-    never touches their `.grad`; clones of the buffers, which the call may
-    update (a training-mode BatchNorm's running statistics)."""
+def _live_state(
+    module: torch.nn.Module,
+    parameter: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+    buffer: Callable[[torch.Tensor], torch.Tensor] = lambda b: b.detach().clone(),
+) -> tuple[dict, dict]:
+    """The parameters and buffers a call runs on: by default detached aliases
+    of the user's parameters (no copy), requiring grad as theirs do, so
+    autograd never touches their `.grad`, and clones of the buffers, which the
+    call may update (a training-mode BatchNorm's running statistics);
+    discovery passes fake-tensor conversions instead."""
     params = {
-        name: p.detach().requires_grad_(p.requires_grad)
+        name: parameter(p).requires_grad_(p.requires_grad)
         for name, p in module.named_parameters()
     }
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    buffers = {name: buffer(b) for name, b in module.named_buffers()}
     return params, buffers
 
 

@@ -521,45 +521,41 @@ def _second_inputs(args, kwargs, args_b, kwargs_b) -> tuple[tuple, dict]:
 def _run_both(probes, loss_fns, sites, inputs):
     """Both models' `value_and_grad` at their paired sites: JAX models under one
     `jax.jit` (no parameter baked in), a PyTorch model eagerly in PyTorch."""
-    from ._probe import ProbeBase, _split_arrays  # the probes' own split
+    from ._probe import ProbeBase
 
-    traceable = [isinstance(probe, ProbeBase) for probe in probes]
-    if not all(traceable):
-        return tuple(
-            _run_one(probe, loss, names, args, kwargs, jit)
-            for probe, loss, names, (args, kwargs), jit in zip(
-                probes, loss_fns, sites, inputs, traceable, strict=True
-            )
-        )
-    dynamic, rebuild = _split_arrays(inputs)
+    runs = list(zip(probes, loss_fns, sites, inputs, strict=True))
+    if all(isinstance(probe, ProbeBase) for probe in probes):
+        return _jitted(runs)
+    return tuple(
+        _jitted([run])[0] if isinstance(run[0], ProbeBase) else _value_and_grad(*run)
+        for run in runs
+    )
+
+
+def _value_and_grad(probe, loss_fn, names, inputs):
+    args, kwargs = inputs
+    return probe.value_and_grad(loss_fn, *args, at=_exactly(names), **kwargs)
+
+
+def _jitted(runs: list) -> tuple:
+    """`_value_and_grad` of each run, all under one `jax.jit`, the inputs'
+    arrays traced."""
+    from ._probe import _split_arrays  # the probes' own split
+
+    probes = [probe for probe, *_ in runs]
+    losses_and_sites = [(loss_fn, names) for _, loss_fn, names, _ in runs]
+    dynamic, rebuild = _split_arrays([inputs for *_, inputs in runs])
 
     @jax.jit
     def run(probes, dynamic):
-        results = []
-        for probe, loss, names, (args, kwargs) in zip(
-            probes, loss_fns, sites, rebuild(dynamic), strict=True
-        ):
-            results.append(
-                probe.value_and_grad(loss, *args, at=_exactly(names), **kwargs)
+        return tuple(
+            _value_and_grad(probe, loss_fn, names, inputs)
+            for probe, (loss_fn, names), inputs in zip(
+                probes, losses_and_sites, rebuild(dynamic), strict=True
             )
-        return tuple(results)
+        )
 
     return run(probes, dynamic)
-
-
-def _run_one(probe, loss_fn, names, args, kwargs, jit):
-    from ._probe import _split_arrays
-
-    if not jit:
-        return probe.value_and_grad(loss_fn, *args, at=_exactly(names), **kwargs)
-    dynamic, rebuild = _split_arrays((args, kwargs))
-
-    @jax.jit
-    def run(probe, dynamic):
-        args, kwargs = rebuild(dynamic)
-        return probe.value_and_grad(loss_fn, *args, at=_exactly(names), **kwargs)
-
-    return run(probe, dynamic)
 
 
 def _exactly(names: Sequence[str]) -> list[str] | Callable:
@@ -602,14 +598,7 @@ def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
 
 
 def _common(layer: Layer, value: Any) -> list[np.ndarray]:
-    return [_numpy(layer.to_common(leaf)) for leaf in layer.select(value)]
-
-
-def _numpy(value: Any) -> np.ndarray:
-    """A JAX, NumPy or (detached) torch array as NumPy, on the host."""
-    if hasattr(value, "detach"):  # torch, imported only by its adapter
-        value = value.detach().cpu()
-    return np.asarray(value)
+    return [np.asarray(layer.to_common(leaf)) for leaf in layer.select(value)]
 
 
 def _differences(

@@ -24,7 +24,6 @@ from ._sites import (
     Arrays,
     Site,
     explicit_sharding,
-    fits,
     is_array,
     shapes_and_dtypes,
     zeros_like_struct,
@@ -411,7 +410,7 @@ def _check_patch_function(
         new = arrays.eval_shape(function, site.struct)
     except Exception:  # noqa: BLE001 - checked again where the patch is applied
         return
-    if not fits(site.struct, new):
+    if not arrays.fits(site.struct, new):
         expected, got = shapes_and_dtypes(site.struct), shapes_and_dtypes(new)
         raise ValueError(
             f"patch for site {site.name!r} does not fit: the site's value has "

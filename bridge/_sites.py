@@ -134,14 +134,6 @@ def shapes_and_dtypes(tree: Any) -> Any:
     return jax.tree.map(lambda x: (tuple(jnp.shape(x)), jnp.result_type(x)), tree)
 
 
-def fits(expected: Any, got: Any) -> bool:
-    """Whether `got` has `expected`'s structure, shapes and dtypes: what a patch
-    must keep."""
-    return jax.tree.structure(expected) == jax.tree.structure(got) and (
-        shapes_and_dtypes(expected) == shapes_and_dtypes(got)
-    )
-
-
 def differentiable_part(tree: Any) -> Any:
     """The pytree with every non-floating leaf replaced by `None`."""
     return jax.tree.map(lambda x: x if _is_inexact(x) else None, tree)

@@ -547,3 +547,24 @@ def test_hugging_face_pytorch_models_probe_with_plain_numbers(family):
         output_grad = res.activation_grads[name]
         summed = output_grad.reshape(-1, output_grad.shape[-1]).sum(0)
         torch.testing.assert_close(summed, res.grads[f"{name}.bias"])
+
+
+class _SeesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+
+    def forward(self, x):
+        _SEEN.append(type(x).__name__)
+        return self.linear(x)
+
+
+_SEEN: list[str] = []
+
+
+def test_sites_runs_the_model_on_fake_tensors_only():
+    """Discovery runs no arithmetic: the model sees fake tensors, not a real
+    forward pass (the fallback, for models fake tensors cannot run)."""
+    _SEEN.clear()
+    bridge.probe(_SeesItsInput()).sites(_x(4, 3))
+    assert _SEEN == ["FakeTensor"]
