@@ -1,0 +1,105 @@
+"""The JAX internals the Equinox adapter relies on: all of them, and only here.
+
+A call inside the model's own `jax.vmap` sees one token, yet its site holds
+every token (see `bridge.adapters.equinox`). The adapter hands the value out
+one `vmap` at a time through a primitive's batching rule, and for that it must
+know which traces stand between a call and the probe's own trace. JAX has no
+public API for the trace stack: `jax.extend` exports `Primitive` (used
+directly) but neither the current trace nor its parent. So this module reads:
+
+- `jax._src.core.trace_ctx.trace`, the trace now running, and a trace's
+  `parent_trace` (JAX's "stackless" core, jax 0.4.36 onwards);
+- `jax._src.interpreters.batching.BatchTrace`, the trace of a `jax.vmap`;
+- a tracing trace's `frame.debug_info.traced_for`, JAX's name of the transform
+  it traces (`scan`, `checkpoint / remat`), read with a fallback: it names
+  transforms in errors and recognises `lax.scan` and `jax.checkpoint`;
+- `jax.interpreters.batching.fancy_primitive_batchers`, the batching rules
+  that receive the mapped axis's size (`AxisData.size`) and run one trace out.
+
+At import it checks that each exists and raises an error naming the
+supported versions where one does not: an unsupported JAX fails at
+`bridge.probe`, never with a wrong number.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from jax.extend.core import Primitive
+
+from bridge._versions import unsupported
+
+
+def _missing() -> list[str]:
+    try:
+        from jax._src import core
+        from jax._src.interpreters import batching
+    except ImportError as error:
+        return [str(error)]
+    missing = []
+    if not hasattr(getattr(core, "trace_ctx", None), "trace"):
+        missing.append("jax._src.core.trace_ctx.trace")
+    trace_class = getattr(batching, "BatchTrace", None)
+    if trace_class is None:
+        missing.append("jax._src.interpreters.batching.BatchTrace")
+    elif "parent_trace" not in inspect.signature(trace_class.__init__).parameters:
+        missing.append("BatchTrace(parent_trace, ...)")
+    if not isinstance(getattr(batching, "fancy_primitive_batchers", None), dict):
+        missing.append("jax.interpreters.batching.fancy_primitive_batchers")
+    if "size" not in getattr(
+        getattr(batching, "AxisData", None), "__annotations__", {}
+    ):
+        missing.append("jax._src.interpreters.batching.AxisData.size")
+    return missing
+
+
+_MISSING = _missing()
+if _MISSING:
+    raise unsupported("jax", "Equinox", _MISSING)
+
+from jax._src import core as _core  # noqa: E402 (checked above)
+from jax._src.interpreters import batching as _batching  # noqa: E402
+
+
+def current_trace() -> Any:
+    """The trace the computation at this point runs in."""
+    return _core.trace_ctx.trace
+
+
+def is_vmap(trace: Any) -> bool:
+    return isinstance(trace, _batching.BatchTrace)
+
+
+def parent(trace: Any) -> Any:
+    """The trace `trace` was opened in, or `None` if it cannot tell."""
+    return getattr(trace, "parent_trace", None)
+
+
+def traced_for(trace: Any) -> str:
+    """JAX's name of the transform `trace` traces (`scan`, `checkpoint / remat`),
+    or the trace's class name."""
+    debug = getattr(getattr(trace, "frame", None), "debug_info", None)
+    return getattr(debug, "traced_for", None) or type(trace).__name__
+
+
+def mapped_primitive(
+    name: str, rule: Callable[..., tuple[list, list]], outside: Callable[..., Any]
+) -> Primitive:
+    """A primitive of several results whose only meaning is its batching rule.
+
+    `rule(axis_size, values, dims, **params) -> (values, dims)` runs one trace
+    out of the `vmap` that maps it; `outside` is its implementation and
+    abstract evaluation elsewhere, where it must not run.
+    """
+    primitive = Primitive(name)
+    primitive.multiple_results = True
+
+    def batched(axis_data: Any, values: list, dims: list, **params: Any):
+        return rule(axis_data.size, values, dims, **params)
+
+    _batching.fancy_primitive_batchers[primitive] = batched
+    primitive.def_impl(outside)
+    primitive.def_abstract_eval(outside)
+    return primitive
