@@ -1,0 +1,214 @@
+"""The dm-haiku internals the Haiku adapter relies on: all of them, and only here.
+
+Haiku runs a module's call inside its lifted transforms (`layer_stack`,
+`hk.scan`, `hk.remat`, `hk.vmap`, …) from its own Python frames, and tells a
+method interceptor (`hk.intercept_methods`, public) nothing about them. Which
+transforms enclose a call decides where a site's epsilon can live, so this
+module reads them off the Python call stack: the code objects of Haiku's own
+functions, by qualified name (`_LayerStack.__call__.<locals>.layer`,
+`transform_with_state.<locals>.apply_fn`, `thread_hk_state_in_kwargs`, the
+nested functions of `hk.scan` and the other stateful transforms), and
+`hk.scan`'s own `length` and `reverse` arguments from its frame. It also reads:
+
+- `apply._original_fn`, the function `hk.transform` wraps (set by
+  `haiku._src.transform.tie_in_original_fn`, marked experimental), to run a
+  plain transform as `hk.transform_with_state` when a site's epsilon must
+  ride in state through a lifted transform;
+- the class `haiku._src.lift.LiftingModule` (by name; not exported), whose
+  calls return lifted parameters rather than activations.
+
+No public API gives any of these. At import this module checks that each
+exists and raises an error naming the supported versions where one does not:
+an unsupported Haiku fails at `bridge.probe`, never with a wrong number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import haiku as hk
+import jax
+
+from bridge._versions import unsupported
+
+#: The modules whose functions are recognised on the call stack.
+_SOURCES = ("stateful", "layer_stack", "transform")
+#: Haiku's own source, to recognise its transforms on the Python call stack.
+_HAIKU_SOURCE = os.path.dirname(hk.__file__) + os.sep
+_JAX_SOURCE = os.path.dirname(jax.__file__) + os.sep
+_LAYER_STACK_CALL = "_LayerStack.__call__"
+_LAYER_STACK_BODY = "_LayerStack.__call__.<locals>.layer"
+_INNER_APPLY = "transform_with_state.<locals>.apply_fn"
+#: `hk.remat` and `hk.jit` thread state in and out of the JAX transform: state
+#: set inside comes out, unstacked, as for a call outside.
+_THREADS_STATE = "thread_hk_state_in_kwargs"
+_TRANSFORM_NAMES = {
+    "scan": "hk.scan",
+    "fori_loop": "hk.fori_loop",
+    "while_loop": "hk.while_loop",
+    "vmap": "hk.vmap",
+    "stateful_branch": "hk.cond",
+    "with_output_structure_hint": "hk.cond",
+    "switch": "hk.switch",
+    "grad": "hk.grad",
+    "value_and_grad": "hk.value_and_grad",
+}
+
+
+@dataclasses.dataclass
+class Enclosing:
+    """The Haiku transforms around a call, read from the Python call stack."""
+
+    body: Any = None  # the innermost layer stack body's frame
+    stack_call: Any = None  # the `_LayerStack.__call__` frame that runs it
+    lifted: bool = False
+    blocked: str | None = None
+    scan: tuple[int, bool] | None = None
+
+
+def _qualnames() -> dict[Any, str]:
+    """`{code object: qualified name}` for Haiku's transforms: what
+    `code.co_qualname` gives from Python 3.11, built here for 3.10."""
+    table: dict[Any, str] = {}
+
+    def walk(code: Any, qualname: str) -> None:
+        table[code] = qualname
+        for const in code.co_consts:
+            if inspect.iscode(const):
+                walk(const, f"{qualname}.<locals>.{const.co_name}")
+
+    for name in _SOURCES:
+        module = importlib.import_module(f"haiku._src.{name}")
+        for value in vars(module).values():
+            functions = vars(value).values() if inspect.isclass(value) else [value]
+            for function in functions:
+                function = inspect.unwrap(function) if callable(function) else None
+                if inspect.isfunction(function):
+                    walk(function.__code__, function.__qualname__)
+    return table
+
+
+_QUALNAMES = _qualnames()
+
+
+def _qualname(code: Any) -> str:
+    return getattr(code, "co_qualname", None) or _QUALNAMES.get(code, code.co_name)
+
+
+def enclosing(stop: Any) -> Enclosing:
+    """Haiku's transforms run the body from their own frames; walk up to the
+    probe's `apply` (`stop`, a code object) and name them."""
+    found = Enclosing()
+    inner_applies = layer_bodies = scans = 0
+    scan_frame = None
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not stop:
+        code = frame.f_code
+        if code.co_filename.startswith(_HAIKU_SOURCE):
+            qualname = _qualname(code)
+            if qualname == _LAYER_STACK_BODY:
+                layer_bodies += 1
+                found.lifted = True
+                if found.body is None:
+                    found.body = frame
+            elif qualname == _LAYER_STACK_CALL and found.stack_call is None:
+                # The stack whose body runs this call, not one being entered.
+                if found.body is not None:
+                    found.stack_call = frame
+            elif qualname == _INNER_APPLY:
+                inner_applies += 1
+            elif code.co_filename.endswith("stateful.py") and qualname == "scan":
+                scan_frame = scan_frame or frame
+            elif code.co_filename.endswith("stateful.py") and "<locals>" in qualname:
+                outer = qualname.split(".")[0]
+                if outer == _THREADS_STATE:
+                    found.lifted = True
+                elif outer == "scan":
+                    scans += 1
+                elif found.blocked is None and outer in _TRANSFORM_NAMES:
+                    found.blocked = _TRANSFORM_NAMES[outer]
+        frame = frame.f_back
+    # One `apply_fn` is the probe's own, one more each layer_stack body's; any
+    # other is an inner transform the user lifted, whose state is their own.
+    if found.blocked is None and inner_applies > 1 + layer_bodies:
+        found.blocked = "hk.lift"
+    if scans and found.blocked is None:
+        if scans > 1 or layer_bodies or scan_frame is None:
+            # A per-iteration counter in a carry sliced per layer, or in two
+            # nested carries, is not built here.
+            found.blocked = "hk.scan"
+        else:
+            # hk.scan's own arguments, `length` as apply computes it.
+            local = scan_frame.f_locals
+            found.lifted = True
+            found.scan = (int(local["length"]), bool(local["reverse"]))
+    return found
+
+
+def layer_stack_caller() -> Any:
+    """The `_LayerStack.__call__` frame that called a `LiftingModule`, if a
+    layer stack (not a user's `hk.lift`) called it."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(
+        (_HAIKU_SOURCE, _JAX_SOURCE)
+    ):
+        if _qualname(frame.f_code) == _LAYER_STACK_CALL:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def is_lifting(module: Any) -> bool:
+    """Haiku's `LiftingModule` (behind `hk.experimental.lift` and `layer_stack`),
+    which is not exported."""
+    kind = type(module)
+    return kind.__name__ == "LiftingModule" and kind.__module__.startswith("haiku")
+
+
+def original_function(apply: Callable) -> Callable | None:
+    """The function `hk.transform` wrapped, from Haiku's own `apply` only: a
+    wrapper that copied `_original_fn` with `functools.wraps` may compute
+    something else."""
+    original = getattr(apply, "_original_fn", None)
+    code = getattr(apply, "__code__", None)
+    if (
+        original is None
+        or code is None
+        or not code.co_filename.startswith(_HAIKU_SOURCE)
+    ):
+        return None
+    return original
+
+
+def _missing() -> list[str]:
+    missing = []
+    try:
+        known = set(_QUALNAMES.values())
+    except (ImportError, AttributeError) as error:
+        return [f"haiku._src modules: {error}"]
+    for qualname in (_LAYER_STACK_CALL, _LAYER_STACK_BODY, _INNER_APPLY):
+        if qualname not in known:
+            missing.append(qualname)
+    if not any(q.startswith(f"{_THREADS_STATE}.<locals>") for q in known):
+        missing.append(f"{_THREADS_STATE}'s wrapper")
+    scan = getattr(sys.modules["haiku._src.stateful"], "scan", None)
+    parameters = inspect.signature(scan).parameters if scan else {}
+    if not {"length", "reverse"} <= set(parameters):
+        missing.append("haiku._src.stateful.scan(..., length, reverse)")
+    lift = importlib.import_module("haiku._src.lift")
+    if not inspect.isclass(getattr(lift, "LiftingModule", None)):
+        missing.append("haiku._src.lift.LiftingModule")
+    if not hasattr(hk.transform(lambda: None).apply, "_original_fn"):
+        missing.append("Transformed.apply._original_fn")
+    return missing
+
+
+_MISSING = _missing()
+if _MISSING:
+    raise unsupported("dm-haiku", "Haiku", _MISSING)
