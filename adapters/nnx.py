@@ -51,6 +51,8 @@ from bridge._probe import ProbeBase
 from bridge._session import Session, current, positional_arrays
 from bridge._sites import add_epsilon, differentiable_part
 
+from . import _nnx_internals as internals
+
 #: The probe's run of its copy, while it runs: a reporting method reports only
 #: calls of the modules of the copy running now.
 _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
@@ -215,7 +217,7 @@ class _Run:
     def __init__(self, modules: dict[str, nnx.Module]):
         self.modules = modules
         self.ids = {id(module): path for path, module in modules.items()}
-        self.outer = _active_transforms()
+        self.outer = internals.active_transforms()
         self.deferred: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self.first_lifted: tuple[str, tuple[str, ...]] | None = None
 
@@ -252,7 +254,7 @@ class _Run:
 
     def transforms(self) -> tuple[str, ...]:
         """The NNX transforms of the model's own code running now."""
-        return tuple(t for t in _active_transforms() if t not in self.outer)
+        return tuple(t for t in internals.active_transforms() if t not in self.outer)
 
     def report(self, module, method_name, method, args, kwargs, session):
         site_method = None if method_name == "__call__" else method_name
@@ -350,11 +352,6 @@ class _Run:
         ) from error
 
 
-def _active_transforms() -> tuple[Any, ...]:
-    stacks = nnx.graphlib.GRAPH_CONTEXT.update_context_stacks
-    return tuple(tag for tag, stack in stacks.items() if stack)
-
-
 def _transform_name(tag: Any) -> str:
     if isinstance(tag, str):
         return f"nnx.{tag.removesuffix('_body')}"
@@ -383,7 +380,7 @@ def _reporting_class(cls: type) -> type:
             # `nnx.Data[...]` annotation would warn again, for no fault of theirs.
             warnings.simplefilter("ignore", DeprecationWarning)
             reporting = type(cls)(
-                cls.__name__, (cls,), namespace, pytree=cls._pytree__is_pytree
+                cls.__name__, (cls,), namespace, **internals.class_keywords(cls)
             )
         _REPORTING_CLASSES[cls] = reporting
     return reporting

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -53,7 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.func import functional_call
-from torch.utils import _pytree as torch_pytree
 
 from bridge._probe import (
     check_loss,
@@ -66,6 +64,8 @@ from bridge._result import ForwardResult, ProbeResult
 from bridge._selection import check_selection, select
 from bridge._session import Call, Session, current
 from bridge._sites import Arrays, Site
+
+from . import _torch_internals as internals
 
 _DTYPES = {
     torch.float32: jnp.float32,
@@ -164,18 +164,12 @@ class TorchArrays(Arrays):
         return super().fits(expected, _jax_tree(got))
 
     def eval_shape(self, function: Any, struct: Any) -> Any:
-        with _fake_mode() as mode:
+        with internals.fake_mode() as mode:
             values = _map(lambda s: _fake_like(mode, s), struct)
             return self.abstract(function(values))
 
 
 TORCH_ARRAYS = TorchArrays()
-
-
-def _fake_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _fake_like(mode: Any, struct: jax.ShapeDtypeStruct) -> torch.Tensor:
@@ -376,7 +370,7 @@ class TorchProbe:
         is left as it was, so a dropout mask is the one a plain call draws."""
         module = self.module
         try:
-            with _fake_mode() as mode, _restored_rng(module):
+            with internals.fake_mode() as mode, _restored_rng(module):
                 fake = jax.tree.map(
                     lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
                     (args, kwargs),
@@ -430,18 +424,9 @@ class TorchProbe:
         nothing of it. A shell is made per call: it has the module's current
         attributes and training flags.
         """
-        shell = _shell(self.module)
+        shell = internals.shell(self.module)
         with _hooked(session, self.module, shell), session.active():
             return functional_call(shell, (params, buffers), args, kwargs)
-
-
-#: The containers `nn.Module.__init__` gives every module: parameters,
-#: buffers, submodules, hooks. A shell has its own copy of each.
-_MODULE_CONTAINERS = tuple(
-    name
-    for name, value in vars(torch.nn.Module()).items()
-    if isinstance(value, dict | set)
-)
 
 
 def _live_state(
@@ -460,30 +445,6 @@ def _live_state(
     }
     buffers = {name: buffer(b) for name, b in module.named_buffers()}
     return params, buffers
-
-
-def _shell(module: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
-    """A copy of the module tree that shares no container with it.
-
-    Each module is copied shallowly, and each container `nn.Module` keeps its
-    state in (parameters, buffers, submodules, hooks) is copied, so
-    `functional_call` can swap tensors in and hooks can be added on the shell
-    without touching the user's module; submodules are shells too (a shared
-    one once). Other attributes are the module's own, as in a plain call.
-    """
-    memo = {} if memo is None else memo
-    if id(module) in memo:
-        return memo[id(module)]
-    shell = memo[id(module)] = object.__new__(type(module))
-    shell.__dict__.update(module.__dict__)
-    for name in _MODULE_CONTAINERS:
-        if name in module.__dict__:
-            shell.__dict__[name] = copy.copy(module.__dict__[name])
-    shell.__dict__["_modules"] = type(module._modules)(
-        (name, None if child is None else _shell(child, memo))
-        for name, child in module._modules.items()
-    )
-    return shell
 
 
 @contextlib.contextmanager
@@ -617,11 +578,11 @@ class _TorchSession(Session):
                 return caught
             # The model goes on with a value of its own type (a `ModelOutput`
             # stays one): rebuilt by PyTorch's pytrees, which know its type.
-            leaves, spec = torch_pytree.tree_flatten(value)
+            leaves, spec = internals.pytree.tree_flatten(value)
             pairs = [catch(x) for x in leaves]
             slots = [slot for _, slot in pairs]
-            self.slots[name] = _jax_tree(torch_pytree.tree_unflatten(slots, spec))
-            return torch_pytree.tree_unflatten([x for x, _ in pairs], spec)
+            self.slots[name] = _jax_tree(internals.pytree.tree_unflatten(slots, spec))
+            return internals.pytree.tree_unflatten([x for x, _ in pairs], spec)
 
         return add
 
@@ -668,7 +629,7 @@ def _signature(module: torch.nn.Module, inputs: Any) -> tuple | None:
     and `requires_grad`. `None` (no reuse) for an unhashable input. A change of
     a module's attributes that alters its calls (say `norm_first`) is not
     seen: make a new probe after one."""
-    leaves, treedef = torch_pytree.tree_flatten(inputs)
+    leaves, treedef = internals.pytree.tree_flatten(inputs)
     described = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -712,7 +673,7 @@ class _Spec(NamedTuple):
 
     @classmethod
     def of(cls, outputs: Any) -> _Spec:
-        leaves, treespec = torch_pytree.tree_flatten(outputs)
+        leaves, treespec = internals.pytree.tree_flatten(outputs)
         return cls(
             treespec,
             [_TensorLeaf.of(x) if isinstance(x, torch.Tensor) else x for x in leaves],
@@ -727,13 +688,13 @@ class _Spec(NamedTuple):
 
         with mode:
             leaves = [make(leaf) for leaf in self.leaves]
-        return torch_pytree.tree_unflatten(leaves, self.treespec)
+        return internals.pytree.tree_unflatten(leaves, self.treespec)
 
 
 def _abstract_loss(outputs: _Spec, loss_fn: Callable) -> Any:
     """The loss's abstract value, from `loss_fn` on fake outputs: no FLOPs."""
     try:
-        with _fake_mode() as mode, _restored_rng(None):
+        with internals.fake_mode() as mode, _restored_rng(None):
             loss_out = loss_fn(outputs.fake(mode))
     except Exception:  # noqa: BLE001 - checked on the real loss instead
         return _UNCHECKED

@@ -1,0 +1,50 @@
+"""The Flax NNX internals the NNX adapter relies on: all of them, and only here.
+
+- `nnx.graphlib.GRAPH_CONTEXT.update_context_stacks`: which NNX transforms
+  (`nnx.scan`, `nnx.vmap`, `nnx.remat`, `nnx.jit`, …) are running now, by
+  their update-context tags. A call inside one runs on new module objects
+  made by NNX's split and merge; which transform it is decides whether bridge's
+  variables on the module are carried in and out (see
+  `bridge.adapters.nnx`). NNX exposes no public "current transforms".
+- `Module._pytree__is_pytree`: whether a module class was declared with
+  `pytree=False`; a reporting subclass must be declared the same way, and
+  the class keyword is all NNX offers to say so (absent before it existed).
+
+At import this module checks that the transform stack exists and raises an
+error naming the supported versions where it does not: an unsupported Flax
+fails at `bridge.probe`, never with a silently dropped site.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from bridge._versions import unsupported
+
+
+def _missing() -> list[str]:
+    context = getattr(getattr(nnx, "graphlib", None), "GRAPH_CONTEXT", None)
+    if not isinstance(getattr(context, "update_context_stacks", None), dict):
+        return ["flax.nnx.graphlib.GRAPH_CONTEXT.update_context_stacks"]
+    return []
+
+
+_MISSING = _missing()
+if _MISSING:
+    raise unsupported("flax", "Flax NNX", _MISSING)
+
+
+def active_transforms() -> tuple[Any, ...]:
+    """The update-context tags of the NNX transforms running now, outermost
+    first (`"scan"`, `"vmap"`, `"remat"`, or a transform's own tag object)."""
+    stacks = nnx.graphlib.GRAPH_CONTEXT.update_context_stacks
+    return tuple(tag for tag, stack in stacks.items() if stack)
+
+
+def class_keywords(cls: type) -> dict[str, Any]:
+    """The class keywords a subclass of the module class `cls` needs to be
+    declared as `cls` was."""
+    is_pytree = getattr(cls, "_pytree__is_pytree", None)
+    return {} if is_pytree is None else {"pytree": is_pytree}

@@ -1,0 +1,96 @@
+"""The PyTorch internals the PyTorch adapter relies on: all of them, and only here.
+
+- `torch._subclasses.fake_tensor.FakeTensorMode`: sites are discovered on fake
+  tensors, with no FLOPs. `torch.func` and `torch.export` trace with it too,
+  but expose no public handle on the mode itself.
+- `torch.utils._pytree`: outputs and site values in any container torch's own
+  transforms know (`ModelOutput`, named tuples), as `torch.func` flattens
+  them. The public `torch.utils.pytree` is newer than some releases.
+- `nn.Module`'s instance containers (`_parameters`, `_buffers`, `_modules`,
+  the hook dicts): `shell` copies a module tree shallowly with containers of
+  its own, so hooks and swapped tensors never touch the user's module.
+  `copy.copy` shares the containers and `copy.deepcopy` copies the weights.
+
+At import this module checks that each exists and raises an error naming the
+supported versions where one does not: an unsupported PyTorch fails at
+`bridge.probe`, never with a hook left on the user's module.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+
+from bridge._versions import unsupported
+
+
+def _missing() -> list[str]:
+    missing = []
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:
+        missing.append("torch._subclasses.fake_tensor.FakeTensorMode")
+    else:
+        parameters = inspect.signature(FakeTensorMode.__init__).parameters
+        if "allow_non_fake_inputs" not in parameters:
+            missing.append("FakeTensorMode(allow_non_fake_inputs=...)")
+    try:
+        from torch.utils import _pytree
+    except ImportError:
+        missing.append("torch.utils._pytree")
+    else:
+        if not hasattr(_pytree, "tree_flatten") or not hasattr(
+            _pytree, "tree_unflatten"
+        ):
+            missing.append("torch.utils._pytree.tree_flatten / tree_unflatten")
+    if not isinstance(vars(torch.nn.Module()).get("_modules"), dict):
+        missing.append("nn.Module()._modules")
+    return missing
+
+
+_MISSING = _missing()
+if _MISSING:
+    raise unsupported("torch", "PyTorch", _MISSING)
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402 (checked)
+from torch.utils import _pytree as pytree  # noqa: E402, F401 (re-exported)
+
+
+def fake_mode() -> Any:
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+#: The containers `nn.Module.__init__` gives every module: parameters,
+#: buffers, submodules, hooks. A shell has its own copy of each.
+_MODULE_CONTAINERS = tuple(
+    name
+    for name, value in vars(torch.nn.Module()).items()
+    if isinstance(value, dict | set)
+)
+
+
+def shell(module: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
+    """A copy of the module tree that shares no container with it.
+
+    Each module is copied shallowly, and each container `nn.Module` keeps its
+    state in (parameters, buffers, submodules, hooks) is copied, so
+    `functional_call` can swap tensors in and hooks can be added on the shell
+    without touching the user's module; submodules are shells too (a shared
+    one once). Other attributes are the module's own, as in a plain call.
+    """
+    memo = {} if memo is None else memo
+    if id(module) in memo:
+        return memo[id(module)]
+    copied = memo[id(module)] = object.__new__(type(module))
+    copied.__dict__.update(module.__dict__)
+    for name in _MODULE_CONTAINERS:
+        if name in module.__dict__:
+            copied.__dict__[name] = copy.copy(module.__dict__[name])
+    copied.__dict__["_modules"] = type(module._modules)(
+        (name, None if child is None else shell(child, memo))
+        for name, child in module._modules.items()
+    )
+    return copied
