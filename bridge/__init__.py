@@ -7,9 +7,9 @@ checked against its PyTorch original layer by layer (`transfer`, `compare`).
 """
 
 from . import testing as testing
-from ._porting import ComparisonReport as ComparisonReport
-from ._porting import PairComparison as PairComparison
-from ._porting import compare as compare
+from ._compare import ComparisonReport as ComparisonReport
+from ._compare import PairComparison as PairComparison
+from ._compare import compare as compare
 from ._porting import transfer as transfer
 from ._probe import ProbeBase as ProbeBase
 from ._protocol import ActivationProbe as ActivationProbe

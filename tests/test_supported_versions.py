@@ -1,0 +1,117 @@
+"""An adapter whose library lacks the internals it relies on fails at
+`bridge.probe` with an error naming the supported versions, never later with
+a wrong number. Each internal is monkeypatched away and the adapter imported
+afresh."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+
+import pytest
+
+import bridge
+from bridge._versions import MINIMUM, NEWEST_TESTED
+
+
+def _fresh_adapter(monkeypatch, *modules: str) -> None:
+    """Forget the adapter modules, so the next probe imports them again (the
+    originals come back after the test). `from . import x` takes the package's
+    attribute first: that goes too."""
+    import bridge.adapters
+
+    for name in modules:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.delattr(bridge.adapters, name.rpartition(".")[2], raising=False)
+
+
+def _supported(distribution: str) -> str:
+    return re.escape(
+        f"bridge supports {distribution} {MINIMUM[distribution]} to "
+        f"{NEWEST_TESTED[distribution]}"
+    )
+
+
+def test_equinox_adapter_needs_the_jax_trace_stack(monkeypatch):
+    eqx = pytest.importorskip("equinox")
+    import jax
+    from jax._src import core
+
+    model = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+    _fresh_adapter(
+        monkeypatch,
+        "bridge.adapters.equinox",
+        "bridge.adapters._equinox_transforms",
+        "bridge.adapters._jax_internals",
+    )
+    monkeypatch.delattr(core, "trace_ctx")
+    with pytest.raises(ImportError, match=_supported("jax")) as error:
+        bridge.probe(model)
+    assert "jax._src.core.trace_ctx.trace" in str(error.value)
+
+
+def test_haiku_adapter_needs_its_lifting_module(monkeypatch):
+    pytest.importorskip("haiku")
+    import haiku as hk
+
+    lift = importlib.import_module("haiku._src.lift")
+    transformed = hk.transform(lambda x: hk.Linear(2)(x))
+    _fresh_adapter(
+        monkeypatch,
+        "bridge.adapters.haiku",
+        "bridge.adapters._haiku_state",
+        "bridge.adapters._haiku_internals",
+    )
+    monkeypatch.delattr(lift, "LiftingModule")
+    with pytest.raises(ImportError, match=_supported("dm-haiku")) as error:
+        bridge.probe(transformed, {})
+    assert "haiku._src.lift.LiftingModule" in str(error.value)
+
+
+def test_nnx_adapter_needs_the_transform_stack(monkeypatch):
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    _fresh_adapter(monkeypatch, "bridge.adapters.nnx", "bridge.adapters._nnx_internals")
+    monkeypatch.delattr(nnx.graphlib, "GRAPH_CONTEXT")
+    with pytest.raises(ImportError, match=_supported("flax")) as error:
+        bridge.probe(model)
+    assert "GRAPH_CONTEXT.update_context_stacks" in str(error.value)
+
+
+def test_torch_adapter_needs_fake_tensors(monkeypatch):
+    torch = pytest.importorskip("torch")
+    fake_tensor = importlib.import_module("torch._subclasses.fake_tensor")
+
+    model = torch.nn.Linear(2, 2)
+    _fresh_adapter(
+        monkeypatch, "bridge.adapters.torch", "bridge.adapters._torch_internals"
+    )
+    monkeypatch.delattr(fake_tensor, "FakeTensorMode")
+    with pytest.raises(ImportError, match=_supported("torch")) as error:
+        bridge.probe(model)
+    assert "FakeTensorMode" in str(error.value)
+
+
+def test_the_minimum_versions_are_pyprojects_lower_bounds():
+    """`bridge._versions.MINIMUM` (named in errors) and pyproject's bounds are
+    one list."""
+    import pathlib
+    import tomllib
+
+    project = tomllib.loads(
+        (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    )["project"]
+    requirements = project["dependencies"] + [
+        requirement
+        for extra in ("flax", "equinox", "haiku", "torch")
+        for requirement in project["optional-dependencies"][extra]
+    ]
+    bounds = dict(
+        re.fullmatch(r"([\w-]+)>=([\w.]+)", requirement).groups()
+        for requirement in requirements
+        if ">=" in requirement
+    )
+    assert {name: bounds[name] for name in MINIMUM} == MINIMUM
