@@ -36,6 +36,9 @@ Every forward pass runs with autograd enabled and the parameters'
 inference fast paths (`nn.TransformerEncoderLayer`, `nn.MultiheadAttention`
 in `eval()` without grad) skip their submodules, and the sites must not
 change between discovery and the real run.
+
+Torch tensors as the core's arrays are `_torch_arrays`; the catch is
+`_torch_catch`; PyTorch's private internals are `_torch_internals`.
 """
 
 from __future__ import annotations
@@ -45,11 +48,9 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import torch
 from torch.func import functional_call
 
@@ -62,151 +63,18 @@ from bridge._probe import (
 )
 from bridge._result import ForwardResult, ProbeResult
 from bridge._selection import check_selection, select
-from bridge._session import Call, Session, current
-from bridge._sites import Arrays, Site
+from bridge._session import Call, current
+from bridge._sites import Site
 
 from . import _torch_internals as internals
-
-_DTYPES = {
-    torch.float32: jnp.float32,
-    torch.float64: jnp.float64,
-    torch.float16: jnp.float16,
-    torch.bfloat16: jnp.bfloat16,
-    torch.complex64: jnp.complex64,
-    torch.complex128: jnp.complex128,
-    torch.int8: jnp.int8,
-    torch.int16: jnp.int16,
-    torch.int32: jnp.int32,
-    torch.int64: jnp.int64,
-    torch.uint8: jnp.uint8,
-    torch.bool: jnp.bool_,
-}
-
-
-def jax_dtype(dtype: torch.dtype) -> Any:
-    """The NumPy/JAX dtype of a torch dtype (sites are `jax.ShapeDtypeStruct`s)."""
-    if dtype not in _DTYPES:
-        raise TypeError(f"bridge has no JAX dtype for the torch dtype {dtype}.")
-    return np.dtype(_DTYPES[dtype])
-
-
-def _inexact(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and (
-        leaf.is_floating_point() or leaf.is_complex()
-    )
-
-
-def _jax_tree(value: Any) -> Any:
-    """`value` as a pytree JAX knows: mappings JAX does not (a Hugging Face
-    `ModelOutput`, any dict subclass) become plain dicts, recursively."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, Mapping):
-        return {key: _jax_tree(item) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_jax_tree(item) for item in value))
-    if type(value) in (tuple, list):
-        return type(value)(_jax_tree(item) for item in value)
-    return value
-
-
-def _map(function: Callable[[Any], Any], tree: Any) -> Any:
-    """`jax.tree.map` over a site's value as JAX sees it (`_jax_tree`), a lone
-    tensor (the common site) first."""
-    if isinstance(tree, torch.Tensor):
-        return function(tree)
-    return jax.tree.map(function, _jax_tree(tree))
-
-
-class TorchArrays(Arrays):
-    """The session's view of torch tensors: leaves of `jax.tree`. A value's
-    containers are seen as `_jax_tree` makes them: a `ModelOutput` returned
-    by a submodule is recorded (and its gradient given) as a dict."""
-
-    def is_array(self, leaf: Any) -> bool:
-        return isinstance(leaf, torch.Tensor)
-
-    def abstract(self, tree: Any) -> Any:
-        return _map(
-            lambda x: (
-                jax.ShapeDtypeStruct(tuple(x.shape), jax_dtype(x.dtype))
-                if isinstance(x, torch.Tensor)
-                else None
-            ),
-            tree,
-        )
-
-    def shapes_and_dtypes(self, tree: Any) -> Any:
-        return _map(
-            lambda x: (
-                (tuple(x.shape), jax_dtype(x.dtype))
-                if isinstance(x, torch.Tensor)
-                else (tuple(np.shape(x)), jnp.result_type(x))
-            ),
-            tree,
-        )
-
-    def add_epsilon(self, value: Any, epsilon: Any) -> Any:
-        raise AssertionError("bridge bug: torch sites are caught by `_Catch`")
-
-    def recorded(self, value: Any) -> Any:
-        # A copy: models modify outputs in place (`x += residual`,
-        # `nn.ReLU(inplace=True)`), which would rewrite a recorded alias.
-        return _map(lambda x: x.detach().clone() if _inexact(x) else None, value)
-
-    def positional(self, args: tuple) -> tuple:
-        return _map(
-            lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else None,
-            tuple(args),
-        )
-
-    def fits(self, expected: Any, got: Any) -> bool:
-        return super().fits(expected, _jax_tree(got))
-
-    def eval_shape(self, function: Any, struct: Any) -> Any:
-        with internals.fake_mode() as mode:
-            values = _map(lambda s: _fake_like(mode, s), struct)
-            return self.abstract(function(values))
-
-
-TORCH_ARRAYS = TorchArrays()
-
-
-def _fake_like(mode: Any, struct: jax.ShapeDtypeStruct) -> torch.Tensor:
-    dtype = next(t for t, d in _DTYPES.items() if np.dtype(d) == struct.dtype)
-    with mode:
-        return torch.empty(struct.shape, dtype=dtype)
-
-
-_NOT_JAX = (
-    "A PyTorch model runs in PyTorch: jax.jit, jax.vmap and jax.grad cannot trace "
-    "it. Call the probe outside JAX transformations; batch the inputs as the "
-    "PyTorch model expects."
+from ._torch_arrays import (
+    TORCH_ARRAYS,
+    Spec,
+    TensorLeaf,
+    detached,
+    to_torch,
 )
-
-
-def to_torch(tree: Any) -> Any:
-    """NumPy and JAX arrays in `tree` as torch tensors, without a copy where the
-    memory can be shared (DLPack for JAX, `from_numpy` for writable NumPy)."""
-
-    def convert(leaf):
-        if isinstance(leaf, jax.core.Tracer):
-            raise TypeError(_NOT_JAX)
-        if isinstance(leaf, jax.Array):
-            return torch.from_dlpack(leaf)
-        if isinstance(leaf, np.ndarray):
-            if leaf.flags.writeable:
-                return torch.from_numpy(leaf)
-            return torch.tensor(leaf)
-        return leaf
-
-    return jax.tree.map(convert, tree)
-
-
-def _detached(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree
-    )
+from ._torch_catch import TorchSession
 
 
 class TorchProbe:
@@ -254,7 +122,7 @@ class TorchProbe:
             args, kwargs, chosen, patches, with_inputs=False
         )
         return ForwardResult(
-            _detached(outputs),
+            detached(outputs),
             in_order(session.activations, chosen),
             _state(buffers),
         )
@@ -298,7 +166,7 @@ class TorchProbe:
         activation_grads = session.activation_grads()
         return ProbeResult(
             loss=loss.detach(),
-            aux=_detached(aux),
+            aux=detached(aux),
             grads=grads,
             activations=in_order(session.activations, chosen),
             activation_grads=in_order(activation_grads, chosen),
@@ -323,7 +191,7 @@ class TorchProbe:
         """The inputs as detached torch tensors (a probe returns no gradient
         for them, nor adds to their `.grad`); refuses JAX tracers, before any
         work."""
-        return _detached(to_torch(tuple(args))), _detached(to_torch(dict(kwargs)))
+        return detached(to_torch(tuple(args))), detached(to_torch(dict(kwargs)))
 
     def _discover(
         self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
@@ -364,7 +232,7 @@ class TorchProbe:
                 del losses[next(iter(losses))]
         return sites, struct
 
-    def _discover_afresh(self, args: tuple, kwargs: dict) -> tuple[list, _Spec]:
+    def _discover_afresh(self, args: tuple, kwargs: dict) -> tuple[list, Spec]:
         """`(sites, the outputs' spec)` from one forward pass on fake tensors,
         or, where fake tensors cannot run the model, a real one. The global RNG
         is left as it was, so a dropout mask is the one a plain call draws."""
@@ -382,11 +250,11 @@ class TorchProbe:
         with _restored_rng(module):
             return self._discover_with(*_live_state(module), args, kwargs)
 
-    def _discover_with(self, params, buffers, args, kwargs) -> tuple[list, _Spec]:
-        session = _TorchSession()
+    def _discover_with(self, params, buffers, args, kwargs) -> tuple[list, Spec]:
+        session = TorchSession()
         with torch.enable_grad():
             outputs = self._call(session, params, buffers, args, kwargs)
-        return session.discovered(), _Spec.of(outputs)
+        return session.discovered(), Spec.of(outputs)
 
     def _run(
         self,
@@ -396,14 +264,14 @@ class TorchProbe:
         patches: dict,
         with_inputs: bool,
         catch: bool = False,
-    ) -> tuple[Any, _TorchSession, dict, dict]:
+    ) -> tuple[Any, TorchSession, dict, dict]:
         """One real forward pass: `(outputs, session, parameters, buffers)`;
         with `catch`, the selected sites' gradients are caught (`_Catch`)."""
         selected = {site.name: site for site in chosen}
         params, buffers = _live_state(self.module)
-        session = _TorchSession(
+        session = TorchSession(
             selected,
-            # The session's "epsilons": which sites `_TorchSession.perturb`
+            # The session's "epsilons": which sites `TorchSession.perturb`
             # catches (their gradients, no epsilon is added).
             {name: site.struct for name, site in selected.items()} if catch else {},
             patches,
@@ -449,7 +317,7 @@ def _live_state(
 
 @contextlib.contextmanager
 def _hooked(
-    session: _TorchSession, module: torch.nn.Module, shell: torch.nn.Module
+    session: TorchSession, module: torch.nn.Module, shell: torch.nn.Module
 ) -> Iterator[None]:
     """Report every submodule call of `shell` to `session` as a call of the
     user's `module` at the same path, for the length of the block; the hooks
@@ -485,106 +353,6 @@ def _hooked(
     finally:
         for handle in handles:
             handle.remove()
-
-
-class _Slot:
-    """Where `_Catch` leaves the gradient of one floating leaf of a site."""
-
-    __slots__ = ("like", "device", "grad")
-
-    def __init__(self, value: torch.Tensor):
-        # The value's shape, dtype and strides, not the value: a slot must not
-        # keep every site's value alive until the step ends.
-        self.like = torch.empty_like(value, device="meta")
-        self.device = value.device
-        self.grad: torch.Tensor | None = None
-
-    def result(self) -> torch.Tensor:
-        """The gradient; zeros where the loss does not depend on the value."""
-        if self.grad is None:
-            return torch.zeros_like(self.like, device=self.device)
-        return self.grad
-
-
-class _Catch(torch.autograd.Function):
-    """The identity, catching the gradient of its output: the epsilon trick
-    without the epsilon (no zeros, no add, no copy).
-
-    The output is a new tensor sharing the value's memory, as an identity
-    module's output would, so only the code after the site consumes it; its
-    gradient is exactly what a zero epsilon added there would get. An
-    in-place change of the output later (`nn.ReLU(inplace=True)`,
-    `x += residual`) is a new node after this one: the gradient caught is that
-    of the value before the change. `anchor`, a zero leaf that requires grad,
-    makes the output require grad where the value does not yet (a site before
-    any trainable parameter), so the backward pass reaches every site.
-    """
-
-    @staticmethod
-    def forward(ctx, value, anchor, slot):
-        ctx.slot = slot
-        return value.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.slot.grad = grad
-        return (grad if ctx.needs_input_grad[0] else None), None, None
-
-
-class _TorchSession(Session):
-    """A session over torch tensors whose gradients are caught at the call.
-
-    Each floating leaf of a selected site's value goes on through `_Catch`;
-    `slots` keeps, per site, the pytree of `_Slot`s (`None` at integer
-    leaves). `anchor` is the one leaf to differentiate besides the
-    parameters.
-    """
-
-    def __init__(
-        self, selected=None, epsilons=None, patches=None, with_inputs=False, device=None
-    ):
-        super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
-        self.slots: dict[str, Any] = {}
-        self.anchor = torch.zeros((), device=device, requires_grad=True)
-
-    def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
-        # Module calls and `bridge.tap` alike: the gradient is caught here.
-        return super().exit(call, value, perturb or self.perturb(call.name), record)
-
-    def activation_grads(self) -> dict:
-        """`{site: gradient pytree}` once `torch.autograd.grad` has run."""
-        return {name: _map(_Slot.result, tree) for name, tree in self.slots.items()}
-
-    def perturb(self, name: str) -> Callable[[Any], Any]:
-        def catch(x: Any) -> tuple[Any, _Slot | None]:
-            if not _inexact(x):
-                return x, None
-            slot = _Slot(x)
-            return _Catch.apply(x, self.anchor, slot), slot
-
-        def add(value: Any) -> Any:
-            if not torch.is_grad_enabled():
-                # Autograd would not see the catch: the gradient would read as
-                # zero, a wrong number.
-                raise RuntimeError(
-                    f"Site {name!r} runs with autograd disabled (inside "
-                    "`torch.no_grad()`, `torch.inference_mode()` or a reentrant "
-                    "`torch.utils.checkpoint`), so the loss's gradient with respect "
-                    "to it cannot be taken. Leave it out of `at` (select sites "
-                    "outside that region), or use `probe.apply` for its activations."
-                )
-            if isinstance(value, torch.Tensor):
-                caught, self.slots[name] = catch(value)
-                return caught
-            # The model goes on with a value of its own type (a `ModelOutput`
-            # stays one): rebuilt by PyTorch's pytrees, which know its type.
-            leaves, spec = internals.pytree.tree_flatten(value)
-            pairs = [catch(x) for x in leaves]
-            slots = [slot for _, slot in pairs]
-            self.slots[name] = _jax_tree(internals.pytree.tree_unflatten(slots, spec))
-            return internals.pytree.tree_unflatten([x for x, _ in pairs], spec)
-
-        return add
 
 
 @contextlib.contextmanager
@@ -633,7 +401,7 @@ def _signature(module: torch.nn.Module, inputs: Any) -> tuple | None:
     described = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            described.append(_TensorLeaf.of(leaf))
+            described.append(TensorLeaf.of(leaf))
             continue
         try:
             hash(leaf)
@@ -652,46 +420,7 @@ def _signature(module: torch.nn.Module, inputs: Any) -> tuple | None:
     )
 
 
-class _TensorLeaf(NamedTuple):
-    shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
-
-    @classmethod
-    def of(cls, x: torch.Tensor) -> _TensorLeaf:
-        return cls(tuple(x.shape), x.dtype, x.device, x.requires_grad)
-
-
-class _Spec(NamedTuple):
-    """The structure of a model's outputs, kept to rebuild them as fake
-    tensors for the loss check (any container `torch.utils._pytree` knows,
-    Hugging Face's `ModelOutput` included)."""
-
-    treespec: Any
-    leaves: list
-
-    @classmethod
-    def of(cls, outputs: Any) -> _Spec:
-        leaves, treespec = internals.pytree.tree_flatten(outputs)
-        return cls(
-            treespec,
-            [_TensorLeaf.of(x) if isinstance(x, torch.Tensor) else x for x in leaves],
-        )
-
-    def fake(self, mode: Any) -> Any:
-        def make(leaf):
-            if not isinstance(leaf, _TensorLeaf):
-                return leaf
-            x = torch.empty(leaf.shape, dtype=leaf.dtype, device=leaf.device)
-            return x.requires_grad_(leaf.requires_grad)
-
-        with mode:
-            leaves = [make(leaf) for leaf in self.leaves]
-        return internals.pytree.tree_unflatten(leaves, self.treespec)
-
-
-def _abstract_loss(outputs: _Spec, loss_fn: Callable) -> Any:
+def _abstract_loss(outputs: Spec, loss_fn: Callable) -> Any:
     """The loss's abstract value, from `loss_fn` on fake outputs: no FLOPs."""
     try:
         with internals.fake_mode() as mode, _restored_rng(None):
@@ -709,7 +438,7 @@ def probe(module: Any, *variables: Any, vmap: bool = False) -> TorchProbe:
 jax.tree_util.register_pytree_node(
     TorchProbe,
     # No JAX leaves: a torch model cannot be traced. Under `jax.jit` the probe is
-    # static, and its inputs, then tracers, are refused with `_NOT_JAX`.
+    # static, and its inputs, then tracers, are refused with `NOT_JAX`.
     lambda probe: ((), probe),
     lambda probe, _: probe,
 )

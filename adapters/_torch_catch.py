@@ -1,0 +1,115 @@
+"""Catching the gradient at a PyTorch call: `TorchSession` passes each
+selected value through `_Catch`, an identity whose backward keeps its
+gradient (see `bridge.adapters.torch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bridge._session import Call, Session
+
+from . import _torch_internals as internals
+from ._torch_arrays import TORCH_ARRAYS, inexact, jax_tree, tree_map
+
+
+class _Slot:
+    """Where `_Catch` leaves the gradient of one floating leaf of a site."""
+
+    __slots__ = ("like", "device", "grad")
+
+    def __init__(self, value: torch.Tensor):
+        # The value's shape, dtype and strides, not the value: a slot must not
+        # keep every site's value alive until the step ends.
+        self.like = torch.empty_like(value, device="meta")
+        self.device = value.device
+        self.grad: torch.Tensor | None = None
+
+    def result(self) -> torch.Tensor:
+        """The gradient; zeros where the loss does not depend on the value."""
+        if self.grad is None:
+            return torch.zeros_like(self.like, device=self.device)
+        return self.grad
+
+
+class _Catch(torch.autograd.Function):
+    """The identity, catching the gradient of its output: the epsilon trick
+    without the epsilon (no zeros, no add, no copy).
+
+    The output is a new tensor sharing the value's memory, as an identity
+    module's output would, so only the code after the site consumes it; its
+    gradient is exactly what a zero epsilon added there would get. An
+    in-place change of the output later (`nn.ReLU(inplace=True)`,
+    `x += residual`) is a new node after this one: the gradient caught is that
+    of the value before the change. `anchor`, a zero leaf that requires grad,
+    makes the output require grad where the value does not yet (a site before
+    any trainable parameter), so the backward pass reaches every site.
+    """
+
+    @staticmethod
+    def forward(ctx, value, anchor, slot):
+        ctx.slot = slot
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.slot.grad = grad
+        return (grad if ctx.needs_input_grad[0] else None), None, None
+
+
+class TorchSession(Session):
+    """A session over torch tensors whose gradients are caught at the call.
+
+    Each floating leaf of a selected site's value goes on through `_Catch`;
+    `slots` keeps, per site, the pytree of `_Slot`s (`None` at integer
+    leaves). `anchor` is the one leaf to differentiate besides the
+    parameters.
+    """
+
+    def __init__(
+        self, selected=None, epsilons=None, patches=None, with_inputs=False, device=None
+    ):
+        super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
+        self.slots: dict[str, Any] = {}
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+
+    def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
+        # Module calls and `bridge.tap` alike: the gradient is caught here.
+        return super().exit(call, value, perturb or self.perturb(call.name), record)
+
+    def activation_grads(self) -> dict:
+        """`{site: gradient pytree}` once `torch.autograd.grad` has run."""
+        return {name: tree_map(_Slot.result, tree) for name, tree in self.slots.items()}
+
+    def perturb(self, name: str) -> Callable[[Any], Any]:
+        def catch(x: Any) -> tuple[Any, _Slot | None]:
+            if not inexact(x):
+                return x, None
+            slot = _Slot(x)
+            return _Catch.apply(x, self.anchor, slot), slot
+
+        def add(value: Any) -> Any:
+            if not torch.is_grad_enabled():
+                # Autograd would not see the catch: the gradient would read as
+                # zero, a wrong number.
+                raise RuntimeError(
+                    f"Site {name!r} runs with autograd disabled (inside "
+                    "`torch.no_grad()`, `torch.inference_mode()` or a reentrant "
+                    "`torch.utils.checkpoint`), so the loss's gradient with respect "
+                    "to it cannot be taken. Leave it out of `at` (select sites "
+                    "outside that region), or use `probe.apply` for its activations."
+                )
+            if isinstance(value, torch.Tensor):
+                caught, self.slots[name] = catch(value)
+                return caught
+            # The model goes on with a value of its own type (a `ModelOutput`
+            # stays one): rebuilt by PyTorch's pytrees, which know its type.
+            leaves, spec = internals.pytree.tree_flatten(value)
+            pairs = [catch(x) for x in leaves]
+            slots = [slot for _, slot in pairs]
+            self.slots[name] = jax_tree(internals.pytree.tree_unflatten(slots, spec))
+            return internals.pytree.tree_unflatten([x for x, _ in pairs], spec)
+
+        return add
