@@ -114,6 +114,8 @@ def run_with_tree_leaves(
     which leave the scan as the recorders' cotangents (see `record`)."""
     sites = in_tree(session)
     for name in sites:
+        if sites[name].origin.blocked:
+            raise ValueError(sites[name].origin.blocked)
         if name in session.patches:
             raise ValueError(
                 f"Site {name!r} is inside {sites[name].origin.described}: "
@@ -178,6 +180,8 @@ class InTransform:
 
     iterations: int | None
     transforms: tuple[str, ...]
+    #: Why a call there cannot be a site (raised where it is selected).
+    blocked: str | None = None
 
     @property
     def described(self) -> str:
@@ -282,13 +286,24 @@ def call_in_transform(
         if not count and sliced and sliced[0] is internals.current_trace():
             count = sliced[1]
         if not count:
-            raise ValueError(
+            blocked = (
                 f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
                 "called in every iteration, but the scan does not slice its "
                 "parameters (a layer closed over by the scan body, as in an RNN), "
-                "so one epsilon would sum the gradients of all iterations. Scan "
-                "over stacked layers (eqx.filter_vmap to build them, the scan's "
-                "xs to slice them), or unroll the loop."
+                "so one epsilon would sum the gradients of all iterations. Select "
+                "sites outside the scan with `at=`, scan over stacked layers "
+                "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
+                "unroll the loop."
+            )
+            return _unreachable(
+                session,
+                site,
+                method,
+                module,
+                function,
+                args,
+                kwargs,
+                InTransform(None, enclosing, blocked),
             )
     origin = InTransform(count, enclosing)
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
@@ -341,6 +356,18 @@ def call_in_transform(
         leaves.recorder,
     )
     return merge_differentiable(value, floats)
+
+
+def _unreachable(session, site, method, module, function, args, kwargs, origin):
+    """A call that cannot be a site: listed by discovery, refused where it is
+    selected or patched, and otherwise run as it is."""
+    call = session.enter(site.path, method, module, args, origin=origin, record=False)
+    if not session.discovering and (
+        call.name in session.selected or call.name in session.patches
+    ):
+        raise ValueError(origin.blocked)
+    value = function(*args, **kwargs)
+    return session.exit(call, value, perturb=lambda v: v, record=False)
 
 
 def _leaves_with_state(value: Any) -> list:

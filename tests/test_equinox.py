@@ -448,7 +448,7 @@ def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, message):
     x = jax.random.normal(jax.random.key(1), (2, 3))
     probe = bridge.probe(model, vmap=not isinstance(model, ClosedOverCell))
     with pytest.raises(ValueError, match=message):
-        probe.sites(x if probe.vmap else x[None])
+        probe.value_and_grad(jnp.sum, x)  # a sequence of 2 steps for the RNN
 
 
 def test_a_scanned_site_refuses_patches_and_inputs_naming_the_site():
