@@ -26,6 +26,7 @@ from ._sites import (
     explicit_sharding,
     is_array,
     shapes_and_dtypes,
+    struct_update,
     zeros_like_struct,
 )
 
@@ -295,14 +296,14 @@ def _with_batch_axis(site: Site, batch: int, batch_sharding: Any) -> Site:
     def add_axis(s):
         shape = (*s.shape[:k], batch, *s.shape[k:])
         if batch_sharding is None:
-            return s.update(shape=shape)
+            return struct_update(s, shape=shape)
         mesh, batch_spec = batch_sharding
         inner = getattr(s, "sharding", None)
         spec = list(inner.spec) if inner is not None else []
         spec += [None] * (len(s.shape) - len(spec))
         spec.insert(k, batch_spec)
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-        return s.update(shape=shape, sharding=sharding)
+        return struct_update(s, shape=shape, sharding=sharding)
 
     return dataclasses.replace(site, struct=jax.tree.map(add_axis, site.struct))
 

@@ -85,8 +85,15 @@ def abstract(tree: Any) -> Any:
     )
 
 
+def _type_of(x: Any) -> Any:
+    """`jax.typeof(x)`; `jax.core.get_aval` before jax 0.5 added `typeof` (an
+    aval without the `sharding`/`manual_axis_type` fields read below)."""
+    typeof = getattr(jax, "typeof", None)
+    return typeof(x) if typeof is not None else jax.core.get_aval(x)
+
+
 def _varying(x: Any) -> dict:
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    manual = getattr(_type_of(x), "manual_axis_type", None)
     if manual is None or not manual.varying:
         return {}
     return {"manual_axis_type": manual}
@@ -101,14 +108,31 @@ def _explicit(x: Any) -> dict:
 
 def explicit_sharding(x: Any) -> Any:
     """`x`'s sharding in its type, where it names an `Explicit` mesh axis."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
+    axis_type = getattr(jax.sharding, "AxisType", None)  # jax >= 0.5
+    if axis_type is None:
+        return None  # no `Explicit` mesh axes before it
+    sharding = getattr(_type_of(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not any(
-        kind == jax.sharding.AxisType.Explicit
-        for kind in getattr(mesh, "axis_types", ())
+        kind == axis_type.Explicit for kind in getattr(mesh, "axis_types", ())
     ):
         return None
     return sharding if any(axis is not None for axis in sharding.spec) else None
+
+
+def struct_update(struct: jax.ShapeDtypeStruct, **changes: Any) -> Any:
+    """`struct.update(**changes)`; rebuilt by hand before jax 0.5 added
+    `ShapeDtypeStruct.update` (its fields then: shape, dtype, sharding,
+    weak_type)."""
+    if hasattr(struct, "update"):
+        return struct.update(**changes)
+    fields = {
+        "shape": struct.shape,
+        "dtype": struct.dtype,
+        "sharding": struct.sharding,
+        "weak_type": struct.weak_type,
+    }
+    return jax.ShapeDtypeStruct(**{**fields, **changes})
 
 
 def without_axis(struct: Any, axis: int) -> Any:
@@ -116,12 +140,13 @@ def without_axis(struct: Any, axis: int) -> Any:
     shape = struct.shape[:axis] + struct.shape[axis + 1 :]
     sharding = getattr(struct, "sharding", None)
     if sharding is None:
-        return struct.update(shape=shape)
+        return struct_update(struct, shape=shape)
     spec = list(sharding.spec) + [None] * (len(struct.shape) - len(sharding.spec))
     del spec[axis]
     if all(entry is None for entry in spec):
         return jax.ShapeDtypeStruct(shape, struct.dtype)
-    return struct.update(
+    return struct_update(
+        struct,
         shape=shape,
         sharding=jax.sharding.NamedSharding(
             sharding.mesh, jax.sharding.PartitionSpec(*spec)
