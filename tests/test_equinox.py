@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.equinox import batch_norm
 from helpers import assert_tree_allclose
 
 import bridge
@@ -467,7 +468,7 @@ def _stateful_sequential():
     return eqx.nn.make_with_state(eqx.nn.Sequential)(
         [
             eqx.nn.Linear(3, 4, key=keys[0]),
-            eqx.nn.BatchNorm(4, axis_name="batch", mode="batch"),
+            batch_norm(4, axis_name="batch"),
             eqx.nn.Linear(4, 2, key=keys[1]),
         ]
     )
@@ -494,7 +495,7 @@ def test_state_threads_through_a_sequential_and_the_user_state_stays_usable(mode
 def test_the_user_model_keeps_its_batchnorm_axis_name_and_structure():
     keys = jax.random.split(jax.random.key(0), 2)
     model, state = eqx.nn.make_with_state(eqx.nn.Sequential)(
-        [eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.BatchNorm(4, "mine", mode="batch")]
+        [eqx.nn.Linear(3, 4, key=keys[0]), batch_norm(4, "mine")]
     )
     before = jax.tree.structure(model)
     x = jax.random.normal(jax.random.key(1), (8, 3))
@@ -528,7 +529,7 @@ def test_a_stateful_model_must_return_outputs_and_state():
 
     keys = jax.random.key(0)
     model, state = eqx.nn.make_with_state(ForgetsState)(
-        eqx.nn.Linear(3, 4, key=keys), eqx.nn.BatchNorm(4, "batch", mode="batch")
+        eqx.nn.Linear(3, 4, key=keys), batch_norm(4, "batch")
     )
     probe = bridge.probe(model, state, vmap=True)
     with pytest.raises(TypeError, match=r"must return \(outputs, new_state\)"):

@@ -13,6 +13,7 @@ model's own `__call__`; with `vmap=True` both run under a plain `jax.vmap`.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import equinox as eqx
@@ -23,6 +24,16 @@ from helpers import add_at_float_leaves, numpy_snapshot
 
 import bridge
 from cases import Case
+
+
+def batch_norm(*args, **kwargs) -> eqx.nn.BatchNorm:
+    """`eqx.nn.BatchNorm` with `mode="batch"` (equinox >= 0.13 warns without a
+    mode). Before 0.13, the one mode there is (0.13's "legacy": it normalises
+    with the running averages just updated); the references run the same
+    module, so either is a valid case."""
+    if "mode" in inspect.signature(eqx.nn.BatchNorm.__init__).parameters:
+        kwargs.setdefault("mode", "batch")
+    return eqx.nn.BatchNorm(*args, **kwargs)
 
 
 def _clone(state):
@@ -294,7 +305,7 @@ class BatchNormNet(eqx.Module):
         k1, k2 = jax.random.split(key)
         self.linear1 = eqx.nn.Linear(4, 6, key=k1)
         # Not the probe's axis name: the probe rebinds it under vmap=True.
-        self.bn = eqx.nn.BatchNorm(6, axis_name="examples", mode="batch")
+        self.bn = batch_norm(6, axis_name="examples")
         self.linear2 = eqx.nn.Linear(6, 2, key=k2)
 
     def __call__(self, x, state):
