@@ -17,15 +17,31 @@ fails at `bridge.probe`, never with a silently dropped site.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from flax import nnx
 
 from bridge._versions import unsupported
 
+#: NNX's graph internals: `flax.nnx.graphlib` (`nnx.graphlib`) since flax
+#: 0.12.5, `flax.nnx.graph` before (the same `is_graph_node`, `GRAPH_CONTEXT`).
+graphlib = getattr(nnx, "graphlib", None) or importlib.import_module("flax.nnx.graph")
+
+#: `nnx.iter_modules(module)` since flax 0.12.1; the method (same walk, same
+#: paths, the root included) in 0.12.0, deprecated since.
+iter_modules = getattr(nnx, "iter_modules", None) or nnx.Module.iter_modules
+
+
+def get_value(variable: nnx.Variable) -> Any:
+    """`variable.get_value()` since flax 0.12.1; `.value` in 0.12.0."""
+    if hasattr(type(variable), "get_value"):
+        return variable.get_value()
+    return variable.value
+
 
 def _missing() -> list[str]:
-    context = getattr(getattr(nnx, "graphlib", None), "GRAPH_CONTEXT", None)
+    context = getattr(graphlib, "GRAPH_CONTEXT", None)
     if not isinstance(getattr(context, "update_context_stacks", None), dict):
         return ["flax.nnx.graphlib.GRAPH_CONTEXT.update_context_stacks"]
     return []
@@ -39,7 +55,7 @@ if _MISSING:
 def active_transforms() -> tuple[Any, ...]:
     """The update-context tags of the NNX transforms running now, outermost
     first (`"scan"`, `"vmap"`, `"remat"`, or a transform's own tag object)."""
-    stacks = nnx.graphlib.GRAPH_CONTEXT.update_context_stacks
+    stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
     return tuple(tag for tag, stack in stacks.items() if stack)
 
 

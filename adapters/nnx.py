@@ -63,6 +63,7 @@ _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
 #: called: they hold sites and are not sites themselves.
 _CONTAINERS = (nnx.List, nnx.Dict)
 
+
 #: Methods that configure a module rather than compute with it.
 _NOT_SITES = frozenset(dir(nnx.Module)) | {"set_view"}
 
@@ -180,9 +181,11 @@ class NnxProbe(ProbeBase):
 
 def _copy_graph_nodes(tree: Any) -> Any:
     return jax.tree.map(
-        lambda leaf: nnx.clone(leaf) if nnx.graphlib.is_graph_node(leaf) else leaf,
+        lambda leaf: (
+            nnx.clone(leaf) if internals.graphlib.is_graph_node(leaf) else leaf
+        ),
         tree,
-        is_leaf=nnx.graphlib.is_graph_node,
+        is_leaf=internals.graphlib.is_graph_node,
     )
 
 
@@ -194,7 +197,7 @@ def _instrument(model: nnx.Module) -> dict[str, nnx.Module]:
     parameters.
     """
     modules = {}
-    for path, module in nnx.iter_modules(model):
+    for path, module in internals.iter_modules(model):
         if not path or isinstance(module, _CONTAINERS):
             continue
         if any(module is seen for seen in modules.values()):
@@ -297,11 +300,11 @@ class _Run:
         patch = carried.get(_variable_name("patch", site_method, call.index))
 
         def perturb(value):
-            return add_epsilon(value, epsilon.get_value())
+            return add_epsilon(value, internals.get_value(epsilon))
 
         patches = session.patches
         if patch is not None:  # this iteration's slice of the stacked patch
-            session.patches = {**patches, call.name: patch.get_value()}
+            session.patches = {**patches, call.name: internals.get_value(patch)}
         try:
             value = session.exit(
                 call, value, perturb if epsilon is not None else None, record=False
@@ -327,7 +330,7 @@ class _Run:
                     "parameters, so a perturbation there would be silently dropped. "
                     "Select sites outside it."
                 )
-            value, inputs = recording.get_value()
+            value, inputs = internals.get_value(recording)
             if session.discovering:
                 session.restructure(name, value)
             else:

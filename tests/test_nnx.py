@@ -44,6 +44,8 @@ def train_net():
 
 
 X = _inputs(8, 4)
+#: `nnx.iter_modules` since flax 0.12.1; the method of the same walk in 0.12.0.
+iter_modules = getattr(nnx, "iter_modules", None) or nnx.Module.iter_modules
 
 
 def plain_step(model, x):
@@ -69,7 +71,7 @@ def keys_as_data(state):
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_the_module_passed_in_is_left_exactly_as_it_was(train_net, mode):
     before = snapshot(train_net)
-    classes = {path: type(m) for path, m in nnx.iter_modules(train_net)}
+    classes = {path: type(m) for path, m in iter_modules(train_net)}
     probe = bridge.probe(train_net)
     step = jax.jit(probe_step) if mode == "jit" else probe_step
     with warnings.catch_warnings(record=True) as caught:
@@ -79,11 +81,11 @@ def test_the_module_passed_in_is_left_exactly_as_it_was(train_net, mode):
         probe.apply(X)
     assert not caught, [str(w.message) for w in caught]
     assert_tree_equal(snapshot(train_net), before)  # values, RNG counts, graph
-    assert {path: type(m) for path, m in nnx.iter_modules(train_net)} == classes
+    assert {path: type(m) for path, m in iter_modules(train_net)} == classes
     assert not jax.tree.leaves(
         nnx.state(train_net, nnx.Any(nnx.Perturbation, nnx.Intermediate))
     )
-    assert not any(hasattr(m, "__captures__") for _, m in nnx.iter_modules(train_net))
+    assert not any(hasattr(m, "__captures__") for _, m in iter_modules(train_net))
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -405,7 +407,7 @@ def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(builder,
     assert_tree_allclose(res.grads, plain)
     assert res.state is None
     assert_tree_equal(snapshot(model), before)
-    for _, module in nnx.iter_modules(model):  # the user's classes, unmarked
+    for _, module in iter_modules(model):  # the user's classes, unmarked
         assert not hasattr(type(module), "_bridge_reports")
         assert not hasattr(module, "_bridge_path")
 

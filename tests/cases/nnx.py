@@ -77,6 +77,13 @@ def added_at_call(model, site: str, delta):
             delattr(cls, method)
 
 
+def get_value(variable):
+    """`variable.get_value()` since flax 0.12.1; `.value` in 0.12.0."""
+    if hasattr(type(variable), "get_value"):
+        return variable.get_value()
+    return variable.value
+
+
 def captured_activations(model, args, kwargs):
     """Every method output of every submodule, recorded by `nnx.capture`."""
     clone = nnx.clone(model)
@@ -160,7 +167,7 @@ def nnx_case(
         return non_params(clone)
 
     def bias_grad(site_path):
-        return lambda grads: _find(grads, site_path)["bias"].get_value()
+        return lambda grads: get_value(_find(grads, site_path)["bias"])
 
     return Case(
         probe=bridge.probe(model),
@@ -173,7 +180,12 @@ def nnx_case(
         perturbed_loss=perturbed_loss,
         snapshot=lambda: snapshot((model, kwargs)),
         bias_sites={site: bias_grad(site) for site in bias_sites},
-        reference_activations=lambda: captured_activations(model, args, fresh(kwargs)),
+        # `nnx.capture` since flax 0.12.6.
+        reference_activations=(
+            (lambda: captured_activations(model, args, fresh(kwargs)))
+            if hasattr(nnx, "capture")
+            else None
+        ),
         reference_state=reference_state,
     )
 
