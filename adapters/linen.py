@@ -56,6 +56,18 @@ class _Origin:
     in_params: bool = False
 
 
+def _check_perturbed(floats: Any, value: Any, name: str) -> None:
+    """`Module.perturb` adds an epsilon leaf by leaf since flax 0.10.1; before,
+    `value += epsilon` concatenated a tuple-valued call's output with its
+    epsilon, and the epsilon's gradient would silently be zero."""
+    if jax.tree.structure(floats) != jax.tree.structure(value):
+        raise RuntimeError(
+            f"flax.linen.Module.perturb changed the structure of site {name!r}'s "
+            "value (a pytree): this flax adds perturbations to pytrees wrongly. "
+            "bridge supports flax >= 0.10.1."
+        )
+
+
 class _NeedsParams(Exception):
     """Discovery met a transform that carries only `params`: run it again with
     `params` mutable, so recordings can leave the transform with them."""
@@ -320,11 +332,13 @@ class _Interceptor:
         key = _variable_name(method, call.index)
 
         def perturb(value):
+            unperturbed = differentiable_part(value)
             floats = module.perturb(
                 PARAMS_EPSILON + key if in_params else key,
-                differentiable_part(value),
+                unperturbed,
                 collection="params" if in_params else EPSILON_COLLECTION,
             )
+            _check_perturbed(floats, unperturbed, call.name)
             return merge_differentiable(value, floats)
 
         value = session.exit(call, value, perturb, record=not lifted)
