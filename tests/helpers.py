@@ -54,3 +54,13 @@ def add_at_float_leaves(value: Any, delta: Any) -> Any:
         lambda x: x + next(deltas) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
         value,
     )
+
+
+def nnx_supported() -> bool:
+    """Whether the installed flax has the NNX bridge probes (flax >= 0.12, the
+    first with `nnx.List`); bridge raises an ImportError naming it before."""
+    try:
+        from flax import nnx
+    except ImportError:
+        return False
+    return hasattr(nnx, "List")

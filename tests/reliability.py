@@ -19,8 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import nnx_supported
 
-LIBRARIES = ("linen", "nnx", "equinox", "haiku")
+LIBRARIES = tuple(
+    library
+    for library in ("linen", "nnx", "equinox", "haiku")
+    if library != "nnx" or nnx_supported()
+)
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "tanh": jnp.tanh,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import nnx_supported
 
 import bridge
 
@@ -411,3 +412,11 @@ def test_two_probes_in_two_threads_keep_separate_sites():
         assert list(res.activation_grads) == list(expected[key].activation_grads)
         for name, grad in res.activation_grads.items():
             np.testing.assert_allclose(grad, expected[key].activation_grads[name])
+
+
+@pytest.mark.skipif(nnx_supported(), reason="this flax has the NNX bridge probes")
+def test_an_nnx_model_on_a_flax_before_0_12_is_an_error_naming_the_range():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    with pytest.raises(ImportError, match=r"flax >= 0\.12"):
+        bridge.probe(model).sites(jnp.ones((1, 2)))

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import pytest
-from helpers import add_at_float_leaves
+from helpers import add_at_float_leaves, nnx_supported
 
 LIBRARIES = ("linen", "haiku", "equinox", "nnx", "torch")
 
@@ -86,6 +86,8 @@ class Case:
 def case_params() -> Iterator[Any]:
     """`pytest.param(builder, id="library-name")` for every installed library."""
     for library in LIBRARIES:
+        if library == "nnx" and not nnx_supported():
+            continue  # flax < 0.12: bridge raises an error (tests/test_core.py)
         try:
             module = importlib.import_module(f"cases.{library}")
         except ModuleNotFoundError as error:
