@@ -24,6 +24,7 @@ an unsupported Haiku fails at `bridge.probe`, never with a wrong number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -42,6 +43,11 @@ _SOURCES = ("stateful", "layer_stack", "transform")
 #: Haiku's own source, to recognise its transforms on the Python call stack.
 _HAIKU_SOURCE = os.path.dirname(hk.__file__) + os.sep
 _JAX_SOURCE = os.path.dirname(jax.__file__) + os.sep
+#: Haiku names each module method's scope with jax's `extend_name_stack`, a
+#: `contextlib.contextmanager` used as a decorator in older jax (0.4.36 to at
+#: least 0.7.1; its own class later): that frame then sits between a
+#: `LiftingModule` call and the layer stack that made it.
+_CONTEXTLIB_SOURCE = contextlib.__file__
 _LAYER_STACK_CALL = "_LayerStack.__call__"
 _LAYER_STACK_BODY = "_LayerStack.__call__.<locals>.layer"
 _INNER_APPLY = "transform_with_state.<locals>.apply_fn"
@@ -156,7 +162,7 @@ def layer_stack_caller() -> Any:
     layer stack (not a user's `hk.lift`) called it."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(
-        (_HAIKU_SOURCE, _JAX_SOURCE)
+        (_HAIKU_SOURCE, _JAX_SOURCE, _CONTEXTLIB_SOURCE)
     ):
         if _qualname(frame.f_code) == _LAYER_STACK_CALL:
             return frame
