@@ -203,13 +203,22 @@ def transforms(base_trace: Any) -> tuple[str, ...]:
     found = []
     while trace is not base_trace:
         if trace is None:
-            found.append("a transform bridge does not know")
+            # jax < 0.6.2: a jaxpr trace (of scan, checkpoint, cond, ...) does
+            # not record the trace it runs in; nothing beyond it can be seen.
+            found.append(_PARENT_UNKNOWN)
             break
         found.append(
             "vmap" if internals.is_vmap(trace) else internals.traced_for(trace)
         )
         trace = internals.parent(trace)
     return tuple(found)
+
+
+#: What `transforms` names past a jaxpr trace of jax < 0.6.2.
+_PARENT_UNKNOWN = (
+    "a transform whose enclosing trace this jax does not record (bridge sees "
+    "through jax.lax.scan and jax.checkpoint from jax 0.6.2)"
+)
 
 
 def describe(transforms: tuple[str, ...]) -> str:
