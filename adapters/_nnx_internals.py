@@ -6,6 +6,8 @@
   made by NNX's split and merge; which transform it is decides whether bridge's
   variables on the module are carried in and out (see
   `bridge.adapters.nnx`). NNX exposes no public "current transforms".
+- `nnx.List` and pytree modules (flax 0.12's module system): checked here,
+  as the mark of the NNX bridge is written for; older NNX is a different API.
 - `Module._pytree__is_pytree`: whether a module class was declared with
   `pytree=False`; a reporting subclass must be declared the same way, and
   the class keyword is all NNX offers to say so (absent before it existed).
@@ -41,10 +43,13 @@ def get_value(variable: nnx.Variable) -> Any:
 
 
 def _missing() -> list[str]:
+    missing = []
+    if not hasattr(nnx, "List"):
+        missing.append("nnx.List and pytree modules, NNX's module system of flax 0.12")
     context = getattr(graphlib, "GRAPH_CONTEXT", None)
     if not isinstance(getattr(context, "update_context_stacks", None), dict):
-        return ["flax.nnx.graphlib.GRAPH_CONTEXT.update_context_stacks"]
-    return []
+        missing.append("flax.nnx.graphlib.GRAPH_CONTEXT.update_context_stacks")
+    return missing
 
 
 _MISSING = _missing()

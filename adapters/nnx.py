@@ -47,15 +47,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-if not hasattr(nnx, "List"):  # NNX as of flax 0.12: pytree modules, nnx.List
-    import flax
-
-    raise ImportError(
-        "bridge probes Flax NNX models on flax >= 0.12 (NNX changed its module "
-        f"system in 0.12); this is flax {flax.__version__}. Upgrade flax; Flax "
-        "Linen models are supported from flax 0.10.1."
-    )
-
 from bridge._probe import ProbeBase
 from bridge._session import Session, current, positional_arrays
 from bridge._sites import add_epsilon, differentiable_part

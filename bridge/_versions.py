@@ -14,12 +14,16 @@ import importlib.metadata
 
 #: Distribution name -> oldest supported release (tested in CI).
 MINIMUM = {
-    "jax": "0.4.35",
-    "flax": "0.10.0",
-    "equinox": "0.11.0",
+    "jax": "0.4.36",
+    "flax": "0.10.1",
+    "equinox": "0.11.5",
     "dm-haiku": "0.0.13",
     "torch": "2.13.0",
 }
+#: Where one adapter needs more than the package's floor: NNX's module system
+#: as bridge uses it (pytree modules, `nnx.List`) is flax 0.12's, which needs
+#: jax 0.7.1. Tested in CI's second minimum-versions environment.
+ADAPTER_MINIMUM = {("Flax NNX", "flax"): "0.12.0"}
 #: The newest releases tested when this version of bridge was made.
 NEWEST_TESTED = {
     "jax": "0.10.2",
@@ -45,11 +49,13 @@ def unsupported(distribution: str, adapter: str, missing: list[str]) -> ImportEr
       adapter: the adapter that needs it (`Equinox`).
       missing: what was looked for and not found, for the message.
     """
-    oldest, newest = MINIMUM[distribution], NEWEST_TESTED[distribution]
+    oldest = ADAPTER_MINIMUM.get((adapter, distribution), MINIMUM[distribution])
+    newest = NEWEST_TESTED[distribution]
     return ImportError(
         f"bridge's {adapter} adapter relies on {distribution} internals that "
         f"{distribution} {installed(distribution)} lacks ({'; '.join(missing)}). "
-        f"bridge supports {distribution} {oldest} to {newest} (both tested in "
-        f"CI): pip install '{distribution}>={oldest},<={newest}'. If yours is a "
-        "newer release, please report it: bridge must follow it."
+        f"bridge supports {distribution} {oldest} to {newest} for {adapter} "
+        f"models (both ends tested in CI): pip install "
+        f"'{distribution}>={oldest},<={newest}'. If yours is a newer release, "
+        "please report it: bridge must follow it."
     )

@@ -6,13 +6,14 @@ afresh."""
 from __future__ import annotations
 
 import importlib
+import pathlib
 import re
 import sys
 
 import pytest
 
 import bridge
-from bridge._versions import MINIMUM, NEWEST_TESTED
+from bridge._versions import ADAPTER_MINIMUM, MINIMUM, NEWEST_TESTED
 
 
 def _fresh_adapter(monkeypatch, *modules: str) -> None:
@@ -26,10 +27,11 @@ def _fresh_adapter(monkeypatch, *modules: str) -> None:
         monkeypatch.delattr(bridge.adapters, name.rpartition(".")[2], raising=False)
 
 
-def _supported(distribution: str) -> str:
+def _supported(distribution: str, adapter: str) -> str:
+    oldest = ADAPTER_MINIMUM.get((adapter, distribution), MINIMUM[distribution])
     return re.escape(
-        f"bridge supports {distribution} {MINIMUM[distribution]} to "
-        f"{NEWEST_TESTED[distribution]}"
+        f"bridge supports {distribution} {oldest} to "
+        f"{NEWEST_TESTED[distribution]} for {adapter} models"
     )
 
 
@@ -46,7 +48,7 @@ def test_equinox_adapter_needs_the_jax_trace_stack(monkeypatch):
         "bridge.adapters._jax_internals",
     )
     monkeypatch.delattr(core, "trace_ctx")
-    with pytest.raises(ImportError, match=_supported("jax")) as error:
+    with pytest.raises(ImportError, match=_supported("jax", "Equinox")) as error:
         bridge.probe(model)
     assert "jax._src.core.trace_ctx.trace" in str(error.value)
 
@@ -64,7 +66,7 @@ def test_haiku_adapter_needs_its_lifting_module(monkeypatch):
         "bridge.adapters._haiku_internals",
     )
     monkeypatch.delattr(lift, "LiftingModule")
-    with pytest.raises(ImportError, match=_supported("dm-haiku")) as error:
+    with pytest.raises(ImportError, match=_supported("dm-haiku", "Haiku")) as error:
         bridge.probe(transformed, {})
     assert "haiku._src.lift.LiftingModule" in str(error.value)
 
@@ -76,7 +78,7 @@ def test_nnx_adapter_needs_the_transform_stack(monkeypatch):
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     _fresh_adapter(monkeypatch, "bridge.adapters.nnx", "bridge.adapters._nnx_internals")
     monkeypatch.delattr(nnx.graphlib, "GRAPH_CONTEXT")
-    with pytest.raises(ImportError, match=_supported("flax")) as error:
+    with pytest.raises(ImportError, match=_supported("flax", "Flax NNX")) as error:
         bridge.probe(model)
     assert "GRAPH_CONTEXT.update_context_stacks" in str(error.value)
 
@@ -90,7 +92,7 @@ def test_torch_adapter_needs_fake_tensors(monkeypatch):
         monkeypatch, "bridge.adapters.torch", "bridge.adapters._torch_internals"
     )
     monkeypatch.delattr(fake_tensor, "FakeTensorMode")
-    with pytest.raises(ImportError, match=_supported("torch")) as error:
+    with pytest.raises(ImportError, match=_supported("torch", "PyTorch")) as error:
         bridge.probe(model)
     assert "FakeTensorMode" in str(error.value)
 
@@ -98,8 +100,7 @@ def test_torch_adapter_needs_fake_tensors(monkeypatch):
 def test_the_minimum_versions_are_pyprojects_lower_bounds():
     """`bridge._versions.MINIMUM` (named in errors) and pyproject's bounds are
     one list."""
-    import pathlib
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
 
     project = tomllib.loads(
         (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
