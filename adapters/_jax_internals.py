@@ -1,4 +1,4 @@
-"""The JAX internals the Equinox adapter relies on: all of them, and only here.
+"""The JAX internals bridge's adapters rely on: all of them, and only here.
 
 A call inside the model's own `jax.vmap` sees one token, yet its site holds
 every token (see `bridge.adapters.equinox`). The adapter hands the value out
@@ -13,17 +13,33 @@ directly) but neither the current trace nor its parent. So this module reads:
 - a tracing trace's `frame.debug_info.traced_for`, JAX's name of the transform
   it traces (`scan`, `checkpoint / remat`), read with a fallback: it names
   transforms in errors and recognises `lax.scan` and `jax.checkpoint`;
-- `jax.interpreters.batching.fancy_primitive_batchers`, the batching rules
-  that receive the mapped axis's size (`AxisData.size`) and run one trace out.
+- `jax.interpreters.batching.fancy_primitive_batchers` (a public module, an
+  undocumented table), the batching rules that receive the mapped axis's
+  size (`AxisData.size`) and run one trace out.
+
+`jax.extend.core` comes closest: `take_current_trace` changes the current
+trace rather than reading it, and `unsafe_am_i_under_a_vmap_DO_NOT_USE` says
+whether, not how deep or under what else.
+
+The NNX adapter reads one more: the `length` and `reverse` locals of the
+innermost `lax.scan` frame (`jax._src.lax.control_flow.loops.scan`, or the
+`scan_nocarry` it calls under `jax_scan3`) on the Python call stack. `nnx.scan`
+leaves `length` to `lax.scan`, which infers it from `xs` into that local
+before it traces the body, and a module the scan carries (not sliced) holds
+its site's whole stacked epsilon and recording, whose row for the step it
+must know: no public API tells the body its scan's length or direction.
 
 At import it checks that each exists and raises an error naming the
 supported versions where one does not: an unsupported JAX fails at
-`bridge.probe`, never with a wrong number.
+`bridge.probe`, never with a wrong number (the scan frame's check is
+raised by the adapter that reads it, `require_scan_frame`).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +74,32 @@ def _missing() -> list[str]:
 _MISSING = _missing()
 if _MISSING:
     raise unsupported("jax", "Equinox", _MISSING)
+
+#: The functions of `lax.scan` whose frames hold its `length` and `reverse`.
+_SCAN = "scan"
+_SCAN_NOCARRY = "scan_nocarry"
+
+
+def _missing_scan() -> tuple[str | None, list[str]]:
+    """The file of `lax.scan`'s own code, and what is missing of it."""
+    try:
+        from jax._src.lax.control_flow import loops
+    except ImportError as error:
+        return None, [str(error)]
+    scan = inspect.unwrap(getattr(loops, _SCAN, None) or (lambda: None))
+    parameters = inspect.signature(scan).parameters
+    if not {"length", "reverse"} <= set(parameters):
+        return None, ["jax._src.lax.control_flow.loops.scan(..., length, reverse)"]
+    return os.path.abspath(loops.__file__), []
+
+
+_LOOPS_FILE, _MISSING_SCAN = _missing_scan()
+
+
+def require_scan_frame(adapter: str) -> None:
+    """Raise, naming the supported versions, where `scan_frames` cannot work."""
+    if _MISSING_SCAN:
+        raise unsupported("jax", adapter, _MISSING_SCAN)
 
 from jax._src import core as _core  # noqa: E402 (checked above)
 from jax._src.interpreters import batching as _batching  # noqa: E402
@@ -103,3 +145,30 @@ def mapped_primitive(
     primitive.def_impl(outside)
     primitive.def_abstract_eval(outside)
     return primitive
+
+
+def scan_frames(stop: Any) -> list[tuple[int, bool]]:
+    """`(length, reverse)` of each `lax.scan` running now, innermost first,
+    read from the Python call stack up to the frame running the code object
+    `stop` (the adapter's own call of the model: scans around the probe are
+    not the model's)."""
+    found: list[tuple[int, bool]] = []
+    inferred = None  # `scan_nocarry`'s length, inferred, under `jax_scan3`
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not stop:
+        code = frame.f_code
+        if code.co_name in (_SCAN, _SCAN_NOCARRY) and (
+            os.path.abspath(code.co_filename) == _LOOPS_FILE
+        ):
+            local = frame.f_locals
+            length = local.get("length")
+            if code.co_name == _SCAN_NOCARRY:
+                inferred = length
+            else:
+                length = length if isinstance(length, int) else inferred
+                if not isinstance(length, int):
+                    raise unsupported("jax", "Flax NNX", ["lax.scan's `length` local"])
+                found.append((length, bool(local.get("reverse", False))))
+                inferred = None
+        frame = frame.f_back
+    return found
