@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose
+from helpers import assert_tree_allclose, tree_vdot
 
 import bridge
 
@@ -613,11 +613,6 @@ def _value(site_value):
     return site_value
 
 
-def _vdot(a, b):
-    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    return sum(jnp.vdot(x, y) for x, y in pairs)
-
-
 # -- the tests
 
 
@@ -680,7 +675,7 @@ def test_every_site_equals_plain_equinox(name, mode):
         zoo.jvps, expected.offsets, expected.jvps, strict=True
     ):
         got = sum(
-            _vdot(
+            tree_vdot(
                 _value(res.activation_grads[site]),
                 _full(spec, k, delta, gain, _value(res.activations[site])),
             )

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import add_at_float_leaves, assert_tree_allclose
+from helpers import add_at_float_leaves, assert_tree_allclose, tree_vdot
 
 import bridge
 
@@ -403,11 +403,6 @@ def _expected(name: str) -> Expected:
     return Expected(loss, grads, state, order, activations, deltas, jvps)
 
 
-def _vdot(grads, delta):
-    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(delta), strict=True)
-    return sum(jnp.vdot(g, d) for g, d in pairs)
-
-
 # -- the tests
 
 
@@ -455,7 +450,7 @@ def test_every_site_equals_plain_haiku(name, mode):
 
     # Activation gradients against jvp: each single site, then all at once.
     for deltas, jvp in zip(expected.deltas, expected.jvps, strict=True):
-        got = sum(_vdot(res.activation_grads[s], d) for s, d in deltas.items())
+        got = sum(tree_vdot(res.activation_grads[s], d) for s, d in deltas.items())
         np.testing.assert_allclose(got, jvp, rtol=2e-3, atol=1e-5 * (1 + abs(jvp)))
 
 
