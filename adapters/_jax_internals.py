@@ -101,6 +101,7 @@ def require_scan_frame(adapter: str) -> None:
     if _MISSING_SCAN:
         raise unsupported("jax", adapter, _MISSING_SCAN)
 
+
 from jax._src import core as _core  # noqa: E402 (checked above)
 from jax._src.interpreters import batching as _batching  # noqa: E402
 

@@ -548,6 +548,53 @@ class BroadcastScan(nnx.Module):
         return step(jnp.zeros(xs.shape[1:]), self.cell, xs)[1]
 
 
+class BroadcastParamsScan(BroadcastScan):
+    """Parameters broadcast, the rest carried: bridge's variables are `Param`s."""
+
+    def __call__(self, xs):
+        axes = nnx.StateAxes({nnx.Param: None, ...: nnx.Carry})
+
+        @nnx.scan(in_axes=(nnx.Carry, axes, 0), out_axes=(nnx.Carry, 0))
+        def step(carry, cell, x):
+            carry = cell(carry + x)
+            return carry, carry
+
+        return step(jnp.zeros(xs.shape[1:]), self.cell, xs)[1]
+
+
+class CarriedInVmap(BroadcastScan):
+    """A carried cell called inside an nnx.vmap inside the scan."""
+
+    def __call__(self, xs):
+        @nnx.scan(
+            in_axes=(nnx.StateAxes({...: nnx.Carry}), nnx.Carry, 0),
+            out_axes=(nnx.Carry, 0),
+        )
+        def step(cell, carry, x):
+            carry = nnx.vmap(lambda c, v: c(v), in_axes=(None, 0))(cell, carry + x)
+            return carry, carry
+
+        return step(self.cell, jnp.zeros(xs.shape[1:]), xs)[1]
+
+
+class NestedCarriedScans(BroadcastScan):
+    """A carried cell inside a lax.scan inside an nnx.scan that carries it."""
+
+    def __call__(self, xs):
+        @nnx.scan(
+            in_axes=(nnx.StateAxes({...: nnx.Carry}), nnx.Carry, 0),
+            out_axes=(nnx.Carry, 0),
+        )
+        def step(cell, carry, x):
+            def inner(c, _):
+                return cell(c + x), None
+
+            carry = jax.lax.scan(inner, carry, None, length=2)[0]
+            return carry, carry
+
+        return step(self.cell, jnp.zeros(xs.shape[1:]), xs)[1]
+
+
 class BroadcastVmap(nnx.Module):
     def __init__(self, rngs):
         self.cell = Cell(rngs)
@@ -590,10 +637,22 @@ class TapInScan(ScannedStack):
             "cannot see through this nnx.scan around 'cell': it broadcasts",
         ),
         (
+            BroadcastParamsScan,
+            ValueError,
+            "cannot see through this nnx.scan around 'cell': it broadcasts",
+        ),
+        (
             BroadcastVmap,
             ValueError,
             "cannot see through this nnx.vmap around 'cell': it broadcasts",
         ),
+        (
+            CarriedInVmap,
+            NotImplementedError,
+            "'cell' keeps its parameters' full shape inside nnx.scan .* "
+            "called inside nnx.vmap inside nnx.scan",
+        ),
+        (NestedCarriedScans, NotImplementedError, "'cell' .* inside nested scans"),
         pytest.param(
             TreeModeRemat,
             NotImplementedError,
@@ -621,3 +680,206 @@ def test_errors_name_the_fix():
         bridge.probe(model, nnx.state(model))
     with pytest.raises(TypeError, match="defines no __call__"):
         bridge.probe(nnx.List([model]))
+
+
+# -- a module carried by nnx.scan: a recurrent cell ------------------------------
+
+
+class CarriedScan(nnx.Module):
+    """A hand-written recurrence: the cell is a loop carry of the scan
+    (`nnx.StateAxes({...: nnx.Carry})`), as `nnx.RNN` scans its cell."""
+
+    reverse = False
+
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, xs):
+        @nnx.scan(
+            in_axes=(nnx.StateAxes({...: nnx.Carry}), nnx.Carry, 0),
+            out_axes=(nnx.Carry, 0),
+            reverse=self.reverse,
+        )
+        def step(cell, carry, x):
+            carry = cell(carry + x)
+            return carry, carry
+
+        return self.head(step(self.cell, jnp.zeros(xs.shape[1:]), xs)[1])
+
+
+class ReversedCarriedScan(CarriedScan):
+    reverse = True
+
+
+class Recurrent(nnx.Module):
+    """`nnx.RNN` over an `nnx.LSTMCell`, time on axis 1."""
+
+    reverse = False
+
+    def __init__(self, rngs):
+        self.rnn = nnx.RNN(nnx.LSTMCell(4, 5, rngs=rngs), reverse=self.reverse)
+        self.head = nnx.Linear(5, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.rnn(x))
+
+
+class ReversedRecurrent(Recurrent):
+    reverse = True
+
+
+GATES = ("ii", "hi", "if_", "hf", "ig", "hg", "io", "ho")
+STEPS = 6
+
+
+def _add(tree, offset):
+    return jax.tree.map(jnp.add, tree, offset)
+
+
+def unrolled_carried_scan(model, xs, offsets=None):
+    """`CarriedScan` as a Python loop over the steps, on the same cell;
+    `offsets[site][i]` is added to step i's value there (i in the order of
+    `xs`). Returns the loss and each site's values, stacked like `xs`."""
+    offsets = offsets or {"cell": [0.0] * len(xs), "cell/linear": [0.0] * len(xs)}
+    cell, carry = model.cell, jnp.zeros(xs.shape[1:])
+    values = {"cell": [None] * len(xs), "cell/linear": [None] * len(xs)}
+    order = range(len(xs))
+    for i in reversed(order) if model.reverse else order:
+        linear = cell.linear(carry + xs[i]) + offsets["cell/linear"][i]
+        carry = nnx.tanh(linear) + offsets["cell"][i]
+        values["cell/linear"][i], values["cell"][i] = linear, carry
+    values = {site: jnp.stack(steps) for site, steps in values.items()}
+    return loss_fn(model.head(values["cell"])), values
+
+
+def unrolled_recurrent(model, x, offsets=None):
+    """`Recurrent` as a Python loop over time, on the same `LSTMCell`. Step i
+    is the i-th the RNN's scan runs: with `reverse=True` the RNN flips the
+    sequence before its (forward) scan, so step i reads `x[:, -1 - i]`, and
+    its outputs stay in that order (`keep_order=False`)."""
+    cell = model.rnn.cell
+    carry = cell.initialize_carry(x[:, 0].shape, nnx.Rngs(0))
+    outputs, ys = [], []
+    for i in range(x.shape[1]):
+        t = x.shape[1] - 1 - i if model.reverse else i
+        out = cell(carry, x[:, t])
+        if offsets is not None:
+            out = _add(out, jax.tree.map(lambda o, i=i: o[i], offsets["rnn/cell"]))
+        (carry, y) = out
+        outputs.append(out)
+        ys.append(y)
+    stacked = jax.tree.map(lambda *steps: jnp.stack(steps), *outputs)
+    return loss_fn(model.head(jnp.stack(ys, axis=1))), {"rnn/cell": stacked}
+
+
+def carried_reference(model, x, unrolled):
+    """Loss, per-step activations and their gradients (by `jax.grad` with
+    respect to per-step offsets), and `nnx.grad`'s parameter gradients: the
+    unrolled loop and plain NNX, no bridge."""
+    _, values = unrolled(nnx.clone(model), x)
+    zeros = jax.tree.map(jnp.zeros_like, values)
+    (loss, values), grads = jax.value_and_grad(
+        lambda o: unrolled(nnx.clone(model), x, o), has_aux=True
+    )(zeros)
+    _, params = plain_step(nnx.clone(model), x)
+    return loss, values, grads, params
+
+
+CARRIED = {
+    CarriedScan: (unrolled_carried_scan, ("cell", "cell/linear"), _inputs(STEPS, 3, 4)),
+    ReversedCarriedScan: (
+        unrolled_carried_scan,
+        ("cell", "cell/linear"),
+        _inputs(STEPS, 3, 4),
+    ),
+    Recurrent: (unrolled_recurrent, ("rnn/cell",), _inputs(3, STEPS, 4)),
+    ReversedRecurrent: (unrolled_recurrent, ("rnn/cell",), _inputs(3, STEPS, 4)),
+}
+
+
+@pytest.mark.parametrize(
+    "builder, mode",
+    [
+        (CarriedScan, "eager"),
+        (CarriedScan, "jit"),
+        (ReversedCarriedScan, "jit"),
+        (Recurrent, "eager"),
+        (Recurrent, "jit"),
+        (ReversedRecurrent, "jit"),
+    ],
+)
+def test_a_carried_cell_site_stacks_the_steps_and_equals_the_unrolled_loop(
+    builder, mode
+):
+    model = _build(builder)
+    before = snapshot(model)
+    unrolled, checked, x = CARRIED[builder]
+    probe = bridge.probe(model)
+    sites = probe.sites(x)
+    if builder in (Recurrent, ReversedRecurrent):
+        assert list(sites) == [
+            "rnn",
+            "rnn/cell.initialize_carry",  # called by the RNN, outside its scan
+            "rnn/cell",
+            *(f"rnn/cell/{gate}" for gate in GATES),
+            "head",
+        ]
+        (c, h), y = sites["rnn/cell"]
+        assert c.shape == h.shape == y.shape == (STEPS, 3, 5)
+        assert sites["rnn/cell/ii"].shape == (STEPS, 3, 5)
+    else:
+        assert list(sites) == ["cell", "cell/linear", "head"]
+        assert sites["cell"].shape == sites["cell/linear"].shape == (STEPS, 3, 4)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x)
+
+    if mode == "jit":
+        run = jax.jit(run)
+    res = run(probe, x)
+    loss, values, grads, params = carried_reference(model, x, unrolled)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    for site in checked:
+        assert_tree_allclose(res.activations[site], values[site])
+        assert_tree_allclose(res.activation_grads[site], grads[site])
+        assert abs(jnp.sum(jnp.abs(jax.tree.leaves(grads[site])[0]))) > 1e-6
+    assert_tree_allclose(res.grads, params)
+    assert_tree_equal(snapshot(model), before)
+
+
+def test_a_carried_cell_takes_patches_and_records_its_inputs_per_step():
+    model = _build(ReversedCarriedScan)
+    x = _inputs(STEPS, 3, 4)
+    values = jax.random.normal(jax.random.key(1), (STEPS, 3, 4))
+    res = bridge.probe(model).apply(
+        x, patch={"cell": values, "cell/linear": lambda v: 2.0 * v}
+    )
+    # Every step's value is replaced by its row, so the head sees `values`.
+    clone = nnx.clone(model)
+    np.testing.assert_allclose(res.outputs, clone.head(values), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.activations["cell"], values)
+    # Each step's linear sees the previous step's patched value (reverse: the
+    # step after it in xs order) plus its own input.
+    previous = jnp.concatenate([values[1:], jnp.zeros((1, 3, 4))])
+    np.testing.assert_allclose(
+        res.activations["cell/linear"],
+        2.0 * jax.vmap(clone.cell.linear)(previous + x),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    grads = bridge.probe(model).value_and_grad(loss_fn, x, with_inputs=True)
+    (inputs,) = grads.inputs["cell"]
+    carries = jnp.concatenate([grads.activations["cell"][1:], jnp.zeros((1, 3, 4))])
+    np.testing.assert_allclose(inputs, carries + x, rtol=1e-6)
+
+
+def test_vmap_true_gives_a_carried_site_the_batched_numbers():
+    model = _build(Recurrent)
+    x = _inputs(3, STEPS, 4)
+    sum_loss = lambda y: jnp.sum(jnp.square(y - 0.5))  # noqa: E731
+    step = jax.jit(lambda probe, x: probe.value_and_grad(sum_loss, x))
+    batched = step(bridge.probe(model), x)
+    mapped = step(bridge.probe(model, vmap=True), x)
+    assert_tree_allclose(mapped.activation_grads, batched.activation_grads)
+    assert_tree_allclose(mapped.activations, batched.activations)
