@@ -77,7 +77,12 @@ def test_nnx_adapter_needs_the_transform_stack(monkeypatch):
     from flax import nnx
 
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    _fresh_adapter(monkeypatch, "bridge.adapters.nnx", "bridge.adapters._nnx_internals")
+    _fresh_adapter(
+        monkeypatch,
+        "bridge.adapters.nnx",
+        "bridge.adapters._nnx_run",
+        "bridge.adapters._nnx_internals",
+    )
     monkeypatch.delattr(nnx.graphlib, "GRAPH_CONTEXT")
     with pytest.raises(ImportError, match=_supported("flax", "Flax NNX")) as error:
         bridge.probe(model)
