@@ -42,6 +42,14 @@ def get_value(variable: nnx.Variable) -> Any:
     return variable.value
 
 
+def set_value(variable: nnx.Variable, value: Any) -> None:
+    """`variable.set_value(value)` since flax 0.12.1; `.value = ` in 0.12.0."""
+    if hasattr(type(variable), "set_value"):
+        variable.set_value(value)
+    else:
+        variable.value = value
+
+
 def _missing() -> list[str]:
     missing = []
     if not hasattr(nnx, "List"):
@@ -69,3 +77,8 @@ def class_keywords(cls: type) -> dict[str, Any]:
     declared as `cls` was."""
     is_pytree = getattr(cls, "_pytree__is_pytree", None)
     return {} if is_pytree is None else {"pytree": is_pytree}
+
+
+def depth(tag: str) -> int:
+    """How many NNX transforms of kind `tag` (`"scan"`) are running now."""
+    return len(graphlib.GRAPH_CONTEXT.update_context_stacks.get(tag, ()))

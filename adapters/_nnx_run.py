@@ -251,7 +251,7 @@ class Run:
                 self.candidates[path, step_key] = length
                 return session.exit(call, method(module, *args, **kwargs))
             marker = vars(module).get(step_key)
-            if marker is not None and jnp.ndim(marker.get_value()):
+            if marker is not None and jnp.ndim(internals.get_value(marker)):
                 return self._discover_carried(
                     module,
                     marker,
@@ -271,11 +271,11 @@ class Run:
         patch = carried.get(_variable_name("patch", site_method, call.index))
 
         def perturb(value):
-            return add_epsilon(value, epsilon.get_value())
+            return add_epsilon(value, internals.get_value(epsilon))
 
         patches = session.patches
         if patch is not None:  # this iteration's slice of the stacked patch
-            session.patches = {**patches, call.name: patch.get_value()}
+            session.patches = {**patches, call.name: internals.get_value(patch)}
         try:
             value = session.exit(
                 call, value, perturb if epsilon is not None else None, record=False
@@ -301,7 +301,7 @@ class Run:
         """Discovery of a call whose module nnx.scan did not slice: the site
         holds every step, `(length, *value shape)`, as the scan's ys would."""
         frames = jax_internals.scan_frames(self.stop)
-        depth = len(nnx.graphlib.GRAPH_CONTEXT.update_context_stacks.get("scan", ()))
+        depth = internals.depth("scan")
         if names != ("nnx.scan",) or len(frames) != 1 or depth > 1:
             inner = [n for n in names if n != "nnx.scan"]
             where = (
@@ -316,7 +316,8 @@ class Run:
                 "nnx.scan only. Select sites outside it with `at=`."
             )
         length, reverse = frames[0]
-        marker[...] = marker[...] + 1  # dropped if the scan broadcasts it
+        # Dropped if the scan broadcasts the module.
+        internals.set_value(marker, internals.get_value(marker) + 1)
         self.checks.append((call.path, step_key, names))  # in call order
         value = method(module, *args, **kwargs)
         call.origin = Origin(
@@ -348,20 +349,20 @@ class Run:
             return _variable_name(kind, call.method, call.index)
 
         counter = variables[key("step")]
-        step = counter.get_value()
+        step = internals.get_value(counter)
         row = length - 1 - step if reverse else step
         epsilon = variables.get(key("epsilon"))
         patch = variables.get(key("patch"))
 
         def perturb(value):
             return add_epsilon(
-                value, jax.tree.map(lambda e: e[row], epsilon.get_value())
+                value, jax.tree.map(lambda e: e[row], internals.get_value(epsilon))
             )
 
         value = method(module, *args, **kwargs)
         patches = session.patches
         if patch is not None:  # this step's row of the stacked patch
-            rows = jax.tree.map(lambda p: p[row], patch.get_value())
+            rows = jax.tree.map(lambda p: p[row], internals.get_value(patch))
             session.patches = {**patches, call.name: rows}
         try:
             value = session.exit(
@@ -370,19 +371,22 @@ class Run:
         finally:
             session.patches = patches
         recording = variables[key("recording")]
-        values, inputs = recording.get_value()
+        values, inputs = internals.get_value(recording)
         values = _set_row(values, row, differentiable_part(value))
         if inputs is not None:
             inputs = _set_row(inputs, row, positional_arrays(args))
-        recording.set_value((values, inputs))
-        counter.set_value(step + 1)
+        internals.set_value(recording, (values, inputs))
+        internals.set_value(counter, step + 1)
         self.deferred[call.name] = (call.path, key("recording"), ("nnx.scan",))
         return value
 
     def hand_over(self, session: Session) -> None:
         """Give the session the values recorded inside transforms, as they left."""
         for path, key, names in self.checks:
-            if vars(self.modules[path]).get(key).get_value() is self.placed[path, key]:
+            if (
+                internals.get_value(vars(self.modules[path]).get(key))
+                is self.placed[path, key]
+            ):
                 raise self._broadcast_error(path, names)
         for name, (path, key, names) in self.deferred.items():
             recording = vars(self.modules[path]).get(key)
@@ -393,9 +397,9 @@ class Run:
                     "parameters, so a perturbation there would be silently dropped. "
                     "Select sites outside it."
                 )
-            if recording.get_value() is self.placed.get((path, key)):
+            if internals.get_value(recording) is self.placed.get((path, key)):
                 raise self._broadcast_error(path, names)
-            value, inputs = recording.get_value()
+            value, inputs = internals.get_value(recording)
             if session.discovering:
                 session.restructure(name, value)
             else:
@@ -431,7 +435,7 @@ class Run:
 def _param_shapes(module: nnx.Module) -> dict:
     """The shapes of a module's parameters (its submodules' too), not bridge's."""
     return {
-        path: jnp.shape(variable.get_value())
+        path: jnp.shape(internals.get_value(variable))
         for path, variable in nnx.iter_graph(module)
         if isinstance(variable, nnx.Param) and not isinstance(variable, _BridgeVariable)
     }

@@ -150,12 +150,16 @@ def _group(name):
 
 
 def _variants_and_modes():
+    params = []
     for name in VARIANTS:
         group = pytest.mark.xdist_group(f"zoo-linen-{name}")
-        yield pytest.param(name, "jit", marks=group, id=f"{name}-jit")
-        yield pytest.param(
-            name, "eager", marks=[group, pytest.mark.slow], id=f"{name}-eager"
+        params.append(pytest.param(name, "jit", marks=group, id=f"{name}-jit"))
+        params.append(
+            pytest.param(
+                name, "eager", marks=[group, pytest.mark.slow], id=f"{name}-eager"
+            )
         )
+    return params
 
 
 # -- the references: Flax and JAX alone, no bridge -------------------------------

@@ -191,11 +191,13 @@ VARIANTS = ["transformer", "cnn-train", "mamba2"]
 
 
 def _variants(modes=("jit", "eager")):
+    params = []
     for name in VARIANTS:
         group = pytest.mark.xdist_group(f"zoo-nnx-{name}")
         for mode in modes:
             marks = [group] + ([pytest.mark.slow] if mode == "eager" else [])
-            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+            params.append(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}"))
+    return params
 
 
 # -- the references: NNX and JAX alone, no bridge ----------------------------------
