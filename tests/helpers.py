@@ -64,3 +64,34 @@ def nnx_supported() -> bool:
     except ImportError:
         return False
     return hasattr(nnx, "List")
+
+
+def float_leaves(value: Any) -> list:
+    """The floating-point leaves of `value`: those a site's gradient has."""
+    return [x for x in jax.tree.leaves(value) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def assert_activations_equal_recorded(result: Any, recorded: dict) -> None:
+    """Every site's activation equals the library's own recording of it, and
+    its gradient has the shapes of the value's floating leaves."""
+    assert set(result.activations) == set(recorded)
+    assert set(result.activation_grads) == set(recorded)
+    for site, value in result.activations.items():
+        want = float_leaves(recorded[site])
+        got = jax.tree.leaves(value)
+        assert len(got) == len(want), site
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=site)
+        grads = jax.tree.leaves(result.activation_grads[site])
+        assert [g.shape for g in grads] == [w.shape for w in want], site
+
+
+def assert_directional_derivatives(
+    result: Any, sites: list, deltas: list, directional: Any
+) -> None:
+    """`vdot(activation_grad, delta)` at each site equals the reference's
+    derivative of the loss along `delta` (a hand-inserted offset)."""
+    for site, delta, expected in zip(sites, deltas, directional, strict=True):
+        got = tree_vdot(float_leaves(result.activation_grads[site]), delta)
+        assert abs(expected) > 1e-6, f"the reference offset at {site} moved nothing"
+        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6, err_msg=site)

@@ -29,6 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    assert_activations_equal_recorded,
+    assert_directional_derivatives,
+    float_leaves,
+)
 
 import bridge
 
@@ -178,16 +183,12 @@ def _call_name(context, counts):
     return base if index == 0 else f"{base}#{index}"
 
 
-def _add_to_float_leaves(value, delta):
+def _add_tofloat_leaves(value, delta):
     deltas = iter(jax.tree.leaves(delta))
     return jax.tree.map(
         lambda x: x + next(deltas) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
         value,
     )
-
-
-def _float_leaves(value):
-    return [x for x in jax.tree.leaves(value) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
 def _captured(intermediates):
@@ -249,7 +250,7 @@ def jvp_reference(name):
     captured = reference(name).activations
     keys = jax.random.split(jax.random.key(11), len(m.jvp_sites))
     deltas = [
-        [jax.random.normal(k, x.shape, x.dtype) for x in _float_leaves(captured[s])]
+        [jax.random.normal(k, x.shape, x.dtype) for x in float_leaves(captured[s])]
         for s, k in zip(m.jvp_sites, keys, strict=True)
     ]
     seen: list[set] = []
@@ -262,7 +263,7 @@ def jvp_reference(name):
             out = next_fun(*args, **kwargs)
             if site in m.jvp_sites:
                 i = m.jvp_sites.index(site)
-                out = _add_to_float_leaves(
+                out = _add_tofloat_leaves(
                     out, [t[i] * d.astype(d.dtype) for d in deltas[i]]
                 )
             return out
@@ -388,7 +389,7 @@ def test_sites_are_what_flax_capture_intermediates_records(name):
     captured = reference(name).activations
     assert set(sites) == set(captured)
     for site, struct in sites.items():
-        leaves = _float_leaves(captured[site])
+        leaves = float_leaves(captured[site])
         assert [s.shape for s in jax.tree.leaves(struct)] == [x.shape for x in leaves]
 
 
@@ -406,29 +407,12 @@ def test_loss_and_parameter_gradients_equal_plain_jax_grad(name, mode):
 
 @pytest.mark.parametrize(("name", "mode"), _variants_and_modes())
 def test_activations_equal_capture_intermediates(name, mode):
-    res, captured = probed(name, mode), reference(name).activations
-    assert set(res.activations) == set(captured)
-    assert set(res.activation_grads) == set(captured)
-    for site, value in res.activations.items():
-        want = _float_leaves(captured[site])
-        got = jax.tree.leaves(value)
-        assert len(got) == len(want), site
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=site)
-        grads = jax.tree.leaves(res.activation_grads[site])
-        assert [g.shape for g in grads] == [w.shape for w in want], site
+    assert_activations_equal_recorded(probed(name, mode), reference(name).activations)
 
 
 @pytest.mark.parametrize(("name", "mode"), _variants_and_modes())
 def test_activation_gradients_equal_jvp_of_a_hand_inserted_offset(name, mode):
-    m, res = build(name), probed(name, mode)
     deltas, directional = jvp_reference(name)
-    for site, delta, expected in zip(m.jvp_sites, deltas, directional, strict=True):
-        got = sum(
-            jnp.vdot(g, d)
-            for g, d in zip(
-                jax.tree.leaves(res.activation_grads[site]), delta, strict=True
-            )
-        )
-        assert abs(expected) > 1e-6, f"the reference offset at {site} moved nothing"
-        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6, err_msg=site)
+    assert_directional_derivatives(
+        probed(name, mode), build(name).jvp_sites, deltas, directional
+    )

@@ -35,6 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import (
+    assert_activations_equal_recorded,
+    assert_directional_derivatives,
+    float_leaves,
+)
 
 import bridge
 
@@ -203,11 +208,7 @@ def _variants(modes=("jit", "eager")):
 # -- the references: NNX and JAX alone, no bridge ----------------------------------
 
 
-def _float_leaves(value):
-    return [x for x in jax.tree.leaves(value) if jnp.issubdtype(x.dtype, jnp.inexact)]
-
-
-def _add_to_float_leaves(value, deltas):
+def _add_tofloat_leaves(value, deltas):
     deltas = iter(deltas)
     return jax.tree.map(
         lambda x: x + next(deltas) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
@@ -279,7 +280,7 @@ def _offset(inner, deltas):
             self.inner = inner
 
         def __call__(self, *args, **kwargs):
-            return _add_to_float_leaves(self.inner(*args, **kwargs), deltas)
+            return _add_tofloat_leaves(self.inner(*args, **kwargs), deltas)
 
     return Offset()
 
@@ -303,7 +304,7 @@ def jvp_reference(name):
     captured = reference(name).activations
     keys = jax.random.split(jax.random.key(11), len(m.jvp_sites))
     deltas = [
-        [jax.random.normal(k, x.shape, x.dtype) for x in _float_leaves(captured[s])]
+        [jax.random.normal(k, x.shape, x.dtype) for x in float_leaves(captured[s])]
         for s, k in zip(m.jvp_sites, keys, strict=True)
     ]
 
@@ -409,7 +410,7 @@ def test_sites_are_what_nnx_capture_records(name):
     captured = reference(name).activations
     assert set(sites) == set(captured)
     for site, struct in sites.items():
-        leaves = _float_leaves(captured[site])
+        leaves = float_leaves(captured[site])
         assert [s.shape for s in jax.tree.leaves(struct)] == [x.shape for x in leaves]
 
 
@@ -435,32 +436,15 @@ def test_loss_parameter_gradients_and_state_equal_plain_nnx(name, mode):
 
 @pytest.mark.parametrize(("name", "mode"), _variants())
 def test_activations_equal_nnx_capture(name, mode):
-    res, captured = probed(name, mode), reference(name).activations
-    assert set(res.activations) == set(captured)
-    assert set(res.activation_grads) == set(captured)
-    for site, value in res.activations.items():
-        want = _float_leaves(captured[site])
-        got = jax.tree.leaves(value)
-        assert len(got) == len(want), site
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=site)
-        grads = jax.tree.leaves(res.activation_grads[site])
-        assert [g.shape for g in grads] == [w.shape for w in want], site
+    assert_activations_equal_recorded(probed(name, mode), reference(name).activations)
 
 
 @pytest.mark.parametrize(("name", "mode"), _variants())
 def test_activation_gradients_equal_jvp_of_a_hand_inserted_offset(name, mode):
-    m, res = build(name), probed(name, mode)
     deltas, directional = jvp_reference(name)
-    for site, delta, expected in zip(m.jvp_sites, deltas, directional, strict=True):
-        got = sum(
-            jnp.vdot(g, d)
-            for g, d in zip(
-                jax.tree.leaves(res.activation_grads[site]), delta, strict=True
-            )
-        )
-        assert abs(expected) > 1e-6, f"the reference offset at {site} moved nothing"
-        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6, err_msg=site)
+    assert_directional_derivatives(
+        probed(name, mode), build(name).jvp_sites, deltas, directional
+    )
 
 
 # -- nnx.RNN ---------------------------------------------------------------------
@@ -475,7 +459,7 @@ def _unrolled_rnn_loss(model, x, offsets=None):
     for i in range(x.shape[1]):
         out = cell(carry, x[:, i])
         if offsets is not None:
-            out = _add_to_float_leaves(out, offsets[i])
+            out = _add_tofloat_leaves(out, offsets[i])
         carry, y = out
         ys.append(y)
     return build("rnn").loss_fn(model.head(ys[-1]))
