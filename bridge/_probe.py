@@ -189,13 +189,15 @@ class ProbeBase:
         `chosen=None` discovers. With `vmap=True` the model runs under the
         probe's own `jax.vmap`, and epsilons and patch values, which have the
         batch axis first (after a stacked site's iteration axes), are mapped
-        with the inputs.
+        with the inputs, and so are the random keys among the keywords, one
+        per example (`_per_example_keys`).
         """
         selected = None if chosen is None else {site.name: site for site in chosen}
         patch_values = {k: v for k, v in patches.items() if not callable(v)}
         patch_functions = {k: v for k, v in patches.items() if callable(v)}
 
-        def single(dynamic_args, epsilons, patch_values):
+        def single(dynamic_args, keys, epsilons, patch_values):
+            call_kwargs = rebuild_kwargs(keys)
             session = Session(
                 selected,
                 epsilons,
@@ -207,30 +209,80 @@ class ProbeBase:
                 sessions.append(session)
             with session.active():
                 outputs, state = self._run(
-                    trainable, rebuild_args(dynamic_args), kwargs, session
+                    trainable, rebuild_args(dynamic_args), call_kwargs, session
                 )
             return outputs, state, session.activations, session.inputs
 
         dynamic_args, rebuild_args = _split_arrays(args)
         if not self.vmap:
-            return single(dynamic_args, epsilons, patch_values)
+            rebuild_kwargs = lambda keys: kwargs
+            return single(dynamic_args, [], epsilons, patch_values)
+        # Each example draws its own randomness, as in a batched model.
+        keys, rebuild_kwargs = _per_example_keys(kwargs, _batch_size(args))
         stacked = {site.name: site.stacked for site in discovered}
         outputs, state, activations, inputs = jax.vmap(
             single,
             in_axes=(
+                0,
                 0,
                 {name: stacked[name] for name in epsilons},
                 {name: stacked[name] for name in patch_values},
             ),
             out_axes=(0, None, 0, 0),
             axis_name=BATCH_AXIS,
-        )(dynamic_args, epsilons, patch_values)
+        )(dynamic_args, keys, epsilons, patch_values)
         return (
             outputs,
             state,
             _batch_axis_to(activations, stacked),
             _batch_axis_to(inputs, stacked),
         )
+
+
+#: The keywords through which the libraries take random keys: Haiku's `rng`,
+#: Linen's `rngs`, a `key` of Equinox (and most JAX) code.
+_KEY_KEYWORDS = ("rng", "rngs", "key")
+
+
+def _per_example_keys(kwargs: dict, batch: int) -> tuple[list, Callable[[list], dict]]:
+    """With `vmap=True`, the random keys among the keyword arguments, each split
+    into one key per example (`jax.random.split(key, batch)`), and a function
+    that rebuilds the keyword arguments from one example's keys.
+
+    A batched model draws a different dropout mask for each example; a model
+    mapped over examples with one key would draw the same mask for all. Keys
+    are the leaves, in plain dicts, lists or tuples, of the keywords
+    `rng`, `rngs` and `key`: typed keys (`jax.random.key`) and raw ones
+    (`jax.random.PRNGKey`, `uint32[2]`).
+    """
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(kwargs)
+    plain = (jax.tree_util.DictKey, jax.tree_util.SequenceKey)
+    positions = [
+        i
+        for i, (path, leaf) in enumerate(leaves_with_paths)
+        if getattr(path[0], "key", None) in _KEY_KEYWORDS
+        and all(isinstance(part, plain) for part in path)
+        and _is_key(leaf)
+    ]
+    leaves = [leaf for _, leaf in leaves_with_paths]
+    keys = [jax.random.split(leaves[i], batch) for i in positions]
+
+    def rebuild(example_keys: list) -> dict:
+        rebuilt = list(leaves)
+        for i, key in zip(positions, example_keys, strict=True):
+            rebuilt[i] = key
+        return jax.tree.unflatten(treedef, rebuilt)
+
+    return keys, rebuild
+
+
+def _is_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jnp.ndim(leaf) == 0
+    return dtype == jnp.uint32 and jnp.shape(leaf) == (2,)
 
 
 def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
