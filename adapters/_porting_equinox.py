@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperparameters
 from bridge._porting import Layer, flattened, key_name, replace_leaves
 from bridge._sites import Site
 
@@ -75,8 +76,42 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
             continue
         if isinstance(module, eqx.nn.Conv):
             spatial = module.num_spatial_dims
-        found.append(_layer(probe, site, module, own, spatial))
+        layer = _layer(probe, site, module, own, spatial)
+        found.append(
+            dataclasses.replace(layer, hyperparameters=_hyperparameters(module))
+        )
     return found
+
+
+def _hyperparameters(module: Any) -> dict[str, Any]:
+    """What `transfer` does not move, in canonical names and conventions
+    (`bridge._compare`); `momentum` is Equinox's own, the weight of the
+    running average kept."""
+    if isinstance(module, eqx.nn.Linear):
+        return {"use_bias": bool(module.use_bias)}
+    if isinstance(module, eqx.nn.Conv) and not isinstance(module, eqx.nn.ConvTranspose):
+        return conv_hyperparameters(
+            window=module.kernel_size,
+            strides=module.stride,
+            padding=module.padding,
+            padding_mode=module.padding_mode,
+            dilation=module.dilation,
+            groups=module.groups,
+            use_bias=module.use_bias,
+        )
+    if isinstance(module, eqx.nn.LayerNorm | eqx.nn.RMSNorm):
+        return norm_hyperparameters(module.eps, module.use_weight, module.use_bias)
+    if isinstance(module, eqx.nn.GroupNorm):
+        affine = module.channelwise_affine
+        return norm_hyperparameters(
+            module.eps, affine, affine, num_groups=module.groups
+        )
+    if isinstance(module, eqx.nn.BatchNorm):
+        affine = module.channelwise_affine
+        return norm_hyperparameters(
+            module.eps, affine, affine, momentum=as_float(module.momentum)
+        )
+    return {}
 
 
 def _channel_last(spatial: int):

@@ -21,12 +21,14 @@ keep.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import haiku as hk
 import jax.numpy as jnp
 
+from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperparameters
 from bridge._porting import Layer, flattened, key_name, replace_leaves
 from bridge._sites import Site
 
@@ -45,8 +47,45 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
         own = dict(probe.params.get(site.path, {}))
         if not own and not isinstance(module, hk.BatchNorm):
             continue
-        found.append(_layer(probe, site, own))
+        layer = _layer(probe, site, own)
+        found.append(
+            dataclasses.replace(layer, hyperparameters=_hyperparameters(module))
+        )
     return found
+
+
+def _hyperparameters(module: Any) -> dict[str, Any]:
+    """What `transfer` does not move, in canonical names and conventions
+    (`bridge._compare`): `hk.BatchNorm`'s `decay_rate` is the `momentum`, the
+    weight of the running average kept."""
+    if isinstance(module, hk.Linear):
+        return {"use_bias": bool(module.with_bias)}
+    if isinstance(module, hk.ConvND):
+        return conv_hyperparameters(
+            window=module.kernel_shape,
+            strides=module.stride,
+            padding=module.padding,
+            dilation=module.kernel_dilation,
+            groups=module.feature_group_count,
+            use_bias=module.with_bias,
+        )
+    if isinstance(module, hk.LayerNorm | hk.GroupNorm):
+        extra = (
+            {"num_groups": module.groups} if isinstance(module, hk.GroupNorm) else {}
+        )
+        return norm_hyperparameters(
+            module.eps, module.create_scale, module.create_offset, **extra
+        )
+    if isinstance(module, hk.RMSNorm):
+        return norm_hyperparameters(module.eps, module.create_scale)
+    if isinstance(module, hk.BatchNorm):
+        return norm_hyperparameters(
+            module.eps,
+            module.create_scale,
+            module.create_offset,
+            momentum=as_float(module.mean_ema.decay),
+        )
+    return {}
 
 
 def _identity(names: dict) -> dict:

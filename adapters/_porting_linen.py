@@ -9,11 +9,18 @@ kernels, the canonical layout already; `DenseGeneral` kernels with head axes
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 
+from bridge._hyperparameters import (
+    as_float,
+    conv_hyperparameters,
+    conv_padding_mode,
+    norm_hyperparameters,
+)
 from bridge._porting import (
     Layer,
     dense_kernel,
@@ -51,8 +58,53 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
         own = {k: v for k, v in params.items() if not isinstance(v, Mapping)}
         if not own:
             continue
-        found.append(_layer(site, scope, own, variables))
+        layer = _layer(site, scope, own, variables)
+        found.append(
+            dataclasses.replace(layer, hyperparameters=hyperparameters(layer, site))
+        )
     return found
+
+
+def hyperparameters(layer: Layer, site: Site) -> dict[str, Any]:
+    """What `transfer` does not move, in canonical names and conventions
+    (`bridge._compare`): read from the module object."""
+    module = site.module
+    if layer.kind == "dense":
+        return {"use_bias": bool(module.use_bias)}
+    if layer.kind == "conv":
+        window = module.kernel_size
+        window = (window,) if isinstance(window, int) else tuple(window)
+        return conv_hyperparameters(
+            window=window,
+            strides=module.strides,
+            padding=module.padding,
+            padding_mode=conv_padding_mode(module.padding),
+            dilation=module.kernel_dilation,
+            groups=module.feature_group_count,
+            use_bias=module.use_bias,
+        )
+    if layer.kind in ("layernorm", "rmsnorm"):
+        return norm_hyperparameters(
+            module.epsilon,
+            module.use_scale,
+            getattr(module, "use_bias", None),
+        )
+    if layer.kind == "groupnorm":
+        groups = module.num_groups
+        if groups is None:  # given as group_size: the channels over it
+            channels = site.struct.shape[-1] if hasattr(site.struct, "shape") else None
+            groups = channels // module.group_size if channels else None
+        return norm_hyperparameters(
+            module.epsilon, module.use_scale, module.use_bias, num_groups=groups
+        )
+    if layer.kind == "batchnorm":
+        return norm_hyperparameters(
+            module.epsilon,
+            module.use_scale,
+            module.use_bias,
+            momentum=as_float(module.momentum),
+        )
+    return {}
 
 
 class _Root:

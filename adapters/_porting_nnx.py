@@ -10,6 +10,7 @@ row-major. The new probe holds new state: the user's module is untouched.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -24,6 +25,8 @@ from bridge._porting import (
     replace_leaves,
 )
 from bridge._sites import Site
+
+from ._porting_linen import hyperparameters
 
 
 def _leaf_path(key_path: tuple) -> tuple[str, ...]:
@@ -53,7 +56,10 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
         own = params.get(site.path)
         if not own and not isinstance(site.module, nnx.BatchNorm):
             continue
-        found.append(_layer(site, own or {}, rest.get(site.path, {})))
+        layer = _layer(site, own or {}, rest.get(site.path, {}))
+        found.append(
+            dataclasses.replace(layer, hyperparameters=hyperparameters(layer, site))
+        )
     return found
 
 

@@ -35,6 +35,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 
+from bridge._hyperparameters import (
+    AsGiven,
+    conv_hyperparameters,
+    norm_hyperparameters,
+)
 from bridge._porting import Layer
 from bridge._sites import Site
 
@@ -119,6 +124,7 @@ def _layers(site: Site, module: nn.Module, own: dict) -> list[Layer]:
             weights,
             to_common=to_common,
             locations=locations,
+            hyperparameters=_hyperparameters(module),
             **extra,
         )
 
@@ -223,6 +229,57 @@ def _layers(site: Site, module: nn.Module, own: dict) -> list[Layer]:
     ]
 
 
+def _hyperparameters(module: nn.Module) -> dict[str, Any]:
+    """What `transfer` does not move, in canonical names and conventions
+    (`bridge._compare`): a BatchNorm's `momentum` is the weight of the running
+    average kept, `1 - momentum` in PyTorch's terms (which weighs the batch)."""
+    if isinstance(module, nn.Linear):
+        return {"use_bias": module.bias is not None}
+    if isinstance(module, _ConvNd) and not isinstance(module, _ConvTransposeNd):
+        return conv_hyperparameters(
+            window=module.kernel_size,
+            strides=module.stride,
+            padding=module.padding,
+            padding_mode=module.padding_mode,
+            dilation=module.dilation,
+            groups=module.groups,
+            use_bias=module.bias is not None,
+        )
+    affine = {
+        "use_scale": getattr(module, "weight", None) is not None,
+        "use_bias": getattr(module, "bias", None) is not None,
+    }
+    if isinstance(module, _BatchNorm):
+        momentum = (
+            AsGiven(None, "a cumulative average, momentum=None")
+            if module.momentum is None
+            else 1.0 - float(module.momentum)
+        )
+        return norm_hyperparameters(module.eps, **affine, momentum=momentum)
+    if isinstance(module, nn.GroupNorm):
+        return norm_hyperparameters(
+            module.eps, **affine, num_groups=int(module.num_groups)
+        )
+    if isinstance(module, nn.LayerNorm):
+        return norm_hyperparameters(module.eps, **affine)
+    if isinstance(module, getattr(nn, "RMSNorm", ())):
+        epsilon = module.eps
+        if epsilon is None:  # the machine epsilon of the input's dtype
+            epsilon = (
+                torch.finfo(module.weight.dtype).eps
+                if module.weight is not None
+                else AsGiven(None, "the machine epsilon of the input's dtype")
+            )
+        return norm_hyperparameters(epsilon, affine["use_scale"])
+    return {}
+
+
+def _attention_hyperparameters(module: nn.MultiheadAttention, role: str) -> dict:
+    if role == "out":
+        return {"use_bias": module.out_proj.bias is not None}
+    return {"use_bias": module.in_proj_bias is not None}
+
+
 def _flat(tensor: torch.Tensor | None) -> np.ndarray | None:
     return None if tensor is None else np.reshape(_array(tensor), (-1,))
 
@@ -265,6 +322,7 @@ def _attention_layers(
                     "kernel": kernel_at,
                     "bias": (path, "in_proj_bias", rows, _identity),
                 },
+                hyperparameters=_attention_hyperparameters(module, role),
             )
         )
     out = module.out_proj
@@ -293,6 +351,7 @@ def _attention_layers(
                 "kernel": (out_path, "weight", None, _transposed),
                 "bias": (out_path, "bias", None, _identity),
             },
+            hyperparameters=_attention_hyperparameters(module, "out"),
         )
     )
     return found

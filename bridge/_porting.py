@@ -56,6 +56,10 @@ class Layer:
       select: picks the activation leaves to compare from the site's value
         (an Equinox stateful layer returns `(output, state)`).
       locations: library-private: where each canonical weight goes, and how.
+      hyperparameters: `{name: value}` of what `transfer` does not move, in
+        canonical names and conventions (`epsilon`, `momentum` as the weight
+        of the running average kept, a convolution's explicit per-side
+        `padding`, ...), for `compare` to list where a pair differs.
     """
 
     site: str
@@ -66,6 +70,7 @@ class Layer:
     to_common: Callable[[Any], Any] = lambda value: value
     select: Callable[[Any], list] = lambda value: jax.tree.leaves(value)
     locations: Any = None
+    hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 #: The libraries `transfer` and `compare` know, for error messages.
