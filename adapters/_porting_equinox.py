@@ -85,7 +85,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 
 def _hyperparameters(module: Any) -> dict[str, Any]:
     """What `transfer` does not move, in canonical names and conventions
-    (`bridge._compare`); `momentum` is Equinox's own, the weight of the
+    (`bridge._hyperparameters`); `momentum` is Equinox's own, the weight of the
     running average kept."""
     if isinstance(module, eqx.nn.Linear):
         return {"use_bias": bool(module.use_bias)}

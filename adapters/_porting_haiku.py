@@ -56,7 +56,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 
 def _hyperparameters(module: Any) -> dict[str, Any]:
     """What `transfer` does not move, in canonical names and conventions
-    (`bridge._compare`): `hk.BatchNorm`'s `decay_rate` is the `momentum`, the
+    (`bridge._hyperparameters`): `hk.BatchNorm`'s `decay_rate` is the `momentum`, the
     weight of the running average kept."""
     if isinstance(module, hk.Linear):
         return {"use_bias": bool(module.with_bias)}

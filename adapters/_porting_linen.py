@@ -67,7 +67,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 
 def hyperparameters(layer: Layer, site: Site) -> dict[str, Any]:
     """What `transfer` does not move, in canonical names and conventions
-    (`bridge._compare`): read from the module object."""
+    (`bridge._hyperparameters`): read from the module object."""
     module = site.module
     if layer.kind == "dense":
         return {"use_bias": bool(module.use_bias)}

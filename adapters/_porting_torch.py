@@ -231,7 +231,7 @@ def _layers(site: Site, module: nn.Module, own: dict) -> list[Layer]:
 
 def _hyperparameters(module: nn.Module) -> dict[str, Any]:
     """What `transfer` does not move, in canonical names and conventions
-    (`bridge._compare`): a BatchNorm's `momentum` is the weight of the running
+    (`bridge._hyperparameters`): a BatchNorm's `momentum` is the weight of the running
     average kept, `1 - momentum` in PyTorch's terms (which weighs the batch)."""
     if isinstance(module, nn.Linear):
         return {"use_bias": module.bias is not None}
