@@ -229,8 +229,11 @@ class Arrays:
     def fits(self, expected: Any, got: Any) -> bool:
         """Whether the values `got` have the structure, shapes and dtypes of the
         abstract `expected`: what a patch must keep."""
+        # Leaves, not trees: `==` on a pytree node may be the library's own
+        # elementwise operator (a Penzai NamedArray), not a comparison.
         return jax.tree.structure(expected) == jax.tree.structure(got) and (
-            shapes_and_dtypes(expected) == self.shapes_and_dtypes(got)
+            jax.tree.leaves(shapes_and_dtypes(expected))
+            == jax.tree.leaves(self.shapes_and_dtypes(got))
         )
 
     def eval_shape(self, function: Any, struct: Any) -> Any:
