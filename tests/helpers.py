@@ -95,3 +95,32 @@ def assert_directional_derivatives(
         got = tree_vdot(float_leaves(result.activation_grads[site]), delta)
         assert abs(expected) > 1e-6, f"the reference offset at {site} moved nothing"
         np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6, err_msg=site)
+
+
+def value_and_grad_in(mode: str, probe: Any, loss_fn: Any, args: tuple, kwargs=None):
+    """`probe.value_and_grad(loss_fn, *args, **kwargs)`, eagerly or under
+    `jax.jit` (`mode`); the probe is traced, the inputs closed over."""
+    kwargs = kwargs or {}
+
+    def run(probe):
+        return probe.value_and_grad(loss_fn, *args, **kwargs)
+
+    return (jax.jit(run) if mode == "jit" else run)(probe)
+
+
+def assert_equals_plain(result: Any, loss: Any, grads: Any, state: Any) -> None:
+    """Loss, parameter gradients and new state equal the plain call's."""
+    np.testing.assert_allclose(result.loss, loss, rtol=1e-5)
+    assert_tree_allclose(result.grads, grads, rtol=1e-4, atol=1e-5)
+    if state is None:
+        assert result.state is None
+    else:
+        assert_tree_allclose(result.state, state, rtol=1e-5, atol=1e-6)
+
+
+def assert_sites_shaped_like_recorded(sites: dict, recorded: dict) -> None:
+    """`probe.sites` names what the library records, with its float leaves' shapes."""
+    assert set(sites) == set(recorded)
+    for site, struct in sites.items():
+        leaves = float_leaves(recorded[site])
+        assert [s.shape for s in jax.tree.leaves(struct)] == [x.shape for x in leaves]

@@ -38,7 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, tree_vdot
+from helpers import (
+    assert_equals_plain,
+    assert_tree_allclose,
+    tree_vdot,
+    value_and_grad_in,
+)
 
 import bridge
 
@@ -617,10 +622,7 @@ def _value(site_value):
 
 
 def _run(zoo: Zoo, mode: str, **options):
-    def step(probe, args):
-        return probe.value_and_grad(zoo.loss_fn, *args, **options)
-
-    return (jax.jit(step) if mode == "jit" else step)(zoo.probe(), zoo.args)
+    return value_and_grad_in(mode, zoo.probe(), zoo.loss_fn, zoo.args, options)
 
 
 @functools.cache
@@ -651,12 +653,12 @@ def test_every_site_equals_plain_equinox(name, mode):
     res = _result(name, mode)
     expected = _expected(name)
 
-    np.testing.assert_allclose(res.loss, expected.loss, rtol=1e-5)
-    assert_tree_allclose(res.grads, expected.grads, rtol=1e-4, atol=1e-5)
-    if zoo.state is None:
-        assert res.state is None
-    else:
-        assert_tree_allclose(res.state, expected.state, rtol=1e-5, atol=1e-6)
+    assert_equals_plain(
+        res,
+        expected.loss,
+        expected.grads,
+        None if zoo.state is None else expected.state,
+    )
 
     # Every site: its value is its submodule's output on its recorded inputs.
     sites = zoo.probe().sites(*zoo.args)

@@ -33,7 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import add_at_float_leaves, assert_tree_allclose, tree_vdot
+from helpers import (
+    add_at_float_leaves,
+    assert_equals_plain,
+    assert_tree_allclose,
+    tree_vdot,
+    value_and_grad_in,
+)
 
 import bridge
 
@@ -407,10 +413,7 @@ def _expected(name: str) -> Expected:
 
 
 def _run(model: Zoo, mode: str, **options):
-    def step(probe, args):
-        return probe.value_and_grad(model.loss_fn, *args, **options)
-
-    return (jax.jit(step) if mode == "jit" else step)(model.probe(), model.args)
+    return value_and_grad_in(mode, model.probe(), model.loss_fn, model.args, options)
 
 
 @functools.cache
@@ -426,12 +429,12 @@ def test_every_site_equals_plain_haiku(name, mode):
     res = _result(name, mode)
     expected = _expected(name)
 
-    np.testing.assert_allclose(res.loss, expected.loss, rtol=1e-5)
-    assert_tree_allclose(res.grads, expected.grads, rtol=1e-4, atol=1e-5)
-    if model.state is None:
-        assert res.state is None
-    else:
-        assert_tree_allclose(res.state, expected.state, rtol=1e-5, atol=1e-6)
+    assert_equals_plain(
+        res,
+        expected.loss,
+        expected.grads,
+        None if model.state is None else expected.state,
+    )
 
     # Every site, and nothing else; activations equal the recorded outputs.
     # (A dict leaving `jax.jit` has sorted keys: order is checked by `sites`.)

@@ -32,7 +32,9 @@ import pytest
 from helpers import (
     assert_activations_equal_recorded,
     assert_directional_derivatives,
+    assert_sites_shaped_like_recorded,
     float_leaves,
+    value_and_grad_in,
 )
 
 import bridge
@@ -288,13 +290,9 @@ def jvp_reference(name):
 def probed(name, mode):
     m = build(name)
 
-    def run(probe):
-        return probe.value_and_grad(
-            m.loss_fn, *m.args, **m.model_kwargs, **m.apply_kwargs
-        )
-
     probe = bridge.probe(m.module, m.variables)
-    return (jax.jit(run) if mode == "jit" else run)(probe)
+    kwargs = {**m.model_kwargs, **m.apply_kwargs}
+    return value_and_grad_in(mode, probe, m.loss_fn, m.args, kwargs)
 
 
 def _sites(name):
@@ -385,12 +383,7 @@ def test_bert_sites_are_its_scope_paths_in_call_order():
 
 @pytest.mark.parametrize("name", [_group(n) for n in VARIANTS])
 def test_sites_are_what_flax_capture_intermediates_records(name):
-    sites = _sites(name)
-    captured = reference(name).activations
-    assert set(sites) == set(captured)
-    for site, struct in sites.items():
-        leaves = float_leaves(captured[site])
-        assert [s.shape for s in jax.tree.leaves(struct)] == [x.shape for x in leaves]
+    assert_sites_shaped_like_recorded(_sites(name), reference(name).activations)
 
 
 @pytest.mark.parametrize(("name", "mode"), _variants_and_modes())

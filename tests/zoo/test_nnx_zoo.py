@@ -38,7 +38,9 @@ from flax import nnx
 from helpers import (
     assert_activations_equal_recorded,
     assert_directional_derivatives,
+    assert_sites_shaped_like_recorded,
     float_leaves,
+    value_and_grad_in,
 )
 
 import bridge
@@ -331,10 +333,8 @@ def jvp_reference(name):
 def probed(name, mode):
     m = build(name)
 
-    def run(probe):
-        return probe.value_and_grad(m.loss_fn, *m.args, **m.call_kwargs())
-
-    return (jax.jit(run) if mode == "jit" else run)(bridge.probe(m.model))
+    probe = bridge.probe(m.model)
+    return value_and_grad_in(mode, probe, m.loss_fn, m.args, m.call_kwargs())
 
 
 def _sites(name):
@@ -406,12 +406,7 @@ def test_mamba2_sites_are_attribute_paths_in_call_order():
     [pytest.param(n, marks=pytest.mark.xdist_group(f"zoo-nnx-{n}")) for n in VARIANTS],
 )
 def test_sites_are_what_nnx_capture_records(name):
-    sites = _sites(name)
-    captured = reference(name).activations
-    assert set(sites) == set(captured)
-    for site, struct in sites.items():
-        leaves = float_leaves(captured[site])
-        assert [s.shape for s in jax.tree.leaves(struct)] == [x.shape for x in leaves]
+    assert_sites_shaped_like_recorded(_sites(name), reference(name).activations)
 
 
 @pytest.mark.parametrize(("name", "mode"), _variants())
