@@ -90,6 +90,12 @@ def captured_activations(model, args, kwargs):
     _, intermediates = nnx.capture(
         clone, nnx.Intermediate, method_outputs=nnx.Intermediate
     )(*args, **kwargs)
+    return captured_outputs(intermediates)
+
+
+def captured_outputs(intermediates):
+    """`nnx.capture`'s method outputs as `{site name: output}`, each call of a
+    method its own site (`path`, `path#1`, ...; `path.method` for a method)."""
     found = {}
 
     def walk(tree, path):
@@ -100,7 +106,7 @@ def captured_activations(model, args, kwargs):
                 base = "/".join(map(str, path))
                 if key != "__call__":
                     base = f"{base}.{key}"
-                for index, output in enumerate(value.get_value()):
+                for index, output in enumerate(get_value(value)):
                     found[base if index == 0 else f"{base}#{index}"] = output
             else:
                 walk(value, (*path, key))

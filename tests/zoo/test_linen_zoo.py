@@ -185,7 +185,7 @@ def _call_name(context, counts):
     return base if index == 0 else f"{base}#{index}"
 
 
-def _add_tofloat_leaves(value, delta):
+def _add_to_float_leaves(value, delta):
     deltas = iter(jax.tree.leaves(delta))
     return jax.tree.map(
         lambda x: x + next(deltas) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
@@ -265,7 +265,7 @@ def jvp_reference(name):
             out = next_fun(*args, **kwargs)
             if site in m.jvp_sites:
                 i = m.jvp_sites.index(site)
-                out = _add_tofloat_leaves(
+                out = _add_to_float_leaves(
                     out, [t[i] * d.astype(d.dtype) for d in deltas[i]]
                 )
             return out

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases.nnx import captured_outputs
 from flax import nnx
 from helpers import (
     assert_activations_equal_recorded,
@@ -210,33 +211,12 @@ def _variants(modes=("jit", "eager")):
 # -- the references: NNX and JAX alone, no bridge ----------------------------------
 
 
-def _add_tofloat_leaves(value, deltas):
+def _add_to_float_leaves(value, deltas):
     deltas = iter(deltas)
     return jax.tree.map(
         lambda x: x + next(deltas) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
         value,
     )
-
-
-def _captured(intermediates):
-    """`nnx.capture`'s method outputs as `{site name: output}` (root left out)."""
-    found = {}
-
-    def walk(tree, path):
-        for key, value in tree.items():
-            if isinstance(value, nnx.Variable):  # one method's outputs, per call
-                if not path:
-                    continue
-                base = "/".join(map(str, path))
-                if key != "__call__":
-                    base = f"{base}.{key}"
-                for index, output in enumerate(value.get_value()):
-                    found[base if index == 0 else f"{base}#{index}"] = output
-            else:
-                walk(value, (*path, key))
-
-    walk(intermediates, ())
-    return found
 
 
 def _split(name):
@@ -270,7 +250,7 @@ def reference(name):
         loss=loss,
         grads=grads,
         state=state,
-        activations=_captured(captured(params, rest)),
+        activations=captured_outputs(captured(params, rest)),
     )
 
 
@@ -282,7 +262,7 @@ def _offset(inner, deltas):
             self.inner = inner
 
         def __call__(self, *args, **kwargs):
-            return _add_tofloat_leaves(self.inner(*args, **kwargs), deltas)
+            return _add_to_float_leaves(self.inner(*args, **kwargs), deltas)
 
     return Offset()
 
@@ -454,7 +434,7 @@ def _unrolled_rnn_loss(model, x, offsets=None):
     for i in range(x.shape[1]):
         out = cell(carry, x[:, i])
         if offsets is not None:
-            out = _add_tofloat_leaves(out, offsets[i])
+            out = _add_to_float_leaves(out, offsets[i])
         carry, y = out
         ys.append(y)
     return build("rnn").loss_fn(model.head(ys[-1]))
