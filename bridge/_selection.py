@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
+import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import jax
 
 from ._sites import Site, strip_call_index
 
@@ -95,15 +100,57 @@ def _no_match_message(described: str, part: Any, sites: Sequence[Site]) -> str:
             f"{described} matches no site: this model calls no submodule with "
             "floating-point outputs on these inputs."
         )
+    classes = {
+        type(site.module).__name__: type(site.module)
+        for site in sites
+        if _is_module(site.module)
+    }
+    hint = ""
     closest: list[str] = []
     if isinstance(part, str):
+        # A class name where a path was meant (`at="Dense"`): Linen and Haiku
+        # number their modules (`Dense_0`), Equinox names them by field.
+        numbered = f"{part}_*"
+        if any(matches_pattern(numbered, name) for name in names):
+            closest.append(numbered)
+        if part in classes:
+            cls = classes[part]
+            hint = (
+                f" {part!r} is a module class: to select its calls pass the class "
+                f"itself, at={_public_name(cls)}, not its name."
+            )
         candidates = sorted({strip_call_index(n) for n in names} | set(names))
         closest += difflib.get_close_matches(part, candidates, n=3, cutoff=0.0)
     closest = list(dict.fromkeys(closest)) or names[:5]
     listed = ", ".join(repr(name) for name in closest)
-    classes = sorted({type(site.module).__name__ for site in sites})
+    called = f" Module classes called: {', '.join(sorted(classes))}." if classes else ""
     return (
-        f"{described} matches no site. Closest paths: {listed}. "
-        f"Module classes called: {', '.join(classes)}. "
+        f"{described} matches no site.{hint} Closest paths: {listed}.{called} "
         "Call `probe.sites(*args)` to list every site."
     )
+
+
+def _public_name(cls: type) -> str:
+    """`flax.linen.Dense` rather than `flax.linen.linear.Dense`: the shortest
+    already-imported package that exports the class (or, for an adapter's
+    reporting subclass of it, its namesake base) under its own name."""
+    for candidate in cls.__mro__:
+        if candidate.__name__ != cls.__name__:
+            continue
+        parts = candidate.__module__.split(".")
+        for end in range(1, len(parts) + 1):
+            package = ".".join(parts[:end])
+            if (
+                getattr(sys.modules.get(package), candidate.__qualname__, 0)
+                is candidate
+            ):
+                return f"{package}.{candidate.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_module(module: Any) -> bool:
+    """A module object, not a tap (`None`) or a function called as a layer (an
+    Equinox activation such as `jax.nn.relu`, a `custom_jvp`)."""
+    if module is None or inspect.isroutine(module):
+        return False
+    return not isinstance(module, functools.partial | jax.custom_jvp | jax.custom_vjp)

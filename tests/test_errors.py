@@ -135,6 +135,58 @@ def test_a_list_element_matching_nothing_is_not_silently_dropped(built):
     )
 
 
+#: The class of the layers in `SPEC`'s model, as its library exports it.
+_LAYER_CLASS = {
+    "linen": "flax.linen.Dense",
+    "nnx": "flax.nnx.Linear",
+    "equinox": "equinox.nn.Linear",
+    "haiku": "haiku.Linear",
+}
+
+
+def test_a_class_name_given_as_a_path_suggests_the_class_itself(built, library):
+    public = _LAYER_CLASS[library]
+    name = public.rpartition(".")[2]
+    _fails_before_any_work(
+        ValueError,
+        re.escape(
+            f"`at={name!r}` matches no site. {name!r} is a module class: to select "
+            f"its calls pass the class itself, at={public}, not its name."
+        ),
+        lambda: built.probe.value_and_grad(loss_fn, built.x, at=name),
+    )
+
+
+def test_module_classes_listed_are_modules_not_functions_or_taps(library):
+    """An Equinox MLP's activation sites are functions (`jax.nn.relu` is a
+    `custom_jvp`) and a tap has no module: neither is a module class."""
+    if library != "equinox":
+        pytest.skip("the function sites are Equinox's")
+    model = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))
+    probe = bridge.probe(model, vmap=True)
+    with pytest.raises(
+        ValueError, match=r"Module classes called: Linear\. Call"
+    ) as info:
+        probe.value_and_grad(jnp.sum, jnp.ones((2, 3)), at="Layer")
+    for word in ("custom_jvp", "function", "NoneType"):
+        assert word not in str(info.value)
+
+
+def test_a_numbered_module_name_without_its_number_suggests_the_glob(library):
+    if library != "linen":
+        pytest.skip("Linen numbers its modules from 0 (Haiku's first has no number)")
+
+    class Chain(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x):
+            return flax_linen.Dense(2)(jnp.tanh(flax_linen.Dense(4)(x)))
+
+    x = jnp.ones((2, 3))
+    probe = bridge.probe(Chain(), Chain().init(jax.random.key(0), x))
+    with pytest.raises(ValueError, match=r"Closest paths: 'Dense_\*', 'Dense_"):
+        probe.value_and_grad(jnp.sum, x, at="Dense")
+
+
 @pytest.mark.parametrize("at", ["index", ["index", "head"]], ids=["alone", "in-a-list"])
 def test_an_integer_site_selected_explicitly_is_refused(built, at):
     _fails_before_any_work(

@@ -74,3 +74,23 @@ def test_example_runs_in_smoke_mode(name, tmp_path):
     for figure in figures:
         path = tmp_path / figure
         assert path.is_file() and path.stat().st_size > 0, f"{name} wrote no {figure}"
+
+
+def test_the_quickstart_leaves_the_committed_figure_alone_unless_asked(tmp_path):
+    for package in CASES["quickstart.py"][0]:
+        pytest.importorskip(package)
+    figure = EXAMPLES.parent / "docs" / "quickstart.png"
+    before = figure.stat().st_mtime_ns if figure.exists() else None
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.pop("BRIDGE_EXAMPLES_OUT", None)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "quickstart.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "pass --plot to draw the figure" in done.stdout
+    assert (figure.stat().st_mtime_ns if figure.exists() else None) == before
