@@ -6,20 +6,18 @@ model's code. PyTorch models go through the same protocol, so a JAX port can be
 checked against its PyTorch original layer by layer (`transfer`, `compare`).
 """
 
+from . import adapter_api as adapter_api
 from . import testing as testing
 from ._compare import ComparisonReport as ComparisonReport
 from ._compare import PairComparison as PairComparison
 from ._compare import compare as compare
 from ._porting import transfer as transfer
-from ._probe import ProbeBase as ProbeBase
 from ._protocol import ActivationProbe as ActivationProbe
 from ._registry import probe as probe
 from ._registry import register_adapter as register_adapter
 from ._result import ForwardResult as ForwardResult
 from ._result import ProbeResult as ProbeResult
-from ._session import Session as Session
 from ._session import tap as tap
-from ._sites import Site as Site
 
 __version__ = "0.1.0"
 
@@ -28,11 +26,9 @@ __all__ = [
     "ComparisonReport",
     "ForwardResult",
     "PairComparison",
-    "ProbeBase",
     "ProbeResult",
-    "Session",
-    "Site",
     "__version__",
+    "adapter_api",
     "compare",
     "probe",
     "register_adapter",
@@ -40,3 +36,21 @@ __all__ = [
     "testing",
     "transfer",
 ]
+
+
+#: Names that moved to `bridge.adapter_api`: still reachable here, with a warning.
+_MOVED_TO_ADAPTER_API = ("ProbeBase", "Session", "Site")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_ADAPTER_API:
+        import warnings
+
+        warnings.warn(
+            f"bridge.{name} is for adapter authors and moved to "
+            f"bridge.adapter_api.{name}; import it from there.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(adapter_api, name)
+    raise AttributeError(f"module 'bridge' has no attribute {name!r}")

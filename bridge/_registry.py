@@ -59,8 +59,8 @@ def register_adapter(
         predicate `model -> bool`.
       factory: `factory(model, *variables, vmap=bool) -> ActivationProbe`, or
         `"package.module:attribute"` naming it, imported on first use. Subclass
-        `bridge.ProbeBase` to get `sites`, `value_and_grad` and `apply` from one
-        method that runs the model under a `bridge.Session`.
+        `bridge.adapter_api.ProbeBase` to get `sites`, `value_and_grad` and
+        `apply` from one method that runs the model under a `Session`.
       name: a label for error messages; defaults to the class or function name.
 
     Adapters registered later are tried first, so a registration can override a

@@ -1,10 +1,9 @@
 """A fifth library through the registry alone: Penzai (`penzai.pz.nn` layers).
 
 This module is written as a third party would write it: it imports only the
-public `bridge` names (`bridge.ProbeBase`, `bridge.Session`,
-`bridge.register_adapter`) and, for `bridge.transfer`/`bridge.compare`, the
-`Layer` record of `bridge._porting` (the porting protocol has no public name
-for it yet). Importing it registers the adapter:
+public adapter-author module `bridge.adapter_api` (`ProbeBase`, `Session`,
+`register_adapter` and, for `bridge.transfer`/`bridge.compare`, the porting
+`Layer` record). Importing it registers the adapter:
 
     >>> import penzai_adapter  # noqa: F401  (registers "penzai")
     >>> probe = bridge.probe(model)          # a pz.nn.Layer with bound parameters
@@ -15,7 +14,7 @@ The mechanism is Penzai's own tree surgery. A Penzai model is a pytree of
 `pz.nn.Layer`s; inside the probe's traced function, a copy of the model is
 rebuilt with `pz.select(...).at_children().at_instances_of(pz.nn.Layer)` and
 each sublayer replaced by a `_Site` layer that reports its calls to the
-probe's `bridge.Session` (held by the wrapper, so no private `bridge` name is
+probe's `Session` (held by the wrapper, so no private `bridge` name is
 needed). The user's model and its `pz.Parameter`s are never changed: the
 probe holds the model unbound from frozen copies of its variables.
 
@@ -49,7 +48,8 @@ import jax.numpy as jnp
 from penzai import pz
 
 import bridge
-from bridge._porting import Layer as PortingLayer  # no public name yet
+from bridge.adapter_api import Layer as PortingLayer
+from bridge.adapter_api import ProbeBase, Session
 
 # -- the probe ------------------------------------------------------------------
 
@@ -94,7 +94,7 @@ def probe(model: pz.nn.Layer, *variables: Any, vmap: bool = False) -> PenzaiProb
 
 
 @jax.tree_util.register_pytree_node_class
-class PenzaiProbe(bridge.ProbeBase):
+class PenzaiProbe(ProbeBase):
     """A Penzai layer, held unbound from frozen copies of its variables.
 
     A pytree: the parameters, state values and the model's other arrays are
@@ -125,7 +125,7 @@ class PenzaiProbe(bridge.ProbeBase):
         return self.params
 
     def _run(
-        self, trainable: tuple, args: tuple, kwargs: dict, session: bridge.Session
+        self, trainable: tuple, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
         # Fresh mutable copies of the state: the model may update them.
         state = tuple(value.unfreeze_as_copy() for value in self.state)
@@ -146,7 +146,7 @@ class PenzaiProbe(bridge.ProbeBase):
 # -- the surgery ----------------------------------------------------------------
 
 
-def _instrument(layer: Any, prefix: tuple[str, ...], session: bridge.Session) -> Any:
+def _instrument(layer: Any, prefix: tuple[str, ...], session: Session) -> Any:
     """A copy of `layer` whose sublayers (at any depth) report their calls.
 
     Each sublayer is instrumented inside first, then wrapped: a wrapper holds

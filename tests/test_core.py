@@ -36,7 +36,7 @@ class Chain:
 
 
 @jax.tree_util.register_pytree_node_class
-class ChainProbe(bridge.ProbeBase):
+class ChainProbe(bridge.adapter_api.ProbeBase):
     """A third-party adapter: one method reporting calls to the session."""
 
     def __init__(self, model, params, vmap=False):
@@ -420,3 +420,35 @@ def test_an_nnx_model_on_a_flax_before_0_12_is_an_error_naming_the_range():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     with pytest.raises(ImportError, match=r"supports flax 0\.12\.0 to .* Flax NNX"):
         bridge.probe(model).sites(jnp.ones((1, 2)))
+
+
+def test_the_top_level_is_the_user_api_and_adapter_authors_have_their_module():
+    user_api = {
+        "ActivationProbe",
+        "ComparisonReport",
+        "ForwardResult",
+        "PairComparison",
+        "ProbeResult",
+        "__version__",
+        "adapter_api",
+        "compare",
+        "probe",
+        "register_adapter",
+        "tap",
+        "testing",
+        "transfer",
+    }
+    assert set(bridge.__all__) == user_api
+    assert set(bridge.adapter_api.__all__) == {
+        "Layer",
+        "ProbeBase",
+        "Session",
+        "Site",
+        "register_adapter",
+    }
+    # The names adapter authors imported from the top level still resolve,
+    # with a warning that says where they moved.
+    with pytest.warns(DeprecationWarning, match="moved to bridge.adapter_api.Site"):
+        assert bridge.Site is bridge.adapter_api.Site
+    with pytest.raises(AttributeError, match="no attribute 'Sites'"):
+        bridge.Sites  # noqa: B018

@@ -243,7 +243,7 @@ def test_a_missing_bias_is_named():
 
 
 def test_an_unknown_library_is_refused():
-    class ThirdParty(bridge.ProbeBase):
+    class ThirdParty(bridge.adapter_api.ProbeBase):
         pass
 
     x = jnp.ones((1, 4))

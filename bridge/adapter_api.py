@@ -1,0 +1,41 @@
+"""What an adapter author needs, and nothing a user does.
+
+`bridge` itself exports the user API (`probe`, `compare`, `transfer`, `tap`,
+the results, the `ActivationProbe` protocol, `register_adapter`). A library
+bridge does not know is added from outside with this module alone, as
+`examples/penzai_adapter.py` adds Penzai:
+
+1. Subclass `ProbeBase` and implement
+
+   - `_trainable(self) -> pytree`: what `grads` differentiates;
+   - `_run(self, trainable, args, kwargs, session) -> (outputs, state)`: call
+     the model once (one example with `vmap=True`) with `trainable`, and
+     report every submodule call to `session`: `call = session.enter(path,
+     method, module, args)` before it and `value = session.exit(call, value)`
+     after it (the value returned is the one to pass on: epsilon added,
+     patched, recorded). `state` is `None` for a model without state;
+   - optionally `_check_call(self, args, kwargs)` (validate the call before
+     any work) and `_format_grads(self, grads)` (the library's structure).
+
+   Register the subclass as a pytree whose leaves are the model's variables
+   (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
+   traces them.
+2. For `bridge.transfer` and `bridge.compare`, name a module in the class's
+   `_porting` attribute with two functions: `layers(probe, sites) ->
+   list[Layer]` (each parameterised call, its weights in the canonical layout
+   of `bridge._porting`'s table) and `with_weights(probe, [(Layer, {name:
+   canonical array})]) -> probe`.
+3. `register_adapter(ModelClass, factory)`, where `factory(model, *variables,
+   vmap=bool)` returns the probe.
+
+`Site` is what discovery finds (name, path, module, the value's shapes);
+`Session` is the per-call bookkeeping an adapter reports to.
+"""
+
+from ._porting import Layer as Layer
+from ._probe import ProbeBase as ProbeBase
+from ._registry import register_adapter as register_adapter
+from ._session import Session as Session
+from ._sites import Site as Site
+
+__all__ = ["Layer", "ProbeBase", "Session", "Site", "register_adapter"]
