@@ -6,30 +6,27 @@ params), so Haiku threads it wherever it threads state: through
 `hk.experimental.layer_stack` (sliced per layer going in, its recording stacked
 coming out), `hk.remat` and `hk.jit`, and `hk.scan`, whose carry holds the
 whole stacked epsilon and recording while a step counter picks the
-iteration's row. The entries are stripped from the state `apply` returns. A
-plain `hk.transform` model with such a site runs as the
-`hk.transform_with_state` of the function it wraps. Transforms that carry
-state as one value for every iteration or example raise, naming themselves.
+iteration's row. A patch value for a site there rides beside the epsilon, in
+the site's stacked shape, and each layer or iteration takes its row the same
+way. The entries are stripped from the state `apply` returns. A plain
+`hk.transform` model with such a site runs as the `hk.transform_with_state`
+of the function it wraps. Transforms that carry state as one value for every
+iteration or example raise, naming themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from bridge._session import Session
-from bridge._sites import (
-    Site,
-    differentiable_part,
-    is_array,
-    merge_differentiable,
-    zeros_like_struct,
-)
+from bridge._session import Session, positional_arrays
+from bridge._sites import Site, add_epsilon, differentiable_part, is_array
 
 from . import _haiku_internals as internals
 
@@ -38,8 +35,9 @@ from . import _haiku_internals as internals
 EPSILON_PREFIX = "bridge_epsilon."
 #: Prefix of the state entries carrying recordings out of lifted transforms.
 RECORDING_PREFIX = "bridge_recording."
-RESERVED = (EPSILON_PREFIX, RECORDING_PREFIX)
-STEP = ".step"
+#: Prefix of the state entries carrying patch values into lifted transforms.
+PATCH_PREFIX = "bridge_patch."
+RESERVED = (EPSILON_PREFIX, RECORDING_PREFIX, PATCH_PREFIX)
 
 
 def with_state(transformed: hk.Transformed, takes_rng: bool) -> hk.TransformedWithState:
@@ -76,21 +74,39 @@ class Origin:
     `layer_stack`, `hk.scan`, `hk.remat` or `hk.jit`, whose values must leave
     through state; `blocked` names a transform whose values cannot leave it
     per call. Inside `hk.scan`, whose state is one carry for every iteration,
-    `scan` is `(length, reverse)`: the carry holds the whole stacked epsilon
-    and recording, and a step counter picks the iteration's row.
+    `scan` is `(length, reverse)`: the carry holds the whole stacked epsilon,
+    patch value and recording, and a step counter picks the iteration's row;
+    `value` and `inputs` are the abstract value (floating leaves) and
+    positional arguments of one iteration, which shape the recording's rows.
     """
 
     bundle: str
     lifted: bool = False
     blocked: str | None = None
     scan: tuple[int, bool] | None = None
+    value: Any = None
+    inputs: Any = None
 
 
-def scanned(session: Session, call: Any, value: Any, origin: Origin, method: str):
+def scanned(
+    session: Session,
+    call: Any,
+    value: Any,
+    args: tuple,
+    origin: Origin,
+    method: str,
+    patched: bool,
+) -> Any:
     """A call inside `hk.scan`: the carried state holds the site's whole
-    stacked epsilon and recording; a carried step counter picks the row."""
+    stacked epsilon, patch value (where `patched`) and recording; a carried
+    step counter picks the row."""
     length, reverse = origin.scan
     if session.discovering:
+        call.origin = dataclasses.replace(
+            origin,
+            value=session.arrays.abstract(differentiable_part(value)),
+            inputs=session.arrays.abstract(positional_arrays(args)),
+        )
         value = session.exit(call, value, record=False)
         stacked = jax.tree.map(
             lambda v: jnp.broadcast_to(v, (length, *jnp.shape(v))),
@@ -98,49 +114,76 @@ def scanned(session: Session, call: Any, value: Any, origin: Origin, method: str
         )
         session.restructure(call.name, stacked)
         return value
-    if call.name not in session.selected:
+    selected = call.name in session.selected
+    if not (selected or patched):  # a patch function needs no row
         return session.exit(call, value, record=False)
-    recording = recording_entry(method, call.index)
-    step = hk.get_state(recording + STEP)
+    counter = step_entry(method, call.index)
+    step = hk.get_state(counter)
     row = length - 1 - step if reverse else step
 
     def perturb(value):
         epsilon = hk.get_state(state_entry(method, call.index))
-        floats = jax.tree.map(
-            lambda v, e: v + e[row], differentiable_part(value), epsilon
-        )
-        return merge_differentiable(value, floats)
+        return add_epsilon(value, jax.tree.map(lambda e: e[row], epsilon))
 
-    value = session.exit(call, value, perturb, record=False)
-    rows, _ = hk.get_state(recording)
-    rows = jax.tree.map(lambda r, v: r.at[row].set(v), rows, differentiable_part(value))
-    hk.set_state(recording, (rows, None))
-    hk.set_state(recording + STEP, step + 1)
+    patching = (
+        patched_from_state(session, call, method, row)
+        if patched
+        else contextlib.nullcontext()
+    )
+    with patching:
+        value = session.exit(call, value, perturb, record=False)
+    if selected:
+        recording = recording_entry(method, call.index)
+        values, inputs = hk.get_state(recording)
+        values = _set_row(values, row, differentiable_part(value))
+        if inputs is not None:
+            inputs = _set_row(inputs, row, positional_arrays(args))
+        hk.set_state(recording, (values, inputs))
+    hk.set_state(counter, step + 1)
     return value
 
 
+@contextlib.contextmanager
+def patched_from_state(
+    session: Session, call: Any, method: str, row: Any = None
+) -> Iterator[None]:
+    """Within it the session patches `call` with its patch value read from
+    state (see `placed`): a layer stack slices it per layer going in; inside
+    `hk.scan` the carry holds the whole stacked value and `row` picks the
+    iteration's."""
+    entry = patch_entry(method, call.index)
+    patches = session.patches
+    value = hk.get_state(entry, (), jnp.float32, init=unreachable(call))
+    if row is not None:
+        value = jax.tree.map(lambda v: v[row], value)
+    session.patches = {**patches, call.name: value}
+    try:
+        yield
+    finally:
+        session.patches = patches
+
+
+def _set_row(rows: Any, row: Any, values: Any) -> Any:
+    return jax.tree.map(lambda r, v: r.at[row].set(v), rows, values)
+
+
+def _rows(struct: Any, length: int) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), struct)
+
+
 def check_reachable(name: str, origin: Origin, session: Session) -> None:
-    if name not in session.selected and name not in session.patches:
+    if origin.blocked is None or (
+        name not in session.selected and name not in session.patches
+    ):
         return
-    if origin.blocked is not None:
-        raise ValueError(
-            f"bridge cannot see through {origin.blocked} around site {name!r}: "
-            f"Haiku carries state through {origin.blocked} as one value for "
-            "every iteration (or mapped example), so one epsilon would serve "
-            "them all and their gradients would be summed. Select sites outside "
-            "it with `at=`; a stack of layers written with "
-            "hk.experimental.layer_stack is supported."
-        )
-    if name in session.patches:
-        raise NotImplementedError(
-            f"Site {name!r} is inside hk.experimental.layer_stack, hk.scan or "
-            "hk.remat, where bridge does not patch yet. Patch a site outside it."
-        )
-    if origin.scan is not None and session.with_inputs:
-        raise NotImplementedError(
-            f"Site {name!r} is inside hk.scan, where bridge does not record "
-            "layer inputs yet: pass with_inputs=False or select sites outside it."
-        )
+    raise ValueError(
+        f"bridge cannot see through {origin.blocked} around site {name!r}: "
+        f"Haiku carries state through {origin.blocked} as one value for "
+        "every iteration (or mapped example), so one epsilon would serve "
+        "them all and their gradients would be summed. Select sites outside "
+        "it with `at=`; a stack of layers written with "
+        "hk.experimental.layer_stack is supported."
+    )
 
 
 def tap_outside_transforms(tap: Any, stop: Any) -> Any:
@@ -184,24 +227,59 @@ def recording_entry(method: str, index: int) -> str:
     return f"{RECORDING_PREFIX}{method}#{index}"
 
 
+def step_entry(method: str, index: int) -> str:
+    return f"{RECORDING_PREFIX}{method}#{index}.step"
+
+
+def patch_entry(method: str, index: int) -> str:
+    return f"{PATCH_PREFIX}{method}#{index}"
+
+
+def placed(session: Session, sites: Mapping[str, Site]) -> dict[str, Site]:
+    """The sites patched with a value inside a lifted transform: the value
+    rides in state beside the epsilon. `sites` holds at least those patched
+    with a value; a patch function needs no placing."""
+    return {
+        name: sites[name]
+        for name, patch in session.patches.items()
+        if not callable(patch)
+        and isinstance(sites[name].origin, Origin)
+        and sites[name].origin.lifted
+    }
+
+
 def with_epsilons(
-    state: Mapping, selected: Mapping[str, Site], epsilons: Mapping
+    state: Mapping, session: Session, patched: Mapping[str, Site]
 ) -> dict:
-    """The user's state plus each epsilon in its module's bundle (new dicts),
-    and, for a site inside `hk.scan`, its recording rows and step counter."""
+    """The user's state plus, in each site's bundle (new dicts): its epsilon;
+    the patch value of each site in `patched` (see `placed`); and, for a site
+    inside `hk.scan`, its recording rows (and inputs' rows) and step counter."""
     merged = {bundle: dict(entries) for bundle, entries in state.items()}
-    for site in selected.values():
-        if site.origin is not None and site.origin.scan is not None:
-            entry = recording_entry(site.method or "__call__", site.index)
-            bundle = merged.setdefault(site.origin.bundle, {})
-            bundle[entry] = (zeros_like_struct(site.value_struct), None)
-            bundle[entry + STEP] = jnp.zeros((), jnp.int32)
-    for name, epsilon in epsilons.items():
-        site = selected[name]
+
+    def put(site: Site, entry: str, value: Any) -> None:
+        merged.setdefault(site.origin.bundle, {})[entry] = value
+
+    for name, epsilon in session.epsilons.items():
+        site = session.selected[name]
         if site.origin is None:  # a `bridge.tap`: its epsilon lives in the session
             continue
-        entry = state_entry(site.method or "__call__", site.index)
-        merged.setdefault(site.origin.bundle, {})[entry] = epsilon
+        put(site, state_entry(site.method or "__call__", site.index), epsilon)
+    for name, site in patched.items():
+        put(
+            site,
+            patch_entry(site.method or "__call__", site.index),
+            session.patches[name],
+        )
+    for site in {**session.selected, **patched}.values():
+        origin = site.origin
+        if origin is None or origin.scan is None:
+            continue
+        method, length = site.method or "__call__", origin.scan[0]
+        put(site, step_entry(method, site.index), jnp.zeros((), jnp.int32))
+        if site.name in session.selected:
+            inputs = _rows(origin.inputs, length) if session.with_inputs else None
+            recording = (_rows(origin.value, length), inputs)
+            put(site, recording_entry(method, site.index), recording)
     return merged
 
 

@@ -24,11 +24,15 @@ state per layer going in and stacks it coming out (its sites hold every layer,
 `(layers, *value shape)`); `hk.remat` threads it through; `hk.scan` carries it,
 so the carry holds the whole stacked epsilon and recording and a step counter
 picks the iteration's row (sites hold every iteration, in the order of `xs`).
-A plain `hk.transform` model with such a site runs as the
-`hk.transform_with_state` of the function it wraps (Haiku keeps it on `apply`).
-`hk.fori_loop`, `hk.while_loop`, `hk.vmap`, `hk.cond`, `hk.switch` and a
-user's `hk.lift` carry state as one value for every iteration or example:
-selecting a site inside them raises, naming the transform.
+A patch value there is given in the site's stacked shape and rides in state
+beside the epsilon, so each layer or iteration takes its row; a patch
+function is applied per layer or iteration; `with_inputs=True` records each
+one's positional inputs, stacked like the values. A plain `hk.transform`
+model with such a site runs as the `hk.transform_with_state` of the function
+it wraps (Haiku keeps it on `apply`). `hk.fori_loop`, `hk.while_loop`,
+`hk.vmap`, `hk.cond`, `hk.switch` and a user's `hk.lift` carry state as one
+value for every iteration or example: selecting or patching a site inside
+them raises, naming the transform.
 
 The state route is `bridge.adapters._haiku_state`; reading the enclosing
 transforms off the call stack, the one use of Haiku's internals, is
@@ -37,6 +41,7 @@ transforms off the call stack, the one use of Haiku's internals, is
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -47,10 +52,7 @@ import jax.numpy as jnp
 
 from bridge._probe import ProbeBase
 from bridge._session import Session, positional_arrays
-from bridge._sites import (
-    differentiable_part,
-    merge_differentiable,
-)
+from bridge._sites import Site, add_epsilon, differentiable_part
 
 from . import _haiku_internals as internals
 from . import _haiku_state as haiku_state
@@ -110,6 +112,11 @@ class HaikuProbe(ProbeBase):
     #: What `bridge.transfer` and `bridge.compare` know of this library.
     _porting = "bridge.adapters._porting_haiku"
 
+    #: The transformed functions are in the treedef, params and state are
+    #: leaves, and an origin is a state bundle's name and flags: a discovery
+    #: is reused by structure.
+    reuses_discovery = True
+
     def __init__(
         self,
         transformed: hk.Transformed | hk.TransformedWithState,
@@ -156,15 +163,43 @@ class HaikuProbe(ProbeBase):
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
         session.tap = haiku_state.tap_outside_transforms(session.tap, _APPLY_CODE)
+        placed = (
+            {}
+            if session.discovering
+            else haiku_state.placed(
+                session, self._patched_sites(trainable, args, kwargs, session)
+            )
+        )
         if self.with_state:
-            return self._apply(trainable, args, kwargs, session, True)
+            return self._apply(trainable, args, kwargs, session, True, placed)
         return session.run_with_fallback(
             lambda state_route: self._apply(
-                trainable, args, kwargs, session, state_route
+                trainable, args, kwargs, session, state_route or bool(placed), placed
             ),
             haiku_state.NeedsState,
             lambda origin: origin.lifted,
         )
+
+    def _patched_sites(
+        self, trainable: Any, args: tuple, kwargs: dict, session: Session
+    ) -> dict[str, Site]:
+        """The sites patched with a value. A value for a site inside a lifted
+        transform rides in state, in the site's bundle, which only its `Site`
+        tells: a patched site that is not selected is located by an abstract
+        pass of the model (no FLOPs), only when there is one."""
+        names = [name for name, p in session.patches.items() if not callable(p)]
+        sites = {n: session.selected[n] for n in names if n in session.selected}
+        if len(sites) == len(names):
+            return sites
+        finder = Session()
+
+        def discover(trainable):
+            with finder.active():
+                self._run(trainable, args, kwargs, finder)
+
+        jax.eval_shape(discover, trainable)
+        located = {site.name: site for site in finder.discovered()}
+        return {name: sites.get(name, located[name]) for name in names}
 
     def _apply(
         self,
@@ -173,10 +208,11 @@ class HaikuProbe(ProbeBase):
         kwargs: dict,
         session: Session,
         state_route: bool,
+        placed: Mapping[str, Site],
     ) -> tuple[Any, Any]:
         model_kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
         leading = (kwargs.get("rng"),) if self.takes_rng else ()
-        interceptor = _Interceptor(session, state_route)
+        interceptor = _Interceptor(session, state_route, placed)
         if not state_route:  # a plain transform: epsilons from the session
             with hk.intercept_methods(interceptor):
                 outputs = self.transformed.apply(
@@ -188,9 +224,7 @@ class HaikuProbe(ProbeBase):
             if self.with_state
             else haiku_state.with_state(self.transformed, self.takes_rng)
         )
-        state = haiku_state.with_epsilons(
-            self.state or {}, session.selected, session.epsilons
-        )
+        state = haiku_state.with_epsilons(self.state or {}, session, placed)
         with hk.intercept_methods(interceptor):
             outputs, new_state = transformed.apply(
                 trainable, state, *leading, *args, **model_kwargs
@@ -216,13 +250,14 @@ class _Interceptor:
     `__layer_stack_no_per_layer/lin`, with the name of the `LiftingModule` the
     stack calls first. A site there holds every layer stacked: its epsilon and
     recording live in state, which the stack slices per layer going in and
-    stacks coming out. A repeated trace of a stack's body re-uses the names of
-    the first.
+    stacks coming out; so does a patch value for it (`placed`). A repeated
+    trace of a stack's body re-uses the names of the first.
     """
 
-    def __init__(self, session: Session, state_route: bool):
+    def __init__(self, session: Session, state_route: bool, placed: Mapping[str, Site]):
         self.session = session
         self.state_route = state_route
+        self.placed = placed  # sites whose patch value rides in state
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
         self.checkpoints: dict[Any, Any] = {}
         self.bodies: dict[Any, Any] = {}
@@ -275,8 +310,11 @@ class _Interceptor:
         if not self.state_route:
             return session.exit(call, value)  # the session's own epsilon
         entry = haiku_state.state_entry(method, call.index)
+        patched = call.name in self.placed
         if origin.scan is not None:
-            value = haiku_state.scanned(session, call, value, origin, method)
+            value = haiku_state.scanned(
+                session, call, value, call_args, origin, method, patched
+            )
             if not session.discovering and call.name in session.selected:
                 self.deferred[call.name] = (origin.bundle, method, call.index)
             return value
@@ -285,12 +323,15 @@ class _Interceptor:
             epsilon = hk.get_state(
                 entry, (), jnp.float32, init=haiku_state.unreachable(call)
             )
-            floats = jax.tree.map(
-                lambda v, e: v + e, differentiable_part(value), epsilon
-            )
-            return merge_differentiable(value, floats)
+            return add_epsilon(value, epsilon)
 
-        value = session.exit(call, value, perturb, record=not inside)
+        patching = (
+            haiku_state.patched_from_state(session, call, method)
+            if patched
+            else contextlib.nullcontext()
+        )
+        with patching:
+            value = session.exit(call, value, perturb, record=not inside)
         if origin.lifted and (session.discovering or call.name in session.selected):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = value if session.discovering else differentiable_part(value)

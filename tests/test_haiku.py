@@ -384,6 +384,8 @@ def test_params_of_another_model_fail_before_any_work():
 
 
 # -- scanned stacks and rematerialisation
+# Patches and layer inputs there: test_haiku_scan_interventions.py, which
+# imports these models.
 
 
 def block(x):
@@ -614,22 +616,6 @@ def test_a_site_inside_hk_fori_loop_is_refused_and_sites_outside_work():
     np.testing.assert_allclose(
         res.activation_grads["embed"].sum(axis=0), grads["embed"]["b"], rtol=1e-5
     )
-
-
-def test_layer_inputs_inside_hk_scan_are_an_error():
-    x = _inputs(5, 8)
-    model = Model(recurrent, (x,), True, apply_rng=False, rng=None)
-    probe = bridge.probe(model.transformed, model.params, model.state)
-    with pytest.raises(NotImplementedError, match="does not record layer inputs"):
-        probe.value_and_grad(mse, x, at="cell", with_inputs=True)
-
-
-def test_patching_a_site_inside_layer_stack_is_an_error():
-    x = _inputs(4, 8)
-    model = Model(stacked, (x,), True, apply_rng=False, rng=None)
-    probe = bridge.probe(model.transformed, model.params, model.state)
-    with pytest.raises(NotImplementedError, match="does not patch yet"):
-        probe.apply(x, patch={f"{STACK}/lin": jnp.zeros_like})
 
 
 def test_a_plain_transform_with_a_wrapped_apply_and_a_layer_stack_is_an_error():
