@@ -73,6 +73,12 @@ def probe(
     vmap: bool = False,
 ) -> HaikuProbe:
     with_state = isinstance(transformed, hk.TransformedWithState)
+    if len(variables) == 1 and _is_params_and_state(variables[0]):
+        raise TypeError(
+            "bridge.probe got the (params, state) pair that "
+            "hk.transform_with_state's init returns as one argument: unpack it, "
+            f"{_STATE_USAGE}: bridge.probe(transformed, *variables)."
+        )
     if with_state:
         if len(variables) != 2:
             raise TypeError(
@@ -267,6 +273,8 @@ class _Interceptor:
         if not _is_site(context):
             return next_fun(*call_args, **call_kwargs)
         module = context.module
+        if self.session.batch_axis is not None:
+            _check_batch_norm_mapped(module, self.session.batch_axis)
         where = internals.enclosing(_APPLY_CODE)
         prefix = self.prefixes.get(where.stack_call, "")
         if internals.is_lifting(module):
@@ -383,6 +391,31 @@ def _takes_rng(transformed: hk.Transformed | hk.TransformedWithState) -> bool:
     except (TypeError, ValueError):
         return True  # not inspectable: assume Haiku's default signature
     return len(parameters) > position and parameters[position].name == "rng"
+
+
+def _check_batch_norm_mapped(module: Any, batch_axis: str) -> None:
+    """Under the probe's vmap, an `hk.BatchNorm` without a cross-replica axis
+    would normalise each example by its own statistics: not the model's batch
+    statistics, and silently so where the parameter shapes happen to fit."""
+    if isinstance(module, hk.BatchNorm) and module.cross_replica_axis is None:
+        raise ValueError(
+            f"{module.module_name} is an hk.BatchNorm, and with vmap=True the "
+            "probe calls the model on one example at a time: its statistics "
+            "would be each example's own, and params made for a batch do not "
+            "fit one example (hk.BatchNorm's scale and offset are (1, C) for a "
+            "(N, C) batch). A Haiku model takes the whole batch: probe it with "
+            "vmap=False (the default), which runs BatchNorm as written. (A "
+            "model written for one example reduces over the probe's axis with "
+            f"hk.BatchNorm(..., cross_replica_axis={batch_axis!r}).)"
+        )
+
+
+def _is_params_and_state(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(part, Mapping) for part in value)
+    )
 
 
 def _check_mapping(name: str, value: Any, usage: str) -> None:

@@ -357,10 +357,27 @@ def test_state_for_a_plain_transform_is_an_error():
         bridge.probe(hk.transform(mlp), params, {})
 
 
-def test_the_init_pair_passed_as_params_is_an_error():
+@pytest.mark.parametrize("transform", [hk.transform, hk.transform_with_state])
+def test_the_init_pair_passed_as_one_argument_says_to_unpack_it(transform):
     params, _ = _mlp_params()
-    with pytest.raises(TypeError, match=r"`params` must be .* unpack it"):
-        bridge.probe(hk.transform(mlp), (params, {}))
+    with pytest.raises(
+        TypeError,
+        match=r"got the \(params, state\) pair .* as one argument: unpack it",
+    ):
+        bridge.probe(transform(mlp), (params, {}))
+
+
+def test_batch_norm_under_vmap_true_says_haiku_models_take_the_batch():
+    x = _inputs(4, 5)
+    transformed = hk.transform_with_state(batchnorm_net)
+    params, state = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params, state, vmap=True)
+    with pytest.raises(
+        ValueError,
+        match=r"batch_norm is an hk.BatchNorm, and with vmap=True the probe calls "
+        r"the model on one example.*probe it with vmap=False",
+    ):
+        probe.value_and_grad(lambda out: jnp.sum(out[0]), x)
 
 
 def test_state_that_is_not_a_mapping_is_an_error():
@@ -643,3 +660,34 @@ def test_a_tap_inside_layer_stack_is_an_error_not_a_summed_site():
         NotImplementedError, match="bridge.tap\\('h'\\) is called inside"
     ):
         probe.sites(x)
+
+
+def test_a_per_example_batch_norm_over_the_probes_axis_equals_plain_vmap():
+    """The model the error above points to: written for one example, its
+    BatchNorm reducing over the probe's axis `batch`."""
+
+    def per_example(x):
+        x = hk.Linear(8)(x)
+        x = hk.BatchNorm(True, True, 0.9, cross_replica_axis="batch")(
+            x, is_training=True
+        )
+        return hk.Linear(3)(jax.nn.relu(x))
+
+    x = _inputs(6, 5)
+    transformed = hk.without_apply_rng(hk.transform_with_state(per_example))
+    key = jax.random.key(0)
+    batched = jax.vmap(transformed.init, (None, 0), axis_name="batch")(key, x)
+    params, state = jax.tree.map(lambda leaf: leaf[0], batched)
+
+    def plain_loss(params):
+        outputs, _ = jax.vmap(transformed.apply, (None, None, 0), axis_name="batch")(
+            params, state, x
+        )
+        return jnp.sum(outputs**2)
+
+    loss, grads = jax.value_and_grad(plain_loss)(params)
+    probe = bridge.probe(transformed, params, state, vmap=True)
+    res = probe.value_and_grad(lambda outputs: jnp.sum(outputs**2), x)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
+    assert_tree_allclose(res.grads, grads)
+    assert res.activations["batch_norm"].shape == (6, 8)
