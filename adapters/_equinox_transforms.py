@@ -21,16 +21,21 @@ slices them per step, directly or after `eqx.partition`) and inside
 epsilon lives in the tree instead (the design's tree surgery). Discovery finds
 these calls and their iterations (a wrapper whose parameters lost a leading
 axis of size L was sliced by the scan). For the run, each such wrapper holds,
-per selected call, a zero epsilon leaf and a zero "recorder" leaf of the
-stacked shape `(L, *value shape)`: the scan slices them with the parameters,
-so the epsilon's gradient is the stacked activation gradient. The value leaves
-the scan backwards: the recorder enters through a `custom_vjp` identity whose
-backward pass returns the value itself as the recorder's cotangent, and
-`run_with_tree_leaves` pulls it out with one `jax.vjp` of the model
-(`call_in_transform`). A call inside a transform this cannot express
-(`lax.cond`, `while_loop`, a `jax.jit` inside the model, a `vmap` inside the
-scan, a layer closed over by the scan body rather than scanned over) raises an
-error naming it: a site is never silently missing or summed over iterations.
+per call, its `Leaves`, stacked `(L, *shape)` so that the scan slices them
+with the parameters: going in, a zero epsilon (its gradient is the stacked
+activation gradient) and the patch value, of which each iteration takes its
+row (a patch function needs no leaf: it is applied to each iteration's
+value); coming out, zero "recorders" of the value and, with
+`with_inputs=True`, of the positional inputs. Values leave the scan
+backwards: the recorders enter through a `custom_vjp` identity whose backward
+pass returns the recorded value and inputs themselves as the recorders'
+cotangents, and `run_with_tree_leaves` pulls them out with one `jax.vjp` of the
+model (`call_in_transform`). Inputs that are not floating-point travel as
+float32 numbers that a cotangent carries exactly (`_as_floats`). A call inside
+a transform this cannot express (`lax.cond`, `while_loop`, a `jax.jit` inside
+the model, a `vmap` inside the scan, a layer closed over by the scan body
+rather than scanned over) raises an error naming it where it is selected or
+patched: a site is never silently missing or summed over iterations.
 
 The trace stack is read through `bridge.adapters._jax_internals`, the one
 place that touches JAX's private modules.
@@ -47,8 +52,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from bridge._session import Session
+from bridge._session import Session, positional_arrays
 from bridge._sites import (
+    Site,
+    abstract,
     differentiable_part,
     merge_differentiable,
     without_axis,
@@ -59,11 +66,16 @@ from . import _jax_internals as internals
 
 
 class Leaves(eqx.Module):
-    """A call's epsilon and recorder inside a transform: array leaves of the
-    tree, so a scan slices them as it slices the parameters."""
+    """A call's leaves inside a transform: array leaves of the tree, so a scan
+    slices them per iteration as it slices the parameters. The epsilon and the
+    patch value go in; the recorders of the value and of the positional
+    inputs bring them out, as their cotangents (see `record`). `None` where
+    the call has none."""
 
-    epsilon: Any
-    recorder: Any
+    epsilon: Any = None
+    recorder: Any = None
+    inputs: Any = None
+    patch: Any = None
 
 
 def param_shapes(module: Any) -> tuple[tuple[int, ...], ...]:
@@ -91,7 +103,7 @@ def mapped_depth(base_trace: Any) -> int | None:
     return depth
 
 
-# -- inside lax.scan and jax.checkpoint: epsilons and recorders in the tree -------
+# -- inside lax.scan and jax.checkpoint: epsilons, patches, recorders in the tree --
 
 
 def in_tree(session: Session) -> dict[str, Any]:
@@ -103,31 +115,35 @@ def in_tree(session: Session) -> dict[str, Any]:
     }
 
 
+def patches_in_tree(session: Session, patched: dict[str, Site]) -> dict[str, Any]:
+    """The patch values of the sites inside transforms, which ride in the tree
+    (sliced per iteration inside a scan); `patched` holds the `Site` of each
+    site patched with a value. A patch function needs no leaf."""
+    return {
+        name: session.patches[name]
+        for name, site in patched.items()
+        if isinstance(site.origin, InTransform)
+    }
+
+
 def run_with_tree_leaves(
     call_model: Callable[[dict[str, Leaves]], tuple[Any, Any]],
     session: Session,
+    patched: dict[str, Site],
     vmap: bool,
     model_name: str,
 ) -> tuple[Any, Any]:
-    """Run the model with each in-tree site's epsilon and recorder leaves
-    (`call_model(leaves) -> (outputs, state)`), and record those sites' values,
-    which leave the scan as the recorders' cotangents (see `record`)."""
+    """Run the model with the `Leaves` of the calls inside transforms
+    (`call_model(leaves) -> (outputs, state)`), and record the selected sites
+    there, whose values and inputs leave the scan as the recorders' cotangents
+    (see `record`). `patched`: the `Site` of each site patched with a value."""
+    patches = patches_in_tree(session, patched)
     sites = in_tree(session)
-    for name in sites:
-        if sites[name].origin.blocked:
-            raise ValueError(sites[name].origin.blocked)
-        if name in session.patches:
-            raise ValueError(
-                f"Site {name!r} is inside {sites[name].origin.described}: "
-                "bridge cannot patch it there. Patch a site outside the "
-                "transform, or unroll the layers."
-            )
-        if session.with_inputs:
-            raise ValueError(
-                f"with_inputs=True: the inputs of site {name!r}, inside "
-                f"{sites[name].origin.described}, cannot be recorded. "
-                "Select sites outside the transform with `at=`."
-            )
+    if not sites:  # nothing to record in there: no backward pass needed
+        return call_model({name: Leaves(patch=p) for name, p in patches.items()})
+    for site in sites.values():
+        if site.origin.blocked:
+            raise ValueError(site.origin.blocked)
 
     def shaped(site: Any) -> Any:
         struct = site.value_struct
@@ -135,13 +151,28 @@ def run_with_tree_leaves(
             struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
         return zeros_like_struct(struct)
 
-    recorders = {name: shaped(site) for name, site in sites.items()}
+    def shaped_inputs(site: Any) -> Any:
+        if not session.with_inputs:
+            return None
+        # Shaped at discovery, where the probe's vmap had already taken the
+        # batch axis away.
+        return zeros_like_struct(site.origin.inputs_recorder)
+
+    recorders = {
+        name: (shaped(site), shaped_inputs(site)) for name, site in sites.items()
+    }
 
     def forward(recorders: dict) -> tuple[Any, Any]:
-        leaves = {
-            name: Leaves(session.epsilons.get(name, zeros), recorders[name])
-            for name, zeros in ((n, shaped(s)) for n, s in sites.items())
-        }
+        leaves = {name: Leaves(patch=p) for name, p in patches.items()}
+        for name, site in sites.items():
+            value_recorder, inputs_recorder = recorders[name]
+            epsilon = session.epsilons.get(name)
+            leaves[name] = Leaves(
+                shaped(site) if epsilon is None else epsilon,
+                value_recorder,
+                inputs_recorder,
+                patches.get(name),
+            )
         outputs, state = call_model(leaves)
         floats = [
             jnp.sum(leaf)
@@ -163,9 +194,12 @@ def run_with_tree_leaves(
     )
     session.activations.update(recorded[0])
     session.inputs.update(recorded[1])
-    (values,) = pullback(jnp.ones_like(total))
-    for name in sites:
-        session.record(name, values[name])
+    (cotangents,) = pullback(jnp.ones_like(total))
+    for name, site in sites.items():
+        value, inputs = cotangents[name]
+        if session.with_inputs:
+            inputs = jax.tree.map(_from_floats, site.origin.inputs, inputs)
+        session.record(name, value, inputs)
     return outputs, state
 
 
@@ -175,13 +209,19 @@ _CHECKPOINT = "checkpoint / remat"
 
 @dataclasses.dataclass(frozen=True)
 class InTransform:
-    """Where a site lives that takes its epsilon from the tree: `iterations` of
-    the enclosing scan (`None` when only a checkpoint encloses it)."""
+    """Where a site lives that takes its epsilon and patch value from the tree
+    and records through it: `iterations` of the enclosing scan (`None` when
+    only a checkpoint encloses it)."""
 
     iterations: int | None
     transforms: tuple[str, ...]
     #: Why a call there cannot be a site (raised where it is selected).
     blocked: str | None = None
+    #: How each positional array input comes back from its float32 transport
+    #: (an `_Encoding`, `None` for other arguments), and the abstract zeros of
+    #: its recorder, stacked like the site.
+    inputs: Any = None
+    inputs_recorder: Any = None
 
     @property
     def described(self) -> str:
@@ -314,7 +354,11 @@ def call_in_transform(
                 kwargs,
                 InTransform(None, enclosing, blocked),
             )
-    origin = InTransform(count, enclosing)
+    origin = InTransform(
+        count,
+        enclosing,
+        **(_inputs_origin(args, count) if session.discovering else {}),
+    )
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
     token = (
         _SLICED.set((internals.current_trace(), count))
@@ -331,8 +375,9 @@ def call_in_transform(
             f"site {site_path!r} is a stateful layer inside {where}: bridge cannot "
             "thread its eqx.nn.State there. Move it out of the transform."
         )
-    # The epsilon comes from the tree below, not from the session.
-    value = session.exit(call, value, perturb=lambda v: v, record=False)
+    leaves = site.bridge_leaves.get(call.name)
+    # The patch value and the epsilon come from the tree, not from the session.
+    value = _exit(session, call, value, None if leaves is None else leaves.patch)
     if session.discovering:
         if count:
             session.restructure(
@@ -351,20 +396,94 @@ def call_in_transform(
         return value
     if call.name not in session.selected:
         return value
-    leaves = site.bridge_leaves.get(call.name)
-    if leaves is None:
+    if leaves is None or leaves.recorder is None:
         raise RuntimeError(
             f"bridge found no epsilon for site {call.name!r} inside {where}: the "
             "model called it differently from the discovery pass. This is a bug "
             "in bridge: please report it."
         )
-    floats = jax.tree.map(
-        lambda v, epsilon, recorder: record(v, recorder) + epsilon,
-        differentiable_part(value),
-        leaves.epsilon,
-        leaves.recorder,
+    inputs = None
+    if leaves.inputs is not None:
+        inputs = jax.tree.map(_as_floats, positional_arrays(args))
+    # The value recorded is the patched one, before its epsilon.
+    floats = record(
+        differentiable_part(value), inputs, (leaves.recorder, leaves.inputs)
     )
+    floats = jax.tree.map(jnp.add, floats, leaves.epsilon)
     return merge_differentiable(value, floats)
+
+
+def _exit(session: Session, call: Any, value: Any, patch: Any) -> Any:
+    """`session.exit` for a call whose epsilon the caller adds, patched with
+    `patch`, the patch value's leaf in the tree: one iteration's row of a
+    stacked patch inside a scan. Without it, the session's own patch applies
+    (a patch function, to this iteration's value)."""
+    if patch is None:
+        return session.exit(call, value, perturb=lambda v: v, record=False)
+    patches = session.patches
+    session.patches = {**patches, call.name: patch}
+    try:
+        return session.exit(call, value, perturb=lambda v: v, record=False)
+    finally:
+        session.patches = patches
+
+
+def _inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:
+    """Discovery: how a call's positional inputs are recorded inside a
+    transform (see `InTransform.inputs`)."""
+    inputs = positional_arrays(args)
+    transported = jax.tree.map(_as_floats, inputs)
+    if iterations:
+        # Broadcast, not zeros, as for the value (`restructure` in
+        # `call_in_transform`): inputs varying across devices stay varying.
+        transported = jax.tree.map(
+            lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), transported
+        )
+    return {
+        "inputs": jax.tree.map(_Encoding.of, inputs),
+        "inputs_recorder": abstract(transported),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Encoding:
+    """How an input came to be float32 numbers in `_as_floats`, to undo it."""
+
+    dtype: Any
+    key_impl: Any = None
+
+    @classmethod
+    def of(cls, x: Any) -> _Encoding:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return cls(jax.random.key_data(x).dtype, jax.random.key_impl(x))
+        return cls(x.dtype)
+
+
+def _as_floats(x: Any) -> Any:
+    """An input as numbers a floating-point cotangent carries exactly: floats
+    as they are, integers and booleans as float32 (wider ones as their 16-bit
+    words, exact in float32), a typed random key as its integer data."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype.itemsize > 1:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x.astype(jnp.float32)
+
+
+def _from_floats(encoding: _Encoding, x: Any) -> Any:
+    """The inverse of `_as_floats`, on the recorded (stacked) numbers."""
+    dtype = jnp.dtype(encoding.dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return x
+    if dtype.itemsize > 1:
+        x = jax.lax.bitcast_convert_type(x.astype(jnp.uint16), dtype)
+    else:
+        x = x.astype(dtype)
+    if encoding.key_impl is not None:
+        x = jax.random.wrap_key_data(x, impl=encoding.key_impl)
+    return x
 
 
 def _unreachable(session, site, method, module, function, args, kwargs, origin):
@@ -384,20 +503,21 @@ def _leaves_with_state(value: Any) -> list:
 
 
 @jax.custom_vjp
-def record(value: Any, recorder: Any) -> Any:
-    """`value`; the recorder's cotangent is `value` itself, so the value leaves
-    a scan as the gradient of the stacked recorder leaf."""
-    del recorder
+def record(value: Any, inputs: Any, recorders: Any) -> Any:
+    """`value`; the cotangent of `recorders` is `(value, inputs)` themselves,
+    so they leave a scan as the gradient of the stacked recorder leaves."""
+    del inputs, recorders
     return value
 
 
-def _record_forward(value: Any, recorder: Any) -> tuple[Any, Any]:
-    del recorder
-    return value, value
+def _record_forward(value: Any, inputs: Any, recorders: Any) -> tuple[Any, Any]:
+    del recorders
+    return value, (value, inputs)
 
 
-def _record_backward(value: Any, cotangent: Any) -> tuple[Any, Any]:
-    return cotangent, value
+def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any]:
+    _, inputs = recorded
+    return cotangent, jax.tree.map(jnp.zeros_like, inputs), recorded
 
 
 record.defvjp(_record_forward, _record_backward)

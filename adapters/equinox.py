@@ -24,7 +24,7 @@ import jax
 
 from bridge._probe import BATCH_AXIS, ProbeBase
 from bridge._session import Session, current
-from bridge._sites import strip_call_index
+from bridge._sites import Site, strip_call_index
 
 from . import _equinox_transforms as transforms
 from . import _jax_internals as internals
@@ -64,6 +64,11 @@ class EquinoxProbe(ProbeBase):
     #: What `bridge.transfer` and `bridge.compare` know of this library.
     _porting = "bridge.adapters._porting_equinox"
 
+    #: Static fields and functions are in the treedef, arrays are leaves, and
+    #: an origin is transform names and counts: a discovery is reused by
+    #: structure.
+    reuses_discovery = True
+
     def __init__(self, model: eqx.Module, state: eqx.nn.State | None, vmap: bool):
         self.model = model
         self.state = state
@@ -102,14 +107,39 @@ class EquinoxProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        if not transforms.in_tree(session):
-            return self._call_model(trainable, args, kwargs, session, {})
+        patched = (
+            {}
+            if session.discovering
+            else self._patched_sites(trainable, args, kwargs, session)
+        )
         return transforms.run_with_tree_leaves(
             lambda leaves: self._call_model(trainable, args, kwargs, session, leaves),
             session,
+            patched,
             self.vmap,
             type(self.model).__name__,
         )
+
+    def _patched_sites(
+        self, trainable: Any, args: tuple, kwargs: dict, session: Session
+    ) -> dict[str, Site]:
+        """The sites patched with a value. A value for a site inside a scan
+        rides in the tree, sliced per iteration, which only its `Site` tells: a
+        patched site that is not selected is located by an abstract pass of the
+        model (no FLOPs), only when there is one."""
+        names = [name for name, p in session.patches.items() if not callable(p)]
+        sites = {n: session.selected[n] for n in names if n in session.selected}
+        if len(sites) == len(names):
+            return sites
+        finder = Session()
+
+        def discover(trainable: Any) -> None:
+            with finder.active():
+                self._call_model(trainable, args, kwargs, finder, {})
+
+        jax.eval_shape(discover, trainable)
+        located = {site.name: site for site in finder.discovered()}
+        return {name: sites.get(name, located[name]) for name in names}
 
     def _call_model(
         self,

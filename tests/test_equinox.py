@@ -490,15 +490,38 @@ def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, message):
 
 
 @NEEDS_JAXPR_PARENTS
-def test_a_scanned_site_refuses_patches_and_inputs_naming_the_site():
-    probe = bridge.probe(ScannedStack(jax.random.key(0)))
-    x = jnp.ones((2, 4))
-    with pytest.raises(ValueError, match="Site 'layers/linear' is inside jax.lax.scan"):
-        probe.apply(x, patch={"layers/linear": jnp.zeros_like})
-    with pytest.raises(
-        ValueError, match="with_inputs=True: the inputs of site 'layers'"
-    ):
-        probe.value_and_grad(_mlp_loss, x, with_inputs=True)
+def test_a_scanned_site_takes_patches_and_records_inputs_like_the_unrolled_model():
+    # More in test_equinox_scan_interventions.py: references patched by hand,
+    # jit, vmap=True, checkpointed bodies, and the errors.
+    model = ScannedStack(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    value = jax.random.normal(jax.random.key(2), (3, 2, 4))
+    res = bridge.probe(model).value_and_grad(
+        _mlp_loss,
+        x,
+        patch={"layers/linear": value, "layers/activation": jnp.negative},
+        with_inputs=True,
+    )
+    ref = bridge.probe(_unrolled(model)).value_and_grad(
+        _mlp_loss,
+        x,
+        patch={
+            **{f"layers/{i}/linear": value[i] for i in range(3)},
+            "layers/*/activation": jnp.negative,
+        },
+        with_inputs=True,
+    )
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    np.testing.assert_array_equal(res.activations["layers/linear"], value)
+    for site in ("layers", "layers/linear", "layers/activation"):
+        assert res.inputs[site][0].shape == (3, 2, 4)
+        for i in range(3):
+            unrolled_site = site.replace("layers", f"layers/{i}", 1)
+            for field in ("activations", "activation_grads", "inputs"):
+                assert_tree_allclose(
+                    jax.tree.map(lambda a, i=i: a[i], getattr(res, field)[site]),
+                    getattr(ref, field)[unrolled_site],
+                )
 
 
 def _stateful_sequential():
