@@ -103,6 +103,38 @@ def mapped_depth(base_trace: Any) -> int | None:
     return depth
 
 
+@dataclasses.dataclass(frozen=True)
+class Mapped:
+    """Where the model's own vmaps took a call's input from.
+
+    The site's value holds the mapped axes first, outermost first (the
+    contract's layout); `compare` needs the layout around the layer instead:
+    a LayerNorm applied per pixel of a channel-first image by
+    `jax.vmap(jax.vmap(norm, 1, 1), 2, 2)` holds `(W, H, C)` per example,
+    which no shape tells from `(H, W, C)`.
+
+    Attributes:
+      input_axes: the axis each vmap mapped in the first array argument,
+        innermost vmap first (`None`: not mapped there).
+      input_ndim: that argument's rank as the layer sees it.
+    """
+
+    input_axes: tuple[int | None, ...]
+    input_ndim: int
+
+
+def mapped_origin(args: tuple, depth: int) -> Mapped | None:
+    """The `Mapped` origin of a call `depth` vmaps deep, or `None` where its
+    first array argument's layout cannot be read."""
+    arrays = [leaf for leaf in jax.tree.leaves(args) if eqx.is_array(leaf)]
+    if not arrays:
+        return None
+    axes = internals.mapped_dims(arrays[0], internals.current_trace(), depth)
+    if axes is None:
+        return None
+    return Mapped(axes, jnp.ndim(arrays[0]))
+
+
 # -- inside lax.scan and jax.checkpoint: epsilons, patches, recorders in the tree --
 
 

@@ -120,6 +120,25 @@ def parent(trace: Any) -> Any:
     return getattr(trace, "parent_trace", None)
 
 
+def mapped_dims(value: Any, trace: Any, depth: int) -> tuple[int | None, ...] | None:
+    """Where each of the `depth` vmaps around this point maps `value`: the
+    axis of its `BatchTracer` at that vmap's trace (`None`: not mapped there),
+    innermost first, or `None` where a tracer's layout cannot be read. For a
+    layer's input this is the `in_axes` the model's code gave its vmaps."""
+    dims = []
+    for _ in range(depth):
+        if getattr(value, "_trace", None) is trace:
+            dim = getattr(value, "batch_dim", None)
+            if dim is not None and not isinstance(dim, int):
+                return None  # a ragged axis: no position to name
+            dims.append(dim)
+            value = getattr(value, "val", None)
+        else:
+            dims.append(None)
+        trace = parent(trace)
+    return tuple(dims)
+
+
 def traced_for(trace: Any) -> str:
     """JAX's name of the transform `trace` traces (`scan`, `checkpoint / remat`),
     or the trace's class name."""

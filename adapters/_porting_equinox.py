@@ -26,6 +26,7 @@ from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperpa
 from bridge._porting import Layer, flattened, key_name, replace_leaves
 from bridge._sites import Site
 
+from ._equinox_transforms import Mapped
 from .equinox import _clone, _is_function
 
 #: The step count written with a moved `mode="batch"` statistic (see above).
@@ -77,10 +78,42 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
         if isinstance(module, eqx.nn.Conv):
             spatial = module.num_spatial_dims
         layer = _layer(probe, site, module, own, spatial)
+        if isinstance(site.origin, Mapped):
+            outer = site.stacked + int(bool(probe.vmap))
+            layer = dataclasses.replace(
+                layer, to_common=_around_the_layer(site.origin, outer, spatial, layer)
+            )
         found.append(
             dataclasses.replace(layer, hyperparameters=_hyperparameters(module))
         )
     return found
+
+
+def _around_the_layer(origin: Mapped, outer: int, spatial: int, layer: Layer):
+    """The common layout of a site inside the model's own vmaps: its mapped
+    axes, held first (after `outer` iteration and batch axes), go back where
+    the vmaps took them from in the layer's input, and the value then converts
+    as an unmapped one would. A norm mapped over the spatial axes of a
+    channel-first image (a LayerNorm per pixel, `(W, H, C)` per example) comes
+    back `(C, H, W)` and goes channel-last like the convolution before it.
+    Where the layer changes its input's rank, the mapped axes stay first."""
+    depth = len(origin.input_axes)
+    behind_channels = any(axis not in (0, None) for axis in origin.input_axes)
+    norm = layer.kind in ("layernorm", "rmsnorm")
+
+    def convert(value: Any) -> Any:
+        own = jnp.ndim(value) - outer - depth
+        if None in origin.input_axes or own != origin.input_ndim:
+            return layer.to_common(value)
+        order = list(range(outer + depth, jnp.ndim(value)))
+        for level, axis in enumerate(origin.input_axes):  # innermost first
+            order.insert(axis, outer + depth - 1 - level)
+        value = jnp.transpose(value, (*range(outer), *order))
+        if norm and behind_channels and own + depth == spatial + 1:
+            return _channel_last(spatial)(value)
+        return layer.to_common(value)
+
+    return convert
 
 
 def _hyperparameters(module: Any) -> dict[str, Any]:

@@ -389,9 +389,10 @@ def _observed_call(
         return _report(session, call, function(*args, **kwargs))
 
     entered = []
+    origin = transforms.mapped_origin(args, depth)
 
     def enter(full_args: tuple) -> tuple:
-        entered.append(session.enter(path, method, module, full_args))
+        entered.append(session.enter(path, method, module, full_args, origin))
         return full_args
 
     if session.with_inputs and not session.discovering:

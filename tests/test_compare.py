@@ -7,6 +7,7 @@ nonlinearity, a backward pass that doubles a gradient (a `jax.custom_vjp`).
 
 from __future__ import annotations
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -148,3 +149,60 @@ def test_models_that_do_not_pair_are_refused():
         bridge.compare(build("linen"), build("nnx"), "mse", IMAGES)
     with pytest.raises(TypeError, match="`probe_b` is a"):
         bridge.compare(build("linen"), object(), loss_fn, IMAGES)
+
+
+class _PerPixelNorm(eqx.Module):
+    """A channel-first conv, then a LayerNorm over each pixel's channels under
+    the model's own nested vmaps: over W outside and H inside, or the other way."""
+
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.LayerNorm
+    width_outside: bool = eqx.field(static=True)
+
+    def __call__(self, image):  # (H, W, C)
+        x = self.conv(jnp.transpose(image, (2, 0, 1)))  # (C, H, W)
+        if self.width_outside:
+            per_pixel = jax.vmap(jax.vmap(self.norm, 1, 1), 2, 2)
+        else:
+            per_pixel = jax.vmap(jax.vmap(self.norm, 1, 1), 1, 1)
+        return jnp.tanh(per_pixel(x))
+
+
+class _LinenPerPixelNorm(nn.Module):
+    @nn.compact
+    def __call__(self, image):  # (N, H, W, C)
+        x = nn.Conv(4, (3, 3), padding=1)(image)
+        return jnp.tanh(nn.LayerNorm(epsilon=1e-5)(x))
+
+
+@pytest.mark.parametrize("width_outside", [True, False])
+def test_a_norm_under_nested_vmaps_compares_in_the_layout_around_it(width_outside):
+    """The Equinox norm's site holds its mapped axes first, `(N, W, H, C)` or
+    `(N, H, W, C)` by the order of the vmaps; `compare` puts them back where
+    the vmaps took them from, so either order agrees with Linen's `(N, H, W,
+    C)`, pixel by pixel (H = 6 and W = 5 differ, so a wrong order could not
+    even be compared)."""
+    images = jax.random.normal(jax.random.key(3), (2, 6, 5, 3))
+    linen = _LinenPerPixelNorm()
+    variables = filled(jax.eval_shape(linen.init, jax.random.key(0), images), 2)
+    keys = jax.random.split(jax.random.key(1))
+    equinox = _PerPixelNorm(
+        eqx.nn.Conv2d(3, 4, 3, padding=1, key=keys[0]),
+        eqx.nn.LayerNorm(4, eps=1e-5),
+        width_outside,
+    )
+    source = bridge.probe(linen, variables)
+    ported = bridge.transfer(source, bridge.probe(equinox, vmap=True), images)
+    report = bridge.compare(source, ported, loss_fn, images)
+    assert report.first_divergence is None, str(report)
+    assert [(row.site_a, row.site_b) for row in report.rows] == [
+        ("Conv_0", "conv"),
+        ("LayerNorm_0", "norm"),
+    ]
+    # The reference: Linen's own recording of its norm, against the Equinox
+    # site moved by hand from its vmaps' layout.
+    _, recorded = linen.apply(variables, images, capture_intermediates=True)
+    expected = recorded["intermediates"]["LayerNorm_0"]["__call__"][0]
+    held = ported.apply(images, at="norm").activations["norm"]
+    by_hand = jnp.transpose(held, (0, 2, 1, 3)) if width_outside else held
+    np.testing.assert_allclose(by_hand, expected, rtol=1e-5, atol=1e-5)

@@ -359,15 +359,6 @@ def _ports(architecture: str, side: str):
     return crosslib.PORTS[architecture][side]
 
 
-#: The Equinox CNN normalises each pixel's channels under its own nested
-#: `jax.vmap` (over W, then H): its norm site holds the mapped axes first,
-#: `(N, W, H, C)`, which no porting rule can tell from `(N, H, W, C)`, and
-#: `compare` refuses the pair for its shape.
-_EQUINOX_NORM = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="the Equinox CNN's per-pixel norm site is (N, W, H, C)",
-)
 #: Each library once per architecture in the default tier, both directions
 #: per architecture (the JAX side compiles afresh in each `compare`).
 _DEFAULT_DIRECTION = {"linen": TO_JAX, "equinox": TO_JAX}
@@ -376,8 +367,6 @@ _DEFAULT_DIRECTION = {"linen": TO_JAX, "equinox": TO_JAX}
 def _compare_case(case):
     architecture, library, direction = case.values
     marks = []
-    if (architecture, library) == ("cnn", "equinox"):
-        marks.append(_EQUINOX_NORM)
     if direction != _DEFAULT_DIRECTION.get(library, TO_TORCH):
         marks.append(pytest.mark.slow)
     return pytest.param(*case.values, id=case.id, marks=marks)
