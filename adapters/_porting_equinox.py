@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperparameters
-from bridge._porting import Layer, flattened, key_name, replace_leaves
-from bridge._sites import Site
+from bridge._porting import Layer, flattened, replace_leaves
+from bridge._sites import Site, key_name
 
 from ._equinox_transforms import Mapped
 from .equinox import _clone, _is_function

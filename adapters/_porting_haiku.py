@@ -29,8 +29,8 @@ import haiku as hk
 import jax.numpy as jnp
 
 from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperparameters
-from bridge._porting import Layer, flattened, key_name, replace_leaves
-from bridge._sites import Site
+from bridge._porting import Layer, flattened, replace_leaves
+from bridge._sites import Site, key_name
 
 #: The EMA step count written with a moved statistic: `decay ** counter`
 #: underflows to 0 for any decay below 1, and the int32 counter has room to go on.

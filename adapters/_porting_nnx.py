@@ -21,10 +21,9 @@ from bridge._porting import (
     dense_kernel,
     flatten_trailing,
     flattened,
-    key_name,
     replace_leaves,
 )
-from bridge._sites import Site
+from bridge._sites import Site, key_name
 
 from ._porting_linen import hyperparameters
 

@@ -24,7 +24,7 @@ import jax
 
 from bridge._probe import BATCH_AXIS, ProbeBase
 from bridge._session import Session, current
-from bridge._sites import Site, strip_call_index
+from bridge._sites import Site, key_name, strip_call_index
 
 from . import _equinox_transforms as transforms
 from . import _jax_internals as internals
@@ -209,7 +209,7 @@ def _instrument(
     children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_child)
     replaced = []
     for key_path, child in children:
-        path = (*prefix, *(_key_name(key) for key in key_path))
+        path = (*prefix, *(key_name(key) for key in key_path))
         if isinstance(child, eqx.nn.StateIndex):
             pass  # a key into the State, looked up by identity: keep it as is
         elif isinstance(child, eqx.Module):
@@ -254,7 +254,7 @@ def _is_plumbing(module: Any, key_path: tuple) -> bool:
     binary reduction `lax.reduce_window` traces on scalars."""
     if isinstance(module, eqx.nn.Lambda):
         return True
-    field = _key_name(key_path[0]) if key_path else None
+    field = key_name(key_path[0]) if key_path else None
     return isinstance(module, eqx.nn.Pool) and field == "operation"
 
 
@@ -262,19 +262,12 @@ def _is_function(x: Any) -> bool:
     return callable(x) and not isinstance(x, eqx.Module | type) and not eqx.is_array(x)
 
 
-def _key_name(key: Any) -> str:
-    for attribute in ("name", "key", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-
 def _state_indices(model: eqx.Module) -> list[str]:
     found = jax.tree_util.tree_flatten_with_path(
         model, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex)
     )[0]
     return [
-        "/".join(_key_name(k) for k in path) or "the model"
+        "/".join(key_name(k) for k in path) or "the model"
         for path, leaf in found
         if isinstance(leaf, eqx.nn.StateIndex)
     ]

@@ -328,14 +328,6 @@ def flatten_trailing(count: int) -> Callable[[Any], Any]:
     )
 
 
-def key_name(key: Any) -> str:
-    """One entry of a JAX key path as a path component (`layers`, `0`)."""
-    for attribute in ("key", "name", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
-
-
 def replace_leaves(
     tree: Any, updates: dict[tuple[str, ...], Any], named: Callable[[tuple], tuple]
 ) -> Any:

@@ -22,6 +22,15 @@ def strip_call_index(name: str) -> str:
     return base if sep and index.isdigit() else name
 
 
+def key_name(key: Any) -> str:
+    """One entry of a JAX key path as a path component: a field (`layers`), a
+    dict key or an index (`0`), as sites and parameters are named."""
+    for attribute in ("name", "key", "idx"):
+        if hasattr(key, attribute):
+            return str(getattr(key, attribute))
+    return str(key)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Site:
     """One call of a submodule, as seen by abstract evaluation.
@@ -75,17 +84,21 @@ def abstract(tree: Any) -> Any:
     struct, so its epsilon can vary too: the gradient of a device-invariant
     epsilon added to a varying value is summed over the devices.
     """
-    return jax.tree.map(
-        lambda x: (
-            jax.ShapeDtypeStruct(x.shape, x.dtype, **_varying(x), **_explicit(x))
-            if is_array(x)
-            else None
-        ),
-        tree,
-    )
+    return jax.tree.map(lambda x: abstract_array(x) if is_array(x) else None, tree)
 
 
-def _type_of(x: Any) -> Any:
+def abstract_array(x: Any, weak_type: bool = False) -> jax.ShapeDtypeStruct:
+    """`x`'s `jax.ShapeDtypeStruct`, varying and sharded as `x` is; with
+    `weak_type`, weakly typed as `x` is (a site's epsilon never is)."""
+    weak = {"weak_type": True} if weak_type and _is_weak(x) else {}
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, **_varying(x), **_explicit(x), **weak)
+
+
+def _is_weak(x: Any) -> bool:
+    return bool(getattr(type_of(x), "weak_type", False))
+
+
+def type_of(x: Any) -> Any:
     """`jax.typeof(x)`; `jax.core.get_aval` before jax 0.5 added `typeof` (an
     aval without the `sharding`/`manual_axis_type` fields read below)."""
     typeof = getattr(jax, "typeof", None)
@@ -93,7 +106,7 @@ def _type_of(x: Any) -> Any:
 
 
 def _varying(x: Any) -> dict:
-    manual = getattr(_type_of(x), "manual_axis_type", None)
+    manual = getattr(type_of(x), "manual_axis_type", None)
     if manual is None or not manual.varying:
         return {}
     return {"manual_axis_type": manual}
@@ -111,7 +124,7 @@ def explicit_sharding(x: Any) -> Any:
     axis_type = getattr(jax.sharding, "AxisType", None)  # jax >= 0.5
     if axis_type is None:
         return None  # no `Explicit` mesh axes before it
-    sharding = getattr(_type_of(x), "sharding", None)
+    sharding = getattr(type_of(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not any(
         kind == axis_type.Explicit for kind in getattr(mesh, "axis_types", ())
@@ -173,12 +186,31 @@ def zeros_like_struct(struct: Any) -> Any:
             value = jnp.zeros(s.shape, s.dtype)
         else:
             value = jnp.zeros(s.shape, s.dtype, out_sharding=sharding)
-        manual = getattr(s, "manual_axis_type", None)
-        if manual is not None and manual.varying:
-            value = jax.lax.pcast(value, tuple(sorted(manual.varying)), to="varying")
-        return value
+        return varying_like(value, s)
 
     return jax.tree.map(zeros, struct)
+
+
+def varying_like(value: Any, struct: Any) -> Any:
+    """`value`, varying over the `shard_map` axes `struct` varies over."""
+    manual = getattr(struct, "manual_axis_type", None)
+    if manual is not None and manual.varying:
+        value = jax.lax.pcast(value, tuple(sorted(manual.varying)), to="varying")
+    return value
+
+
+def device_invariant(struct: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """`struct` without the `shard_map` axes it varies over: what
+    `jax.eval_shape` takes (`varying_like` restores them inside)."""
+    if getattr(struct, "manual_axis_type", None) is None:
+        return struct
+    sharding = getattr(struct, "sharding", None)
+    return jax.ShapeDtypeStruct(
+        struct.shape,
+        struct.dtype,
+        weak_type=struct.weak_type,
+        **({} if sharding is None else {"sharding": sharding}),
+    )
 
 
 def merge_differentiable(value: Any, floats: Any) -> Any:

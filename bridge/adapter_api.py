@@ -29,7 +29,9 @@ bridge does not know is added from outside with this module alone, as
    vmap=bool)` returns the probe.
 
 `Site` is what discovery finds (name, path, module, the value's shapes);
-`Session` is the per-call bookkeeping an adapter reports to.
+`Session` is the per-call bookkeeping an adapter reports to; `key_name`
+turns a JAX key-path entry into a path component, as the built-in adapters
+name sites.
 """
 
 from ._porting import Layer as Layer
@@ -37,5 +39,6 @@ from ._probe import ProbeBase as ProbeBase
 from ._registry import register_adapter as register_adapter
 from ._session import Session as Session
 from ._sites import Site as Site
+from ._sites import key_name as key_name
 
-__all__ = ["Layer", "ProbeBase", "Session", "Site", "register_adapter"]
+__all__ = ["Layer", "ProbeBase", "Session", "Site", "key_name", "register_adapter"]

@@ -49,7 +49,7 @@ from penzai import pz
 
 import bridge
 from bridge.adapter_api import Layer as PortingLayer
-from bridge.adapter_api import ProbeBase, Session
+from bridge.adapter_api import ProbeBase, Session, key_name
 
 # -- the probe ------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ def _instrument(layer: Any, prefix: tuple[str, ...], session: Session) -> Any:
         return layer  # a scan over stacked layers: one site, not instrumented
 
     def wrap(key_path: tuple, sublayer: pz.nn.Layer) -> _Site:
-        path = (*prefix, *(_key_name(key) for key in key_path))
+        path = (*prefix, *(key_name(key) for key in key_path))
         return _Site(_instrument(sublayer, path, session), "/".join(path), session)
 
     return (
@@ -165,13 +165,6 @@ def _instrument(layer: Any, prefix: tuple[str, ...], session: Session) -> Any:
         .at_instances_of(pz.nn.Layer)
         .apply(wrap, with_keypath=True)
     )
-
-
-def _key_name(key: Any) -> str:
-    for attribute in ("name", "key", "idx"):
-        if hasattr(key, attribute):
-            return str(getattr(key, attribute))
-    return str(key)
 
 
 @pz.pytree_dataclass
@@ -290,7 +283,7 @@ def _layers_by_path(layer: Any, prefix: tuple[str, ...]) -> dict[str, Any]:
         return found
     selection = pz.select(layer).at_children().at_instances_of(pz.nn.Layer)
     for key_path, sublayer in selection.selected_by_path.items():
-        path = (*prefix, *(_key_name(key) for key in key_path))
+        path = (*prefix, *(key_name(key) for key in key_path))
         found["/".join(path)] = sublayer
         found.update(_layers_by_path(sublayer, path))
     return found

@@ -118,7 +118,7 @@ def test_sites_are_penzai_keypaths_in_call_order():
     # Each site is Penzai's keypath of a layer, `/`-joined.
     selected = pz.select(model).at_instances_of(pz.nn.EmbeddingDecode)
     (key_path,) = selected.selected_by_path
-    assert "/".join(penzai_adapter._key_name(k) for k in key_path) == names[-1]
+    assert "/".join(bridge.adapter_api.key_name(k) for k in key_path) == names[-1]
     # Values are NamedArrays with the model's named axes.
     assert sites["body/sublayers/5"].named_shape == {
         "batch": 2,
