@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +167,15 @@ class EquinoxProbe(ProbeBase):
             # `State.set` invalidates the State it was called on: hand the model
             # a copy, so the user's state stays usable.
             result = model(*args, _clone(self.state), **kwargs)
+        except (TypeError, ValueError) as error:
+            if self.vmap or not session.discovering or _raised_by_bridge(error):
+                raise
+            said = (
+                "".join(error.args)
+                if all(isinstance(part, str) for part in error.args)
+                else str(error)
+            )
+            raise type(error)(f"{said}\n\n{_FORGOT_VMAP}") from error
         finally:
             _CONTEXT.reset(token)
             del session.tap
@@ -260,6 +271,34 @@ def _is_plumbing(module: Any, key_path: tuple) -> bool:
 
 def _is_function(x: Any) -> bool:
     return callable(x) and not isinstance(x, eqx.Module | type) and not eqx.is_array(x)
+
+
+#: Appended to a shape error of the model's own code under `vmap=False`.
+_FORGOT_VMAP = (
+    "bridge: an Equinox model usually handles one example, and this probe calls "
+    "it on the inputs as given (vmap=False). If the inputs carry a batch axis, "
+    "probe it with bridge.probe(model, vmap=True): the probe maps the model over "
+    "axis 0 of the positional inputs, as jax.vmap(model) would."
+)
+#: Where bridge's own code lives (the adapters install as `bridge.adapters`
+#: from their own folder).
+_BRIDGE_FILES = tuple(
+    os.path.dirname(os.path.abspath(file)) + os.sep
+    for file in (sys.modules["bridge"].__file__, __file__)
+)
+
+
+def _raised_by_bridge(error: BaseException) -> bool:
+    """Whether bridge's own code raised `error` (its messages say what to do)
+    rather than the model's, a library's or JAX's."""
+    traceback = error.__traceback__
+    last = None
+    while traceback is not None:
+        last, traceback = traceback, traceback.tb_next
+    if last is None:
+        return False
+    filename = os.path.abspath(last.tb_frame.f_code.co_filename)
+    return filename.startswith(_BRIDGE_FILES)
 
 
 def _state_indices(model: eqx.Module) -> list[str]:

@@ -647,3 +647,28 @@ def test_a_site_inside_checkpoint_on_an_older_jax_is_an_error_naming_the_version
     x = jax.random.normal(jax.random.key(1), (4, 3))
     with pytest.raises(ValueError, match=r"from jax 0\.6\.2"):
         probe.value_and_grad(_mlp_loss, x)
+
+
+@pytest.mark.parametrize(
+    ("model", "x", "error"),
+    [
+        (eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)), jnp.ones((5, 3)), TypeError),
+        (
+            eqx.nn.Sequential([eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))]),
+            jnp.ones((2, 3, 8, 8)),
+            ValueError,
+        ),
+    ],
+    ids=["mlp", "conv"],
+)
+def test_a_batch_given_to_a_per_example_model_suggests_vmap_true(model, x, error):
+    """JAX's or Equinox's own shape error, then what to do about it."""
+    with pytest.raises(
+        error, match=r"(?s)(dot_general|rank 3).*bridge\.probe\(model, vmap=True\)"
+    ):
+        bridge.probe(model).value_and_grad(jnp.sum, x)
+    # With vmap=True the same inputs work, and bridge's own errors get no hint.
+    bridge.probe(model, vmap=True).value_and_grad(jnp.sum, x)
+    with pytest.raises(ValueError, match="matches no site") as info:
+        bridge.probe(model).value_and_grad(jnp.sum, x[0], at="nothing")
+    assert "vmap=True" not in str(info.value)
