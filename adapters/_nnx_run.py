@@ -109,6 +109,11 @@ def _variable_name(kind: str, method: str | None, index: int) -> str:
     return f"bridge_{kind}_{(method or '__call__').strip('_')}_{index}"
 
 
+def is_bridge_attribute(name: str) -> bool:
+    """Whether an attribute of a module of the copy is bridge's own."""
+    return name == PATH_ATTRIBUTE or name.startswith("bridge_")
+
+
 class Run:
     """One run of the probe's copy: its modules, and the sites inside NNX
     transforms, whose values leave through variables on those modules.
@@ -206,6 +211,12 @@ class Run:
     def transforms(self) -> tuple[str, ...]:
         """The NNX transforms of the model's own code running now."""
         return tuple(t for t in internals.active_transforms() if t not in self.outer)
+
+    def innermost_transform(self) -> str | None:
+        """The name of the innermost NNX transform of the model's code running
+        now (`nnx.scan`), for errors about the calls inside it."""
+        transforms = self.transforms()
+        return transform_name(transforms[-1]) if transforms else None
 
     def report(self, module, method_name, method, args, kwargs, session):
         site_method = None if method_name == "__call__" else method_name

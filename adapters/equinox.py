@@ -29,6 +29,7 @@ from bridge._session import Session, current
 from bridge._sites import Site, key_name, strip_call_index
 
 from . import _equinox_transforms as transforms
+from . import _guests
 from . import _jax_internals as internals
 
 
@@ -143,6 +144,7 @@ class EquinoxProbe(ProbeBase):
         located = {site.name: site for site in finder.discovered()}
         return {name: sites.get(name, located[name]) for name in names}
 
+    @_guests.hosted("equinox")
     def _call_model(
         self,
         trainable: Any,

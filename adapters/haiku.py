@@ -54,6 +54,7 @@ from bridge._probe import ProbeBase
 from bridge._session import Session, positional_arrays
 from bridge._sites import Site, add_epsilon, differentiable_part
 
+from . import _guests
 from . import _haiku_internals as internals
 from . import _haiku_state as haiku_state
 from ._haiku_state import EPSILON_PREFIX as EPSILON_PREFIX
@@ -165,6 +166,7 @@ class HaikuProbe(ProbeBase):
                 "transform the model without hk.without_apply_rng."
             )
 
+    @_guests.hosted("haiku")
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:

@@ -16,6 +16,12 @@ every collection. `nn.scan` and `nn.vmap` carry only those their
 an unnamed one is silently dropped — so inside them the epsilons and
 recordings ride with the parameters, under reserved names: they are sliced
 per iteration going in and stacked coming out exactly as the parameters are.
+
+Modules of other libraries called inside the model — the NNX module an
+`nnx.bridge.ToLinen` builds, an `hk.transform`ed function's `apply` — are
+sites named under the Linen site that calls them (`bridge.adapters._guests`).
+A `ToLinen`'s own epsilon is the session's outside lifted transforms: it
+hands every variable of its scope to the NNX module it builds.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import jax
 from bridge._probe import ProbeBase
 from bridge._session import Session, positional_arrays
 from bridge._sites import differentiable_part, merge_differentiable
+
+from . import _guests as guests
 
 #: The variable collection holding the probe's epsilons. A private name, so a
 #: model that calls `self.perturb` itself (collection "perturbations") is not
@@ -50,10 +58,16 @@ _APPLY_KEYWORDS = ("rngs", "mutable", "capture_intermediates")
 @dataclasses.dataclass(frozen=True)
 class _Origin:
     """Where a Linen site lives: its scope path, and whether its epsilon and
-    recording ride with the parameters (inside `nn.scan` or `nn.vmap`)."""
+    recording ride with the parameters (inside `nn.scan` or `nn.vmap`).
+
+    `in_session`: the epsilon is the session's own, not a variable. So is an
+    `nnx.bridge.ToLinen`'s outside lifted transforms: it hands every variable
+    of its scope, bridge's collection too, to the NNX module it builds.
+    """
 
     scope: tuple[str, ...]
     in_params: bool = False
+    in_session: bool = False
 
 
 def _check_perturbed(floats: Any, value: Any, name: str) -> None:
@@ -107,6 +121,10 @@ class LinenProbe(ProbeBase):
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
     _porting = "bridge.adapters._porting_linen"
+
+    #: The module (its attributes) is in the treedef, the variables are leaves,
+    #: and an origin is a scope path: a discovery is reused by structure.
+    reuses_discovery = True
 
     def __init__(self, module: nn.Module, variables: Mapping, vmap: bool = False):
         self.module = module
@@ -168,7 +186,10 @@ class LinenProbe(ProbeBase):
         mutable = _with_recordings(user_mutable, in_params)
         interceptor = _Interceptor(session, in_params)
         try:
-            with nn.intercept_methods(interceptor):
+            with (
+                guests.hosting("linen", interceptor.lifted_transform),
+                nn.intercept_methods(interceptor),
+            ):
                 outputs, state = self.module.apply(
                     variables, *args, mutable=mutable, **apply_kwargs, **model_kwargs
                 )
@@ -224,7 +245,7 @@ def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
     collection: dict = {}
     for name, epsilon in session.epsilons.items():
         site = session.selected[name]
-        if site.origin is None:  # a `bridge.tap`: its epsilon lives in the session
+        if site.origin is None or site.origin.in_session:  # `bridge.tap`, ToLinen
             continue
         key = _variable_name(site.method or "__call__", site.index)
         if site.origin.in_params:
@@ -284,17 +305,27 @@ class _Interceptor:
                 or method == "setup"
                 or (method.startswith("_") and method != "__call__")
             ):
-                return next_fun(*call_args, **call_kwargs)
+                # A root `nnx.bridge.ToLinen`'s NNX submodules are sites still.
+                return guests.call_linen_module(
+                    module, next_fun, call_args, call_kwargs
+                )
             return self._site(next_fun, call_args, call_kwargs, module, method, lifted)
         finally:
             self.stack.pop()
+
+    def lifted_transform(self) -> str | None:
+        """The lifted transform the call running now is inside, if any: where a
+        module of another library called there cannot be a site."""
+        if self.stack and self.stack[-1].root is not self.stack[0].root:
+            return self.transform
+        return None
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
         if module.path == ():
             # Flax validating a transformed module (`ScanBlock`) before its body
             # runs: what follows is a new call of the body, not a re-trace.
             parent.bodies.clear()
-            self.transform = _transform_name(module)
+            self.transform = guests.linen_transform_name(module)
             return
         key = (module.path, method, type(module))
         if key in parent.bodies:
@@ -320,15 +351,16 @@ class _Interceptor:
                     "nor `params`, so a perturbation there would be silently "
                     "dropped. Select sites outside it."
                 )
+        in_session = not in_params and guests.is_to_linen(module)
         call = session.enter(
             "/".join(path),
             None if method == "__call__" else method,
             module,
             call_args,
-            origin=_Origin(path, in_params),
+            origin=_Origin(path, in_params, in_session),
             record=not lifted,
         )
-        value = next_fun(*call_args, **call_kwargs)
+        value = guests.call_linen_module(module, next_fun, call_args, call_kwargs)
         key = _variable_name(method, call.index)
 
         def perturb(value):
@@ -341,7 +373,9 @@ class _Interceptor:
             _check_perturbed(floats, unperturbed, call.name)
             return merge_differentiable(value, floats)
 
-        value = session.exit(call, value, perturb, record=not lifted)
+        value = session.exit(
+            call, value, None if in_session else perturb, record=not lifted
+        )
         if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = value if session.discovering else differentiable_part(value)
@@ -369,23 +403,9 @@ class _Interceptor:
                 self.session.record(name, value, inputs)
 
 
-_TRANSFORMS = {
-    "Scan": "nn.scan",
-    "Vmap": "nn.vmap",
-    "Checkpoint": "nn.remat",
-    "Jit": "nn.jit",
-    "While_loop": "nn.while_loop",
-    "Map_variables": "nn.map_variables",
-}
-
-
-def _transform_name(module: Any) -> str:
-    """`ScanBlock` (the class `nn.scan(Block)` makes) -> `nn.scan`."""
-    name = type(module).__name__
-    for prefix, transform in _TRANSFORMS.items():
-        if name.startswith(prefix):
-            return transform
-    return "a Flax lifted transform"
+def is_bridge_variable(name: str) -> bool:
+    """Whether a variable of a module's scope is the probe's own."""
+    return name.startswith((PARAMS_EPSILON, PARAMS_RECORDING)) or "#" in name
 
 
 def _variable_name(method: str, index: int) -> str:

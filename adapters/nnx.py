@@ -23,15 +23,24 @@ the module it is given.
 NNX transforms in the model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`)
 run the copy's modules as new objects: the run of the copy, and the sites
 inside those transforms, are `bridge.adapters._nnx_run`.
+
+Modules of other libraries called inside the model — a Linen module under
+`nnx.bridge.ToNNX`, an `hk.transform`ed function's `apply` — are sites
+named under the NNX site that calls them (`bridge.adapters._guests`).
+`ToNNX` hands every attribute of its module to Linen as a variable, so
+bridge's attributes on the copy are hidden while it runs. The NNX module an
+`nnx.bridge.ToLinen` builds inside a Linen model is instrumented here too
+(`GuestRun`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -40,12 +49,15 @@ from flax import nnx
 from bridge._probe import ProbeBase
 from bridge._session import Session, current
 
+from . import _guests as guests
+from . import _jax_internals as jax_internals
 from . import _nnx_internals as internals
 from . import _nnx_run as nnx_run
 
 #: The probe's run of its copy, while it runs: a reporting method reports only
-#: calls of the modules of the copy running now.
-_RUN: contextvars.ContextVar[nnx_run.Run | None] = contextvars.ContextVar(
+#: calls of the modules of the copy running now (or of the NNX module an
+#: `nnx.bridge.ToLinen` builds inside a Linen model: a `GuestRun`).
+_RUN: contextvars.ContextVar[nnx_run.Run | GuestRun | None] = contextvars.ContextVar(
     "bridge_nnx_run", default=None
 )
 
@@ -77,7 +89,18 @@ def probe(module: nnx.Module, *variables: Any, vmap: bool = False) -> NnxProbe:
     # Fresh Variable objects holding the same (immutable) arrays: the probe is a
     # snapshot, unaffected by later in-place updates of the module.
     params, rest = jax.tree.map(lambda leaf: leaf, (params, rest))
-    return NnxProbe(graphdef, params, rest, vmap)
+    return NnxProbe(graphdef, params, rest, vmap, _equinox_attributes(module))
+
+
+def _equinox_attributes(model: nnx.Module) -> tuple[str, ...]:
+    """The paths of the Equinox modules the model's modules hold (`head`):
+    bridge cannot see the calls inside them (see `bridge.adapters._guests`)."""
+    found = []
+    for path, module in internals.iter_modules(model):
+        for name, value in vars(module).items():
+            if guests.is_equinox_module(value):
+                found.append("/".join([*(str(part) for part in path), name]))
+    return tuple(found)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -92,26 +115,52 @@ class NnxProbe(ProbeBase):
     #: What `bridge.transfer` and `bridge.compare` know of this library.
     _porting = "bridge.adapters._porting_nnx"
 
+    #: The graph definition (static attributes included) is in the treedef,
+    #: the state is leaves, and an origin is a path, transform names and
+    #: abstract shapes: a discovery is reused by structure.
+    reuses_discovery = True
+
     def __init__(
-        self, graphdef: Any, params: nnx.State, rest: nnx.State, vmap: bool = False
+        self,
+        graphdef: Any,
+        params: nnx.State,
+        rest: nnx.State,
+        vmap: bool = False,
+        equinox_attributes: tuple[str, ...] = (),
     ):
         self.graphdef = graphdef
         self.params = params
         self.rest = rest
         self.vmap = vmap
+        self.equinox_attributes = equinox_attributes
 
     def tree_flatten(self):
-        return (self.params, self.rest), (self.graphdef, self.vmap)
+        return (self.params, self.rest), (
+            self.graphdef,
+            self.vmap,
+            self.equinox_attributes,
+        )
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        return cls(static[0], *children, static[1])
+        graphdef, vmap, equinox_attributes = static
+        return cls(graphdef, *children, vmap, equinox_attributes)
 
     def __repr__(self) -> str:
         return f"NnxProbe({self.graphdef.nodes[0].type.__name__}, vmap={self.vmap})"
 
     def _trainable(self) -> Any:
         return self.params
+
+    def apply(self, *args: Any, at: Any = None, patch: Any = None, **kwargs: Any):
+        guests.check_not_inside(self.equinox_attributes, "nnx", at, patch)
+        return super().apply(*args, at=at, patch=patch, **kwargs)
+
+    def value_and_grad(
+        self, loss_fn: Any, *args: Any, at: Any = None, patch: Any = None, **kwargs
+    ):
+        guests.check_not_inside(self.equinox_attributes, "nnx", at, patch)
+        return super().value_and_grad(loss_fn, *args, at=at, patch=patch, **kwargs)
 
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
@@ -145,7 +194,8 @@ class NnxProbe(ProbeBase):
         token = _RUN.set(run)
         session.tap = functools.partial(run.tap, session)
         try:
-            outputs = model(*args, **kwargs)
+            with guests.hosting("nnx", run.innermost_transform):
+                outputs = model(*args, **kwargs)
         except ValueError as error:
             run.explain(error)
             raise
@@ -174,12 +224,13 @@ def _copy_graph_nodes(tree: Any) -> Any:
     )
 
 
-def _instrument(model: nnx.Module) -> dict[str, nnx.Module]:
+def _instrument(model: nnx.Module, prefix: str = "") -> dict[str, nnx.Module]:
     """Give every submodule of `model` (a private copy) a reporting class.
 
-    Returns `{path: module}`. A module reachable by several paths (shared)
-    gets the first in graph order, the path under which `nnx.state` keys its
-    parameters.
+    Returns `{path: module}`, each path under `prefix` (the path of the
+    `nnx.bridge.ToLinen` site an NNX module is called in). A module reachable
+    by several paths (shared) gets the first in graph order, the path under
+    which `nnx.state` keys its parameters.
     """
     modules = {}
     for path, module in internals.iter_modules(model):
@@ -187,7 +238,7 @@ def _instrument(model: nnx.Module) -> dict[str, nnx.Module]:
             continue
         if any(module is seen for seen in modules.values()):
             continue
-        name = "/".join(str(part) for part in path)
+        name = guests.joined(prefix, "/".join(str(part) for part in path))
         modules[name] = module
         module.__class__ = _reporting_class(type(module))
         setattr(module, nnx_run.PATH_ATTRIBUTE, name)
@@ -200,8 +251,12 @@ def _reporting_class(cls: type) -> type:
         return cls
     reporting = _REPORTING_CLASSES.get(cls)
     if reporting is None:
+        to_nnx = guests.to_nnx_class()
+        hides = to_nnx is not None and issubclass(cls, to_nnx)
         namespace = {
-            name: _reporting_method(name, method)
+            name: _reporting_method(
+                name, _hiding_bridge_attributes(method) if hides else method
+            )
             for name, method in _public_methods(cls)
         }
         namespace["_bridge_reports"] = True
@@ -238,3 +293,82 @@ def _reporting_method(name: str, method: Callable) -> Callable:
         return run.report(self, name, method, args, kwargs, session)
 
     return reporting
+
+
+def _hiding_bridge_attributes(method: Callable) -> Callable:
+    """A method of `nnx.bridge.ToNNX`, which hands every attribute of its module
+    but its own to Linen as variables: bridge's attributes on the copy (its
+    path, the variables of sites inside transforms) are hidden while it runs."""
+
+    @functools.wraps(method)
+    def hiding(self, *args, **kwargs):
+        attributes = vars(self)
+        hidden = {
+            name: attributes.pop(name)
+            for name in list(attributes)
+            if nnx_run.is_bridge_attribute(name)
+        }
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            attributes.update(hidden)
+
+    return hiding
+
+
+# -- NNX as a guest: the module `nnx.bridge.ToLinen` builds -------------------------
+
+
+class GuestRun:
+    """The NNX modules an `nnx.bridge.ToLinen` builds during one of its calls,
+    inside a Linen model (see `bridge.adapters._guests.call_linen_module`).
+
+    Their submodules get reporting classes, named under the `ToLinen`'s path;
+    each call's epsilon is the session's own. That is right where the calls
+    run in the host's trace: a call inside a transform of the host's code, or
+    of the NNX module's own (`nnx.scan`, whose body runs on new module
+    objects), is listed but refused where selected.
+    """
+
+    def __init__(self, host: guests.Host, prefix: str):
+        self.host = host
+        self.prefix = prefix
+        self.trace = jax_internals.current_trace()
+        self.outer = internals.active_transforms()
+        self.ids: dict[int, str] = {}
+
+    def instrument(self, module: nnx.Module) -> nnx.Module:
+        """`module`, built by `ToLinen` for this call, with reporting classes."""
+        modules = _instrument(module, self.prefix)
+        self.ids.update({id(m): path for path, m in modules.items()})
+        return module
+
+    def report(self, module, method_name, method, args, kwargs, session):
+        path = self.ids.get(id(module))
+        blocked = self.host.transform_around(self.trace)
+        if blocked is None and path is None:
+            inner = [t for t in internals.active_transforms() if t not in self.outer]
+            named = nnx_run.transform_name(inner[-1]) if inner else "an NNX transform"
+            blocked = f"{named} in the Flax NNX module's own code"
+        elif blocked is None and jax_internals.current_trace() is not self.trace:
+            blocked = "a JAX transform in the Flax NNX module's own code"
+        return guests.observe(
+            session,
+            "nnx",
+            path or vars(module).get(nnx_run.PATH_ATTRIBUTE, type(module).__name__),
+            None if method_name == "__call__" else method_name,
+            module,
+            args,
+            lambda: method(module, *args, **kwargs),
+            blocked,
+        )
+
+
+@contextlib.contextmanager
+def running(run: GuestRun) -> Iterator[None]:
+    """Report the calls of the modules `run` instrumented while this runs."""
+    token = _RUN.set(run)
+    try:
+        yield
+    finally:
+        _RUN.reset(token)
