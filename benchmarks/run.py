@@ -46,6 +46,7 @@ import models
 from models import BUILDERS, FULL, QUICK, SCANNED, linen_wide
 
 import bridge
+from bridge._discovery_cache import CACHE as DISCOVERIES
 
 HERE = pathlib.Path(__file__).parent
 LIBRARIES = {"linen": "flax", "nnx": "flax", "equinox": "equinox", "haiku": "haiku"}
@@ -67,6 +68,11 @@ def compile_seconds(fn, *args):
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     return time.perf_counter() - start, compiled
+
+
+def fresh(fn):
+    """A new function object calling `fn`: `jax.jit` traces it again."""
+    return lambda *args: fn(*args)
 
 
 def memory_bytes(compiled):
@@ -104,16 +110,29 @@ def measure(workload, repeats):
     chosen = variants(workload)
     compiled, compile_time, memory, flop = {}, {}, {}, {}
     for name, (fn, first) in chosen.items():
+        if name == "all sites":
+            DISCOVERIES.clear()  # the builder's `sites()` discovered already
         compile_time[name], compiled[name] = compile_seconds(fn, first, x)
         memory[name] = memory_bytes(compiled[name])
         flop[name] = flops(compiled[name])
         jax.block_until_ready(compiled[name](first, x))  # warm up
-    # Compile time is noisy on a busy machine: the ratio takes the faster of
-    # two interleaved compilations of fresh functions (no cache hit) each.
-    for name in ("plain", "all sites"):
-        fn, first = chosen[name]
-        again, _ = compile_seconds(lambda *args, fn=fn: fn(*args), first, x)
-        compile_time[name] = min(compile_time[name], again)
+    # Compile time is noisy on a busy machine: each takes the fastest of
+    # interleaved compilations of fresh functions (no hit in `jax.jit`'s own
+    # cache). The probed step is compiled cold (bridge's discovery cache
+    # cleared: the model is traced twice, abstractly then for real) and warm
+    # (a discovery of this structure kept: a second compilation of a step).
+    (plain, params), (probed, probe) = chosen["plain"], chosen["all sites"]
+    compiles = {
+        "plain": [compile_time["plain"]],
+        "cold": [compile_time["all sites"]],
+        "warm": [],
+    }
+    for _ in range(3):
+        compiles["plain"].append(compile_seconds(fresh(plain), params, x)[0])
+        DISCOVERIES.clear()
+        compiles["cold"].append(compile_seconds(fresh(probed), probe, x)[0])
+        compiles["warm"].append(compile_seconds(fresh(probed), probe, x)[0])
+    compile_time = {name: min(seconds) for name, seconds in compiles.items()}
     times = {name: [] for name in chosen}
     for _ in range(repeats):
         for name, (_, first) in chosen.items():
@@ -123,9 +142,13 @@ def measure(workload, repeats):
     median = {name: statistics.median(t) for name, t in times.items()}
     fastest = {name: min(t) for name, t in times.items()}
     compiles_before = _COMPILES[0]
+    DISCOVERIES.clear()
     start = time.perf_counter()
     sites = workload.probe.sites(x)
     sites_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    workload.probe.sites(x)
+    sites_again_seconds = time.perf_counter() - start
     sites_compiles = _COMPILES[0] - compiles_before
     returned = 2 * nbytes(sites)  # activations and their gradients
     return dict(
@@ -136,6 +159,7 @@ def measure(workload, repeats):
         flops=flop,
         sites=sites,
         sites_seconds=sites_seconds,
+        sites_again_seconds=sites_again_seconds,
         sites_compiles=sites_compiles,
         returned=returned,
     )
@@ -191,9 +215,13 @@ def tracing_rows(counts):
         start = time.perf_counter()
         jax.jit(plain).trace(variables["params"], x)
         plain_s = time.perf_counter() - start
-        start = time.perf_counter()
-        jax.jit(lambda p, x: p.value_and_grad(lambda y: y.sum(), x)).trace(probe, x)
-        rows.append((count, plain_s, time.perf_counter() - start))
+        probed = []
+        DISCOVERIES.clear()
+        for _ in ("cold", "warm"):
+            start = time.perf_counter()
+            jax.jit(lambda p, x: p.value_and_grad(lambda y: y.sum(), x)).trace(probe, x)
+            probed.append(time.perf_counter() - start)
+        rows.append((count, plain_s, *probed))
     return rows
 
 
@@ -203,10 +231,14 @@ def scanned_rows(library, depths, sizes):
     for depth in depths:
         probe, plain, params, x = SCANNED[library](depth, sizes)
         plain_s, _ = compile_seconds(plain, params, x)
-        probed_s, _ = compile_seconds(
-            lambda p, x: p.value_and_grad(models.mse, x), probe, x
-        )
-        rows.append((depth, plain_s, probed_s))
+        probed = []
+        DISCOVERIES.clear()
+        for _ in ("cold", "warm"):
+            seconds, _ = compile_seconds(
+                lambda p, x: p.value_and_grad(models.mse, x), probe, x
+            )
+            probed.append(seconds)
+        rows.append((depth, plain_s, *probed))
     return rows
 
 
@@ -279,15 +311,18 @@ def main():
         "over fastest run), as ratios to plain "
         "`jax.value_and_grad` of the same loss (`hand` = the library's "
         "hand-written epsilon trick). Compile: lower + compile, all sites over "
-        "plain. Memory: XLA `memory_analysis` (temporaries + outputs), all "
+        "plain, each the fastest of interleaved compilations of fresh functions "
+        "(plain 4, cold 4, warm 3): cold with bridge's discovery cache cleared, "
+        "warm with a discovery of the same structure kept (a second compilation "
+        "of a step). Memory: XLA `memory_analysis` (temporaries + outputs), all "
         "sites over plain, and the same after subtracting the activations and "
         "activation gradients returned. FLOPs: XLA `cost_analysis`, all sites "
         "over plain.",
         "",
         "| library | model | sites (hand) | plain ms | all sites | one site | hand "
-        "| all / hand | compile | memory | memory − returned | FLOPs "
-        "| `sites()` ms (compiles) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| all / hand | compile cold | compile warm | memory | memory − returned "
+        "| FLOPs | `sites()` ms cold / warm (compiles) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     libraries = [
         lib
@@ -309,11 +344,13 @@ def main():
                 f"| {ratio('all sites', 'plain')} | {ratio('one site', 'plain')} "
                 f"| {ratio('hand trick', 'plain')} "
                 f"| {ratio('all sites', 'hand trick')} "
-                f"| {m['compile']['all sites'] / m['compile']['plain']:.2f} "
+                f"| {m['compile']['cold'] / m['compile']['plain']:.2f} "
+                f"| {m['compile']['warm'] / m['compile']['plain']:.2f} "
                 f"| {m['memory']['all sites'] / memory_plain:.2f} "
                 f"| {(m['memory']['all sites'] - m['returned']) / memory_plain:.2f} "
                 f"| {m['flops']['all sites'] / m['flops']['plain']:.3f} "
-                f"| {m['sites_seconds'] * 1e3:.0f} ({m['sites_compiles']}) |"
+                f"| {m['sites_seconds'] * 1e3:.0f} / "
+                f"{m['sites_again_seconds'] * 1e3:.1f} ({m['sites_compiles']}) |"
             )
             print(row, flush=True)
             lines.append(row)
@@ -345,17 +382,19 @@ def main():
     lines += [
         "",
         "Tracing time of a jitted `value_and_grad` as sites grow (Linen, a chain "
-        "of tiny Dense layers, every site probed):",
+        "of tiny Dense layers, every site probed); probed cold (discovery cache "
+        "cleared) and warm (the same step traced again):",
         "",
-        "| sites | plain trace s | probed trace s | probed ms per site |",
-        "|---|---|---|---|",
+        "| sites | plain trace s | probed trace s cold | warm "
+        "| probed ms per site cold | warm |",
+        "|---|---|---|---|---|---|",
     ]
-    for count, plain_s, probed_s in tracing_rows(
+    for count, plain_s, cold_s, warm_s in tracing_rows(
         [10] if options.quick else [10, 100, 1000]
     ):
         lines.append(
-            f"| {count} | {plain_s:.2f} | {probed_s:.2f} "
-            f"| {probed_s / count * 1e3:.2f} |"
+            f"| {count} | {plain_s:.2f} | {cold_s:.2f} | {warm_s:.2f} "
+            f"| {cold_s / count * 1e3:.2f} | {warm_s / count * 1e3:.2f} |"
         )
         print(lines[-1], flush=True)
 
@@ -364,19 +403,20 @@ def main():
         "Compile time (lower + compile) of a scanned stack of identical blocks "
         "(LayerNorm, gelu, Dense, residual), every site probed: Linen `nn.scan`, "
         "NNX `nnx.scan` over `nnx.vmap`-built layers, Equinox `lax.scan` over "
-        "`eqx.filter_vmap`-built layers, Haiku `hk.experimental.layer_stack`:",
+        "`eqx.filter_vmap`-built layers, Haiku `hk.experimental.layer_stack`; "
+        "probed cold (discovery cache cleared) and warm (compiled again):",
         "",
-        "| library | layers | plain s | probed s | ratio |",
-        "|---|---|---|---|---|",
+        "| library | layers | plain s | probed s cold | warm | ratio cold | warm |",
+        "|---|---|---|---|---|---|---|",
     ]
     for library in libraries:
         depths = [2] if options.quick else [12, 48]
         if options.quick and library != "linen":
             continue
-        for depth, plain_s, probed_s in scanned_rows(library, depths, sizes):
+        for depth, plain_s, cold_s, warm_s in scanned_rows(library, depths, sizes):
             lines.append(
-                f"| {library} | {depth} | {plain_s:.2f} | {probed_s:.2f} "
-                f"| {probed_s / plain_s:.2f} |"
+                f"| {library} | {depth} | {plain_s:.2f} | {cold_s:.2f} | {warm_s:.2f} "
+                f"| {cold_s / plain_s:.2f} | {warm_s / plain_s:.2f} |"
             )
             print(lines[-1], flush=True)
 

@@ -10,12 +10,13 @@ checks, assembling the result — is here, once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from . import _discovery_cache as discovery_cache
 from ._result import ForwardResult, ProbeResult
 from ._selection import check_selection, matches_pattern, select
 from ._session import Session
@@ -40,6 +41,15 @@ class ProbeBase:
 
     vmap: bool = False
 
+    #: Whether a discovery may be reused for a later call of the same
+    #: structure (`bridge._discovery_cache`): same probe type, pytree structure
+    #: and leaf types, same abstract inputs. An adapter opts in when its pytree
+    #: flattening holds everything its sites depend on (the model's static
+    #: parts in the treedef, its arrays as leaves) and its sites' `origin` is
+    #: plain data; off by default, so an adapter that keeps something outside
+    #: its pytree is never handed another model's sites.
+    reuses_discovery: bool = False
+
     # -- what an adapter supplies ------------------------------------------------
 
     def _trainable(self) -> Any:
@@ -62,6 +72,14 @@ class ProbeBase:
     def _format_grads(self, grads: Any) -> Any:
         """Parameter gradients in the library's own structure."""
         return grads
+
+    def _discovery_key(self, args: tuple, kwargs: dict) -> Hashable | None:
+        """What this probe's sites on these inputs depend on, or `None`: discover
+        afresh. An adapter overrides it to add what its sites depend on beyond
+        its pytree, or to return `None` where a discovery must not be reused."""
+        if not self.reuses_discovery:
+            return None
+        return discovery_cache.structure_key(self, args, kwargs)
 
     # -- the protocol ------------------------------------------------------------
 
@@ -150,19 +168,45 @@ class ProbeBase:
     ) -> tuple[list[Site], Any]:
         """Every site of one forward pass, by abstract evaluation: no FLOPs.
 
+        Also returns the abstract loss when `loss_fn` is given, so a bad loss
+        fails here, before any work. A discovery of a call with the same
+        structure is reused (`_discovery_key`); the loss is checked on the
+        outputs' abstract structure, by a trace of `loss_fn` alone.
+        """
+        key = self._discovery_key(args, kwargs)
+        found = discovery_cache.CACHE.get(key)
+        loss_struct = None
+        if found is None:
+            found, loss_struct = self._discover_afresh(args, kwargs, loss_fn)
+            discovery_cache.CACHE.put(key, found)
+        if loss_fn is not None and found.outputs is not None:
+            loss_struct = found.abstract_loss(loss_fn)
+        return list(found.sites), loss_struct
+
+    def _discover_afresh(
+        self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
+    ) -> tuple[discovery_cache.Discovery, Any]:
+        """One abstract trace of the instrumented model: the sites and the
+        outputs' abstract structure.
+
         The inputs' array leaves are traced, never closed over, so no operation
-        on them can run eagerly. Also returns the abstract loss when `loss_fn`
-        is given, so a bad loss fails here, before any work.
+        on them can run eagerly. Where an output cannot leave the trace as
+        plain data, `loss_fn` is evaluated inside it and its abstract value
+        returned too (else `None`).
         """
         dynamic, rebuild = _split_arrays((args, kwargs))
         sessions: list[Session] = []
+        outputs_found: list[Any] = []
 
         def trace(probe, dynamic):
             args, kwargs = rebuild(dynamic)
             outputs, _, _, _ = probe._call(
                 probe._trainable(), args, kwargs, None, {}, {}, False, [], sessions
             )
-            return loss_fn(outputs) if loss_fn is not None else None
+            outputs_found.append(discovery_cache.abstract_outputs(outputs))
+            if outputs_found[-1] is None and loss_fn is not None:
+                return loss_fn(outputs)
+            return None
 
         loss_struct = jax.eval_shape(trace, self, dynamic)
         (session,) = sessions
@@ -170,7 +214,8 @@ class ProbeBase:
         if self.vmap:
             batch, spec = _batch_size(args), _batch_sharding(args)
             discovered = [_with_batch_axis(site, batch, spec) for site in discovered]
-        return discovered, loss_struct
+        found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1])
+        return found, loss_struct
 
     def _call(
         self,

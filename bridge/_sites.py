@@ -183,7 +183,9 @@ def zeros_like_struct(struct: Any) -> Any:
     def zeros(s):
         sharding = getattr(s, "sharding", None)
         if sharding is None:
-            value = jnp.zeros(s.shape, s.dtype)
+            # What `jnp.zeros` binds, without its argument checks: a trace makes
+            # one per selected site.
+            value = jax.lax.broadcast_in_dim(np.zeros((), s.dtype), s.shape, ())
         else:
             value = jnp.zeros(s.shape, s.dtype, out_sharding=sharding)
         return varying_like(value, s)
