@@ -450,14 +450,7 @@ def _exit(session: Session, call: Any, value: Any, patch: Any) -> Any:
     `patch`, the patch value's leaf in the tree: one iteration's row of a
     stacked patch inside a scan. Without it, the session's own patch applies
     (a patch function, to this iteration's value)."""
-    if patch is None:
-        return session.exit(call, value, perturb=lambda v: v, record=False)
-    patches = session.patches
-    session.patches = {**patches, call.name: patch}
-    try:
-        return session.exit(call, value, perturb=lambda v: v, record=False)
-    finally:
-        session.patches = patches
+    return session.exit(call, value, perturb=lambda v: v, record=False, patch=patch)
 
 
 def _inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:

@@ -16,9 +16,8 @@ iteration or example raise, naming themselves.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import haiku as hk
@@ -125,13 +124,8 @@ def scanned(
         epsilon = hk.get_state(state_entry(method, call.index))
         return add_epsilon(value, jax.tree.map(lambda e: e[row], epsilon))
 
-    patching = (
-        patched_from_state(session, call, method, row)
-        if patched
-        else contextlib.nullcontext()
-    )
-    with patching:
-        value = session.exit(call, value, perturb, record=False)
+    patch = patch_from_state(call, method, row) if patched else None
+    value = session.exit(call, value, perturb, record=False, patch=patch)
     if selected:
         recording = recording_entry(method, call.index)
         values, inputs = hk.get_state(recording)
@@ -143,24 +137,15 @@ def scanned(
     return value
 
 
-@contextlib.contextmanager
-def patched_from_state(
-    session: Session, call: Any, method: str, row: Any = None
-) -> Iterator[None]:
-    """Within it the session patches `call` with its patch value read from
-    state (see `placed`): a layer stack slices it per layer going in; inside
-    `hk.scan` the carry holds the whole stacked value and `row` picks the
-    iteration's."""
+def patch_from_state(call: Any, method: str, row: Any = None) -> Any:
+    """`call`'s patch value, read from state (see `placed`): a layer stack
+    slices it per layer going in; inside `hk.scan` the carry holds the whole
+    stacked value and `row` picks the iteration's."""
     entry = patch_entry(method, call.index)
-    patches = session.patches
     value = hk.get_state(entry, (), jnp.float32, init=unreachable(call))
     if row is not None:
         value = jax.tree.map(lambda v: v[row], value)
-    session.patches = {**patches, call.name: value}
-    try:
-        yield
-    finally:
-        session.patches = patches
+    return value
 
 
 def _set_row(rows: Any, row: Any, values: Any) -> Any:
@@ -186,10 +171,10 @@ def check_reachable(name: str, origin: Origin, session: Session) -> None:
     )
 
 
-def tap_outside_transforms(tap: Any, stop: Any) -> Any:
-    """The session's `tap`, refusing a tap inside a Haiku transform: its value
-    would be recorded from the transform's inner trace and one epsilon would
-    serve every layer or iteration."""
+def tap_outside_transforms(session: Session, stop: Any) -> Any:
+    """The session's tap handler, refusing a tap inside a Haiku transform: its
+    value would be recorded from the transform's inner trace and one epsilon
+    would serve every layer or iteration."""
 
     def checked(name: str, value: Any) -> Any:
         where = internals.enclosing(stop)
@@ -200,7 +185,7 @@ def tap_outside_transforms(tap: Any, stop: Any) -> Any:
                 ", where bridge does not support taps yet. Wrap the computation "
                 "in an hk.Module (its calls are sites there), or tap outside it."
             )
-        return tap(name, value)
+        return session.tap_here(name, value)
 
     return checked
 

@@ -206,7 +206,7 @@ class Run:
                 "value outside the transform, or select the call of the module "
                 "that computes it."
             )
-        return Session.tap(session, name, value)
+        return session.tap_here(name, value)
 
     def transforms(self) -> tuple[str, ...]:
         """The NNX transforms of the model's own code running now."""
@@ -284,15 +284,14 @@ class Run:
         def perturb(value):
             return add_epsilon(value, internals.get_value(epsilon))
 
-        patches = session.patches
-        if patch is not None:  # this iteration's slice of the stacked patch
-            session.patches = {**patches, call.name: internals.get_value(patch)}
-        try:
-            value = session.exit(
-                call, value, perturb if epsilon is not None else None, record=False
-            )
-        finally:
-            session.patches = patches
+        value = session.exit(
+            call,
+            value,
+            perturb if epsilon is not None else None,
+            record=False,
+            # this iteration's slice of the stacked patch
+            patch=None if patch is None else internals.get_value(patch),
+        )
         if session.discovering or call.name in session.selected:
             recording = value if session.discovering else differentiable_part(value)
             inputs = positional_arrays(args) if session.with_inputs else None
@@ -371,16 +370,18 @@ class Run:
             )
 
         value = method(module, *args, **kwargs)
-        patches = session.patches
-        if patch is not None:  # this step's row of the stacked patch
-            rows = jax.tree.map(lambda p: p[row], internals.get_value(patch))
-            session.patches = {**patches, call.name: rows}
-        try:
-            value = session.exit(
-                call, value, perturb if epsilon is not None else None, record=False
-            )
-        finally:
-            session.patches = patches
+        rows = (  # this step's row of the stacked patch
+            None
+            if patch is None
+            else jax.tree.map(lambda p: p[row], internals.get_value(patch))
+        )
+        value = session.exit(
+            call,
+            value,
+            perturb if epsilon is not None else None,
+            record=False,
+            patch=rows,
+        )
         recording = variables[key("recording")]
         values, inputs = internals.get_value(recording)
         values = _set_row(values, row, differentiable_part(value))

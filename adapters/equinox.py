@@ -160,15 +160,16 @@ class EquinoxProbe(ProbeBase):
             eqx.combine(trainable, self.model), (), self.vmap, leaves, _Token()
         )
         context = _Context(session, internals.current_trace())
-        # `bridge.tap` inside the model's own vmap must leave it the same way.
-        session.tap = lambda name, value: _tap(context, name, value)
         token = _CONTEXT.set(context)
+        # `bridge.tap` inside the model's own vmap must leave it the same way.
+        tapping = session.tapping(lambda name, value: _tap(context, name, value))
         try:
-            if self.state is None:
-                return model(*args, **kwargs), None
-            # `State.set` invalidates the State it was called on: hand the model
-            # a copy, so the user's state stays usable.
-            result = model(*args, _clone(self.state), **kwargs)
+            with tapping:
+                if self.state is None:
+                    return model(*args, **kwargs), None
+                # `State.set` invalidates the State it was called on: hand the
+                # model a copy, so the user's state stays usable.
+                result = model(*args, _clone(self.state), **kwargs)
         except (TypeError, ValueError) as error:
             if self.vmap or not session.discovering or _raised_by_bridge(error):
                 raise
@@ -180,7 +181,6 @@ class EquinoxProbe(ProbeBase):
             raise type(error)(f"{said}\n\n{_FORGOT_VMAP}") from error
         finally:
             _CONTEXT.reset(token)
-            del session.tap
         if not (
             isinstance(result, tuple)
             and len(result) == 2
@@ -477,5 +477,5 @@ def _tap(context: _Context, name: str, value: Any) -> Any:
             "wrapping its computation in an eqx.Module (a module call is a site)."
         )
     if depth == 0:
-        return Session.tap(session, name, value)
-    return transforms.lift(value, depth, lambda full: Session.tap(session, name, full))
+        return session.tap_here(name, value)
+    return transforms.lift(value, depth, lambda full: session.tap_here(name, full))

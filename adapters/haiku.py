@@ -41,7 +41,6 @@ transforms off the call stack, the one use of Haiku's internals, is
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -170,7 +169,12 @@ class HaikuProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        session.tap = haiku_state.tap_outside_transforms(session.tap, _APPLY_CODE)
+        with session.tapping(haiku_state.tap_outside_transforms(session, _APPLY_CODE)):
+            return self._run_tapping(trainable, args, kwargs, session)
+
+    def _run_tapping(
+        self, trainable: Any, args: tuple, kwargs: dict, session: Session
+    ) -> tuple[Any, Any]:
         placed = (
             {}
             if session.discovering
@@ -335,13 +339,8 @@ class _Interceptor:
             )
             return add_epsilon(value, epsilon)
 
-        patching = (
-            haiku_state.patched_from_state(session, call, method)
-            if patched
-            else contextlib.nullcontext()
-        )
-        with patching:
-            value = session.exit(call, value, perturb, record=not inside)
+        patch = haiku_state.patch_from_state(call, method) if patched else None
+        value = session.exit(call, value, perturb, record=not inside, patch=patch)
         if origin.lifted and (session.discovering or call.name in session.selected):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = value if session.discovering else differentiable_part(value)

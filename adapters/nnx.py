@@ -192,15 +192,16 @@ class NnxProbe(ProbeBase):
         # user's too: the model may advance them, so it gets copies.
         args, kwargs = _copy_graph_nodes((args, kwargs))
         token = _RUN.set(run)
-        session.tap = functools.partial(run.tap, session)
         try:
-            with guests.hosting("nnx", run.innermost_transform):
+            with (
+                session.tapping(functools.partial(run.tap, session)),
+                guests.hosting("nnx", run.innermost_transform),
+            ):
                 outputs = model(*args, **kwargs)
         except ValueError as error:
             run.explain(error)
             raise
         finally:
-            del session.tap  # the class's own method again
             _RUN.reset(token)
         if session.discovering and not markers and candidates:
             raise nnx_run.NeedsCarried

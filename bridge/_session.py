@@ -76,6 +76,7 @@ class Session:
         self.inputs: dict[str, tuple] = {}
         self._counts: dict[str, int] = {}
         self._enclosing: list[str] = []
+        self._tap_handler: Callable[[str, Any], Any] | None = None
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
@@ -120,6 +121,7 @@ class Session:
         value: Any,
         perturb: Callable[[Any], Any] | None = None,
         record: bool = True,
+        patch: Any = None,
     ) -> Any:
         """Finish a call: returns the value the model goes on with.
 
@@ -131,6 +133,9 @@ class Session:
             epsilon it holds.
           record: whether the session records the value; `False` where the
             adapter hands it over later with `record` (see `enter`).
+          patch: this call's patch value where the adapter holds it rather
+            than the session: one iteration's row of a stacked patch value
+            inside a scan, carried in by the library's own mechanism.
         """
         self._enclosing.pop()
         if self.discovering:
@@ -144,8 +149,10 @@ class Session:
                 call.origin,
             )
             return value
-        if call.name in self.patches:
-            value = self._apply_patch(call.name, self.patches[call.name], value)
+        if patch is None:
+            patch = self.patches.get(call.name)
+        if patch is not None:
+            value = self._apply_patch(call.name, patch, value)
         if call.name in self.selected:
             epsilon = self.epsilons.get(call.name)
             if epsilon is not None:
@@ -216,9 +223,29 @@ class Session:
                 )
 
     def tap(self, name: str, value: Any) -> Any:
-        """A named value inside the model's code: a site without a module."""
+        """A named value inside the model's code (`bridge.tap`): the adapter's
+        handler where one is installed (`tapping`), else `tap_here`."""
+        if self._tap_handler is not None:
+            return self._tap_handler(name, value)
+        return self.tap_here(name, value)
+
+    def tap_here(self, name: str, value: Any) -> Any:
+        """A site without a module, named under the enclosing call, whose value
+        is seen in the trace the session runs in."""
         path = f"{self._enclosing[-1]}/{name}" if self._enclosing else name
         return self.exit(self.enter(path, None, None), value)
+
+    @contextlib.contextmanager
+    def tapping(self, handler: Callable[[str, Any], Any]) -> Iterator[None]:
+        """Within it, `bridge.tap(name, value)` calls `handler(name, value)`:
+        an adapter whose taps can run inside its library's transforms hands
+        the value out (or refuses it) there, then calls `tap_here`."""
+        previous = self._tap_handler
+        self._tap_handler = handler
+        try:
+            yield
+        finally:
+            self._tap_handler = previous
 
     def _apply_patch(self, name: str, patch: Any, value: Any) -> Any:
         if not callable(patch):
