@@ -161,15 +161,14 @@ def patches_in_tree(session: Session, patched: dict[str, Site]) -> dict[str, Any
 def run_with_tree_leaves(
     call_model: Callable[[dict[str, Leaves]], tuple[Any, Any]],
     session: Session,
-    patched: dict[str, Site],
     vmap: bool,
     model_name: str,
 ) -> tuple[Any, Any]:
     """Run the model with the `Leaves` of the calls inside transforms
     (`call_model(leaves) -> (outputs, state)`), and record the selected sites
     there, whose values and inputs leave the scan as the recorders' cotangents
-    (see `record`). `patched`: the `Site` of each site patched with a value."""
-    patches = patches_in_tree(session, patched)
+    (see `record`)."""
+    patches = patches_in_tree(session, session.patched_with_values())
     sites = in_tree(session)
     if not sites:  # nothing to record in there: no backward pass needed
         return call_model({name: Leaves(patch=p) for name, p in patches.items()})

@@ -220,16 +220,14 @@ def patch_entry(method: str, index: int) -> str:
     return f"{PATCH_PREFIX}{method}#{index}"
 
 
-def placed(session: Session, sites: Mapping[str, Site]) -> dict[str, Site]:
-    """The sites patched with a value inside a lifted transform: the value
-    rides in state beside the epsilon. `sites` holds at least those patched
-    with a value; a patch function needs no placing."""
+def placed(patched: Mapping[str, Site]) -> dict[str, Site]:
+    """Of the sites patched with a value, those inside a lifted transform: the
+    value rides in state beside the epsilon (a patch function needs no
+    placing)."""
     return {
-        name: sites[name]
-        for name, patch in session.patches.items()
-        if not callable(patch)
-        and isinstance(sites[name].origin, Origin)
-        and sites[name].origin.lifted
+        name: site
+        for name, site in patched.items()
+        if isinstance(site.origin, Origin) and site.origin.lifted
     }
 
 

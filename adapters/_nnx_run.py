@@ -158,26 +158,33 @@ class Run:
                 self.placed[path, key] = marker
 
     def place_variables(self, session: Session) -> None:
-        """Put the epsilon and patch value of each selected site inside a
-        transform on its module, stacked like the site; and for a site inside
-        a carrying `nnx.scan`, its recording rows and step counter."""
+        """Put the epsilon and patch value of each selected or patched site
+        inside a transform on its module, stacked like the site; and for a
+        site inside a carrying `nnx.scan`, its step counter and, if selected,
+        its recording rows."""
         values = [(name, "epsilon", eps) for name, eps in session.epsilons.items()]
         values += [
             (name, "patch", patch)
             for name, patch in session.patches.items()
             if not callable(patch)
         ]
+        reached = {**session.patched_with_values(), **session.selected}
         for name, kind, value in values:
-            site = session.selected.get(name)
+            site = reached.get(name)
             if isinstance(getattr(site, "origin", None), Origin) and (
                 site.origin.transforms
             ):
                 key = _variable_name(kind, site.method, site.index)
                 setattr(self.modules[site.origin.path], key, _Carried(value))
-        for site in session.selected.values():
+        for site in reached.values():
             origin = site.origin
             if not isinstance(origin, Origin) or origin.scan is None:
                 continue
+            module = self.modules[origin.path]
+            step = _variable_name("step", site.method, site.index)
+            setattr(module, step, _Carried(jnp.zeros((), jnp.int32)))
+            if site.name not in session.selected:
+                continue  # patched only: the counter picks the patch's row
             length = origin.scan[0]
 
             def rows(struct, length=length):
@@ -185,14 +192,11 @@ class Run:
                     lambda s: jnp.zeros((length, *s.shape), s.dtype), struct
                 )
 
-            module = self.modules[origin.path]
             inputs = rows(origin.inputs) if session.with_inputs else None
             recording = (rows(origin.value), inputs)
             key = _variable_name("recording", site.method, site.index)
             setattr(module, key, _Recording(recording))
             self.placed[origin.path, key] = recording
-            step = _variable_name("step", site.method, site.index)
-            setattr(module, step, _Carried(jnp.zeros((), jnp.int32)))
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
         """`bridge.tap` in the model's code: refused inside an NNX transform,
@@ -350,9 +354,11 @@ class Run:
         return value
 
     def _run_carried(self, module, call, method, args, kwargs, session):
-        """A selected call whose module nnx.scan carries: its epsilon, patch
-        value and recording hold every step; the carried counter picks the row."""
-        length, reverse = session.selected[call.name].origin.scan
+        """A selected (or patched) call whose module nnx.scan carries: its
+        epsilon, patch value and recording hold every step; the carried
+        counter picks the row."""
+        site = session.selected.get(call.name) or session.patched[call.name]
+        length, reverse = site.origin.scan
         variables = vars(module)
 
         def key(kind):
@@ -382,13 +388,15 @@ class Run:
             record=False,
             patch=rows,
         )
+        internals.set_value(counter, step + 1)
+        if call.name not in session.selected:
+            return value
         recording = variables[key("recording")]
         values, inputs = internals.get_value(recording)
         values = _set_row(values, row, differentiable_part(value))
         if inputs is not None:
             inputs = _set_row(inputs, row, positional_arrays(args))
         internals.set_value(recording, (values, inputs))
-        internals.set_value(counter, step + 1)
         self.deferred[call.name] = (call.path, key("recording"), ("nnx.scan",))
         return value
 

@@ -26,7 +26,7 @@ import jax
 
 from bridge._probe import BATCH_AXIS, ProbeBase
 from bridge._session import Session, current
-from bridge._sites import Site, key_name, strip_call_index
+from bridge._sites import key_name, strip_call_index
 
 from . import _equinox_transforms as transforms
 from . import _guests
@@ -110,39 +110,12 @@ class EquinoxProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        patched = (
-            {}
-            if session.discovering
-            else self._patched_sites(trainable, args, kwargs, session)
-        )
         return transforms.run_with_tree_leaves(
             lambda leaves: self._call_model(trainable, args, kwargs, session, leaves),
             session,
-            patched,
             self.vmap,
             type(self.model).__name__,
         )
-
-    def _patched_sites(
-        self, trainable: Any, args: tuple, kwargs: dict, session: Session
-    ) -> dict[str, Site]:
-        """The sites patched with a value. A value for a site inside a scan
-        rides in the tree, sliced per iteration, which only its `Site` tells: a
-        patched site that is not selected is located by an abstract pass of the
-        model (no FLOPs), only when there is one."""
-        names = [name for name, p in session.patches.items() if not callable(p)]
-        sites = {n: session.selected[n] for n in names if n in session.selected}
-        if len(sites) == len(names):
-            return sites
-        finder = Session()
-
-        def discover(trainable: Any) -> None:
-            with finder.active():
-                self._call_model(trainable, args, kwargs, finder, {})
-
-        jax.eval_shape(discover, trainable)
-        located = {site.name: site for site in finder.discovered()}
-        return {name: sites.get(name, located[name]) for name in names}
 
     @_guests.hosted("equinox")
     def _call_model(

@@ -178,9 +178,7 @@ class HaikuProbe(ProbeBase):
         placed = (
             {}
             if session.discovering
-            else haiku_state.placed(
-                session, self._patched_sites(trainable, args, kwargs, session)
-            )
+            else haiku_state.placed(session.patched_with_values())
         )
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True, placed)
@@ -191,27 +189,6 @@ class HaikuProbe(ProbeBase):
             haiku_state.NeedsState,
             lambda origin: origin.lifted,
         )
-
-    def _patched_sites(
-        self, trainable: Any, args: tuple, kwargs: dict, session: Session
-    ) -> dict[str, Site]:
-        """The sites patched with a value. A value for a site inside a lifted
-        transform rides in state, in the site's bundle, which only its `Site`
-        tells: a patched site that is not selected is located by an abstract
-        pass of the model (no FLOPs), only when there is one."""
-        names = [name for name, p in session.patches.items() if not callable(p)]
-        sites = {n: session.selected[n] for n in names if n in session.selected}
-        if len(sites) == len(names):
-            return sites
-        finder = Session()
-
-        def discover(trainable):
-            with finder.active():
-                self._run(trainable, args, kwargs, finder)
-
-        jax.eval_shape(discover, trainable)
-        located = {site.name: site for site in finder.discovered()}
-        return {name: sites.get(name, located[name]) for name in names}
 
     def _apply(
         self,

@@ -10,7 +10,7 @@ checks, assembling the result — is here, once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -102,7 +102,12 @@ class ProbeBase:
         chosen = select(at, discovered)
         patches = resolve_patches(patch, discovered)
         outputs, state, activations, _ = self._call(
-            self._trainable(), args, kwargs, chosen, {}, patches, False, discovered
+            self._trainable(),
+            args,
+            kwargs,
+            chosen=chosen,
+            patches=patches,
+            discovered=discovered,
         )
         return ForwardResult(outputs, in_order(activations, chosen), state)
 
@@ -131,11 +136,11 @@ class ProbeBase:
                 trainable,
                 args,
                 kwargs,
-                chosen,
-                epsilons,
-                patches,
-                with_inputs,
-                discovered,
+                chosen=chosen,
+                epsilons=epsilons,
+                patches=patches,
+                with_inputs=with_inputs,
+                discovered=discovered,
             )
             loss_out = loss_fn(outputs)
             loss, aux = loss_out if has_aux else (loss_out, None)
@@ -201,7 +206,7 @@ class ProbeBase:
         def trace(probe, dynamic):
             args, kwargs = rebuild(dynamic)
             outputs, _, _, _ = probe._call(
-                probe._trainable(), args, kwargs, None, {}, {}, False, [], sessions
+                probe._trainable(), args, kwargs, sessions=sessions
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
             if outputs_found[-1] is None and loss_fn is not None:
@@ -222,24 +227,31 @@ class ProbeBase:
         trainable: Any,
         args: tuple,
         kwargs: dict,
-        chosen: list[Site] | None,
-        epsilons: dict[str, Any],
-        patches: dict[str, Any],
-        with_inputs: bool,
-        discovered: list[Site],
+        *,
+        chosen: list[Site] | None = None,
+        epsilons: Mapping[str, Any] | None = None,
+        patches: Mapping[str, Any] | None = None,
+        with_inputs: bool = False,
+        discovered: Sequence[Site] = (),
         sessions: list[Session] | None = None,
     ) -> tuple[Any, Any, dict, dict]:
         """Run the model under a session: `(outputs, state, activations, inputs)`.
 
-        `chosen=None` discovers. With `vmap=True` the model runs under the
+        `chosen=None` discovers (and `sessions` collects the session). The
+        session knows the `Site` of every patched site too (`Session.patched`):
+        an adapter carrying a patch value into a lifted transform needs its
+        stacking and origin. With `vmap=True` the model runs under the
         probe's own `jax.vmap`, and epsilons and patch values, which have the
         batch axis first (after a stacked site's iteration axes), are mapped
         with the inputs, and so are the random keys among the keywords, one
         per example (`_per_example_keys`).
         """
         selected = None if chosen is None else {site.name: site for site in chosen}
+        epsilons = dict(epsilons or {})
+        patches = patches or {}
         patch_values = {k: v for k, v in patches.items() if not callable(v)}
         patch_functions = {k: v for k, v in patches.items() if callable(v)}
+        patched = {site.name: site for site in discovered if site.name in patches}
 
         def single(dynamic_args, keys, epsilons, patch_values):
             call_kwargs = rebuild_kwargs(keys)
@@ -249,6 +261,7 @@ class ProbeBase:
                 {**patch_values, **patch_functions},
                 with_inputs,
                 BATCH_AXIS if self.vmap else None,
+                patched=patched,
             )
             if sessions is not None:
                 sessions.append(session)

@@ -60,11 +60,14 @@ class Session:
         with_inputs: bool = False,
         batch_axis: str | None = None,
         arrays: Arrays = JAX_ARRAYS,
+        patched: Mapping[str, Site] | None = None,
     ):
         self.discovering = selected is None
         self.selected = selected or {}
         self.epsilons = epsilons or {}
         self.patches = patches or {}
+        # The discovered `Site` of each patched site, selected or not.
+        self.patched = patched or {}
         self.with_inputs = with_inputs
         # Set when the model runs under the probe's own `jax.vmap` (vmap=True):
         # a patch function then still sees the whole batch.
@@ -163,6 +166,15 @@ class Session:
             if record:
                 self.activations[call.name] = self.arrays.recorded(value)
         return value
+
+    def patched_with_values(self) -> dict[str, Site]:
+        """The discovered `Site` of each site patched with a value rather than
+        a function: what an adapter must carry into a lifted transform."""
+        return {
+            name: self.patched[name]
+            for name, patch in self.patches.items()
+            if not callable(patch) and name in self.patched
+        }
 
     def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:
         """Hand over a selected site's value (and inputs) recorded by the adapter."""

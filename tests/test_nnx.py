@@ -883,3 +883,29 @@ def test_vmap_true_gives_a_carried_site_the_batched_numbers():
     mapped = step(bridge.probe(model, vmap=True), x)
     assert_tree_allclose(mapped.activation_grads, batched.activation_grads)
     assert_tree_allclose(mapped.activations, batched.activations)
+
+
+def test_a_patch_value_reaches_a_scanned_site_left_out_of_the_selection():
+    """The patch rides in on the module whether or not the site is selected."""
+    model = _build(ScannedStack)
+    values = jax.random.normal(jax.random.key(0), (3, 5, 4))
+    scanned = bridge.probe(model).apply(
+        STACK_X, at="head", patch={"blocks/linear": values}
+    )
+    selected = bridge.probe(model).apply(STACK_X, patch={"blocks/linear": values})
+    np.testing.assert_allclose(scanned.outputs, selected.outputs, rtol=1e-6)
+    assert list(scanned.activations) == ["head"]
+    unpatched = bridge.probe(model).apply(STACK_X, at="head")
+    assert not np.allclose(scanned.outputs, unpatched.outputs)
+
+
+def test_a_patch_value_reaches_a_carried_cell_left_out_of_the_selection():
+    model = _build(ReversedCarriedScan)
+    x = _inputs(STEPS, 3, 4)
+    values = jax.random.normal(jax.random.key(1), (STEPS, 3, 4))
+    res = bridge.probe(model).apply(x, at="head", patch={"cell": values})
+    # Every step's value is replaced by its row, so the head sees `values`.
+    np.testing.assert_allclose(
+        res.outputs, nnx.clone(model).head(values), rtol=1e-5, atol=1e-6
+    )
+    assert list(res.activations) == ["head"]
