@@ -15,7 +15,18 @@ bridge does not know is added from outside with this module alone, as
      after it (the value returned is the one to pass on: epsilon added,
      patched, recorded). `state` is `None` for a model without state;
    - optionally `_check_call(self, args, kwargs)` (validate the call before
-     any work) and `_format_grads(self, grads)` (the library's structure).
+     any work) and `_format_grads(self, grads)` (the library's structure);
+   - optionally `reuses_discovery = True`, once the pytree flattening holds
+     everything the sites depend on (static parts in the treedef) and every
+     `origin` given to `session.enter` is plain data: discovery is then
+     reused across calls of the same structure.
+
+   Inside `_run`, the session's declared hooks are the only things an adapter
+   changes: `with session.tapping(handler):` routes `bridge.tap` through the
+   adapter (which calls `session.tap_here` where the value is reachable), and
+   `session.exit(call, value, patch=row)` applies one iteration's row of a
+   patch value the adapter carried into a lifted transform
+   (`session.patched_with_values()` gives the `Site` of each).
 
    Register the subclass as a pytree whose leaves are the model's variables
    (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
