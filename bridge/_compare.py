@@ -27,6 +27,7 @@ from ._porting import (
     porting_module,
     second_inputs,
 )
+from ._sites import split_arrays
 
 
 class PairComparison(NamedTuple):
@@ -339,11 +340,10 @@ def _value_and_grad(probe, loss_fn, names, inputs):
 def _jitted(runs: list) -> tuple:
     """`_value_and_grad` of each run, all under one `jax.jit`, the inputs'
     arrays traced."""
-    from ._probe import _split_arrays  # the probes' own split
 
     probes = [probe for probe, *_ in runs]
     losses_and_sites = [(loss_fn, names) for _, loss_fn, names, _ in runs]
-    dynamic, rebuild = _split_arrays([inputs for *_, inputs in runs])
+    dynamic, rebuild = split_arrays([inputs for *_, inputs in runs])
 
     @jax.jit
     def run(probes, dynamic):

@@ -26,7 +26,9 @@ from ._sites import (
     Site,
     explicit_sharding,
     is_array,
+    patch_misfit,
     shapes_and_dtypes,
+    split_arrays,
     struct_update,
     zeros_like_struct,
 )
@@ -199,7 +201,7 @@ class ProbeBase:
         plain data, `loss_fn` is evaluated inside it and its abstract value
         returned too (else `None`).
         """
-        dynamic, rebuild = _split_arrays((args, kwargs))
+        dynamic, rebuild = split_arrays((args, kwargs))
         sessions: list[Session] = []
         outputs_found: list[Any] = []
 
@@ -271,7 +273,7 @@ class ProbeBase:
                 )
             return outputs, state, session.activations, session.inputs
 
-        dynamic_args, rebuild_args = _split_arrays(args)
+        dynamic_args, rebuild_args = split_arrays(args)
         if not self.vmap:
             rebuild_kwargs = lambda keys: kwargs
             return single(dynamic_args, [], epsilons, patch_values)
@@ -341,22 +343,6 @@ def _is_key(leaf: Any) -> bool:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return jnp.ndim(leaf) == 0
     return dtype == jnp.uint32 and jnp.shape(leaf) == (2,)
-
-
-def _split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
-    """Split a pytree into its array leaves and a function that rebuilds it."""
-    leaves, treedef = jax.tree.flatten(tree)
-    is_dynamic = [is_array(leaf) for leaf in leaves]
-    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]
-
-    def rebuild(new_dynamic: list) -> Any:
-        it = iter(new_dynamic)
-        merged = [
-            next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, merged)
-
-    return dynamic, rebuild
 
 
 def _batch_size(args: tuple) -> int:
@@ -455,6 +441,13 @@ def check_loss(loss_struct: Any, has_aux: bool) -> None:
         )
     shape = getattr(loss_struct, "shape", None)
     dtype = getattr(loss_struct, "dtype", None)
+    if shape == () and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"`loss_fn` returned a scalar of dtype {dtype}, and gradients need a "
+            "real floating-point loss. Compute it in floating point, e.g. "
+            "`jnp.mean(logits_or_errors)` or `loss.astype(jnp.float32)` (an "
+            "integer loss such as a count of errors has no gradient)."
+        )
     if shape != () or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             "`loss_fn` must return a real floating-point scalar, but it returned "
@@ -498,13 +491,11 @@ def resolve_patches(
 
 def _check_patch_value(site: Site, value: Any, arrays: Arrays) -> None:
     if not arrays.fits(site.struct, value):
-        expected = shapes_and_dtypes(site.struct)
-        got = arrays.shapes_and_dtypes(value)
-        raise ValueError(
-            f"patch for site {site.name!r} does not fit: the site's value has "
-            f"(shape, dtype) {expected}, the patch has {got}. Give a value of the "
-            "site's shape and dtype (see probe.sites(...)), or a function of the "
-            "original value."
+        raise patch_misfit(
+            site.name,
+            shapes_and_dtypes(site.struct),
+            arrays.shapes_and_dtypes(value),
+            function=False,
         )
 
 
@@ -522,12 +513,11 @@ def _check_patch_function(
     except Exception:  # noqa: BLE001 - checked again where the patch is applied
         return
     if not arrays.fits(site.struct, new):
-        expected, got = shapes_and_dtypes(site.struct), shapes_and_dtypes(new)
-        raise ValueError(
-            f"patch for site {site.name!r} does not fit: the site's value has "
-            f"(shape, dtype) {expected}, the patch function returns {got}. A patch "
-            "function must keep the site's structure, shape and dtype, e.g. "
-            "`lambda v: v * 0` or `lambda v: v.at[..., 0].set(0.0)`."
+        raise patch_misfit(
+            site.name,
+            shapes_and_dtypes(site.struct),
+            shapes_and_dtypes(new),
+            function=True,
         )
 
 

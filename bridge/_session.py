@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ._sites import JAX_ARRAYS, Arrays, Site, site_name
+from ._sites import JAX_ARRAYS, Arrays, Site, patch_misfit, site_name
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None
@@ -274,10 +274,11 @@ class Session:
             new = jax.tree.map(lambda v: v[index], patch(whole))
         expected = self.arrays.abstract(value)
         if not self.arrays.fits(expected, new):
-            raise ValueError(
-                f"patch for site {name!r} does not fit: the site's value is "
-                f"{expected}, the patch gives {self.arrays.abstract(new)}. A patch "
-                "must keep the site's structure, shape and dtype."
+            raise patch_misfit(
+                name,
+                self.arrays.shapes_and_dtypes(expected),
+                self.arrays.shapes_and_dtypes(new),
+                function=callable(patch),
             )
         return new
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -170,6 +171,36 @@ def without_axis(struct: Any, axis: int) -> Any:
 def shapes_and_dtypes(tree: Any) -> Any:
     """`(shape, dtype)` of each leaf: arrays, scalars or `ShapeDtypeStruct`s."""
     return jax.tree.map(lambda x: (tuple(jnp.shape(x)), jnp.result_type(x)), tree)
+
+
+def split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """Split a pytree into its array leaves and a function that rebuilds it."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_dynamic = [is_array(leaf) for leaf in leaves]
+    dynamic = [leaf for leaf, d in zip(leaves, is_dynamic, strict=True) if d]
+
+    def rebuild(new_dynamic: list) -> Any:
+        it = iter(new_dynamic)
+        merged = [
+            next(it) if d else leaf for leaf, d in zip(leaves, is_dynamic, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, merged)
+
+    return dynamic, rebuild
+
+
+def patch_misfit(name: str, expected: Any, got: Any, function: bool) -> ValueError:
+    """The one error for a patch that does not fit its site: `expected` and
+    `got` are `(shape, dtype)` trees; `function` says a patch function gave
+    `got`."""
+    given = "the patch function returns" if function else "the patch has"
+    return ValueError(
+        f"patch for site {name!r} does not fit: the site's value has (shape, "
+        f"dtype) {expected}, {given} {got}. A patch must keep the site's "
+        "structure, shape and dtype: give a value of the site's shape and dtype "
+        "(see probe.sites(...)), or a function of the original value that keeps "
+        "them, e.g. `lambda v: v * 0` or `lambda v: v.at[..., 0].set(0.0)`."
+    )
 
 
 def differentiable_part(tree: Any) -> Any:

@@ -18,9 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._probe import _split_arrays
 from ._result import ForwardResult, ProbeResult
-from ._sites import differentiable_part, merge_differentiable, strip_call_index
+from ._sites import (
+    differentiable_part,
+    merge_differentiable,
+    split_arrays,
+    strip_call_index,
+)
 
 __all__ = ["assert_results_close", "check_activation_grads"]
 
@@ -176,7 +180,7 @@ def check_activation_grads(
     """
     if max_sites < 1:
         raise ValueError(f"`max_sites` must be at least 1; got {max_sites}.")
-    dynamic, rebuild = _split_arrays((args, kwargs))
+    dynamic, rebuild = split_arrays((args, kwargs))
 
     @jax.jit
     def value_and_grad(probe, dynamic):

@@ -200,6 +200,17 @@ def test_an_integer_site_selected_explicitly_is_refused(built, at):
 # -- the loss ------------------------------------------------------------------------
 
 
+def test_an_integer_scalar_loss_names_its_dtype(built):
+    _fails_before_any_work(
+        ValueError,
+        r"`loss_fn` returned a scalar of dtype int32, and gradients need a real "
+        r"floating-point loss\. Compute it in floating point",
+        lambda: built.probe.value_and_grad(
+            lambda y: jnp.sum(y > 0).astype(jnp.int32), built.x
+        ),
+    )
+
+
 def test_a_non_scalar_loss_is_refused(built):
     _fails_before_any_work(
         ValueError,
@@ -248,7 +259,7 @@ def test_a_patch_value_of_the_wrong_shape_is_refused(built):
     _fails_before_any_work(
         ValueError,
         rf"patch for site '{site}' does not fit: the site's value has \(shape, "
-        r"dtype\).*Give a value of the site's shape and dtype",
+        r"dtype\).*give a value of the site's shape and dtype",
         lambda: built.probe.value_and_grad(
             loss_fn, built.x, patch={site: jnp.ones((7,))}
         ),
