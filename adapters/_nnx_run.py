@@ -297,7 +297,7 @@ class Run:
             patch=None if patch is None else internals.get_value(patch),
         )
         if session.discovering or call.name in session.selected:
-            recording = value if session.discovering else differentiable_part(value)
+            recording = session.to_carry_out(value)
             inputs = positional_arrays(args) if session.with_inputs else None
             key = _variable_name("recording", site_method, call.index)
             setattr(module, key, _Recording((recording, inputs)))
@@ -420,10 +420,7 @@ class Run:
             if internals.get_value(recording) is self.placed.get((path, key)):
                 raise self._broadcast_error(path, names)
             value, inputs = internals.get_value(recording)
-            if session.discovering:
-                session.restructure(name, value)
-            else:
-                session.record(name, value, inputs)
+            session.carried_out(name, value, inputs)
 
     def explain(self, error: ValueError) -> None:
         """NNX's own error when a transform broadcasts a module bridge records in."""

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from bridge._probe import ProbeBase
 from bridge._session import Session, positional_arrays
-from bridge._sites import Site, add_epsilon, differentiable_part
+from bridge._sites import Site, add_epsilon
 
 from . import _guests
 from . import _haiku_internals as internals
@@ -320,7 +320,7 @@ class _Interceptor:
         value = session.exit(call, value, perturb, record=not inside, patch=patch)
         if origin.lifted and (session.discovering or call.name in session.selected):
             inputs = positional_arrays(call_args) if session.with_inputs else None
-            recording = value if session.discovering else differentiable_part(value)
+            recording = session.to_carry_out(value)
             hk.set_state(
                 haiku_state.recording_entry(method, call.index), (recording, inputs)
             )
@@ -332,10 +332,7 @@ class _Interceptor:
         they leave them in state (stacked over a layer stack's layers)."""
         for name, (bundle, method, index) in self.deferred.items():
             value, inputs = state[bundle][haiku_state.recording_entry(method, index)]
-            if self.session.discovering:
-                self.session.restructure(name, value)
-            else:
-                self.session.record(name, value, inputs)
+            self.session.carried_out(name, value, inputs)
 
 
 def _joined(prefix: str, name: str) -> str:

@@ -378,7 +378,7 @@ class _Interceptor:
         )
         if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None
-            recording = value if session.discovering else differentiable_part(value)
+            recording = session.to_carry_out(value)
             if in_params:
                 module.scope.put_variable(
                     "params", PARAMS_RECORDING + key, (recording, inputs)
@@ -397,10 +397,7 @@ class _Interceptor:
             for part in path:
                 node = node[part]
             value, inputs = node[PARAMS_RECORDING + key if in_params else key]
-            if self.session.discovering:
-                self.session.restructure(name, value)
-            else:
-                self.session.record(name, value, inputs)
+            self.session.carried_out(name, value, inputs)
 
 
 def is_bridge_variable(name: str) -> bool:

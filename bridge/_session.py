@@ -18,7 +18,14 @@ from typing import Any
 
 import jax
 
-from ._sites import JAX_ARRAYS, Arrays, Site, patch_misfit, site_name
+from ._sites import (
+    JAX_ARRAYS,
+    Arrays,
+    Site,
+    differentiable_part,
+    patch_misfit,
+    site_name,
+)
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None
@@ -175,6 +182,21 @@ class Session:
             for name, patch in self.patches.items()
             if not callable(patch) and name in self.patched
         }
+
+    def to_carry_out(self, value: Any) -> Any:
+        """What an adapter carries out of a lifted transform for a site there:
+        the whole value at discovery (its structure is the site's), the
+        floating leaves in a run (what a recording keeps)."""
+        return value if self.discovering else differentiable_part(value)
+
+    def carried_out(self, name: str, value: Any, inputs: tuple | None = None) -> None:
+        """A site's value (and inputs) as it left a lifted transform, stacked
+        over iterations or layers: at discovery it reshapes the site (see
+        `restructure`), in a run it is recorded."""
+        if self.discovering:
+            self.restructure(name, value)
+        else:
+            self.record(name, value, inputs)
 
     def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:
         """Hand over a selected site's value (and inputs) recorded by the adapter."""
