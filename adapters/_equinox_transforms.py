@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from bridge._session import Session, positional_arrays
 from bridge._sites import (
     Site,
+    SiteOrigin,
     abstract,
     differentiable_part,
     merge_differentiable,
@@ -104,7 +105,7 @@ def mapped_depth(base_trace: Any) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Mapped:
+class Mapped(SiteOrigin):
     """Where the model's own vmaps took a call's input from.
 
     The site's value holds the mapped axes first, outermost first (the
@@ -239,7 +240,7 @@ _CHECKPOINT = "checkpoint / remat"
 
 
 @dataclasses.dataclass(frozen=True)
-class InTransform:
+class InTransform(SiteOrigin):
     """Where a site lives that takes its epsilon and patch value from the tree
     and records through it: `iterations` of the enclosing scan (`None` when
     only a checkpoint encloses it)."""

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge._session import Session, positional_arrays
-from bridge._sites import Site, add_epsilon, differentiable_part, is_array
+from bridge._sites import Site, SiteOrigin, add_epsilon, differentiable_part, is_array
 
 from . import _haiku_internals as internals
 
@@ -65,7 +65,7 @@ class NeedsState(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class Origin:
+class Origin(SiteOrigin):
     """Where a Haiku site's epsilon and recording live.
 
     `bundle` is the state bundle, keyed like the module's params as `apply`

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge._session import Session, positional_arrays
-from bridge._sites import add_epsilon, differentiable_part
+from bridge._sites import SiteOrigin, add_epsilon, differentiable_part
 
 from . import _jax_internals as jax_internals
 from . import _nnx_internals as internals
@@ -88,7 +88,7 @@ class NeedsCarried(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class Origin:
+class Origin(SiteOrigin):
     """Where an NNX site lives: the module's path, and whether its calls run
     inside an NNX transform of the model's own code (named in `transforms`).
 

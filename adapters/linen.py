@@ -35,7 +35,7 @@ import jax
 
 from bridge._probe import ProbeBase
 from bridge._session import Session, positional_arrays
-from bridge._sites import differentiable_part, merge_differentiable
+from bridge._sites import SiteOrigin, differentiable_part, merge_differentiable
 
 from . import _guests as guests
 
@@ -56,7 +56,7 @@ _APPLY_KEYWORDS = ("rngs", "mutable", "capture_intermediates")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Origin:
+class _Origin(SiteOrigin):
     """Where a Linen site lives: its scope path, and whether its epsilon and
     recording ride with the parameters (inside `nn.scan` or `nn.vmap`).
 

@@ -152,15 +152,8 @@ class NnxProbe(ProbeBase):
     def _trainable(self) -> Any:
         return self.params
 
-    def apply(self, *args: Any, at: Any = None, patch: Any = None, **kwargs: Any):
+    def _check_paths(self, at: Any, patch: Any) -> None:
         guests.check_not_inside(self.equinox_attributes, "nnx", at, patch)
-        return super().apply(*args, at=at, patch=patch, **kwargs)
-
-    def value_and_grad(
-        self, loss_fn: Any, *args: Any, at: Any = None, patch: Any = None, **kwargs
-    ):
-        guests.check_not_inside(self.equinox_attributes, "nnx", at, patch)
-        return super().value_and_grad(loss_fn, *args, at=at, patch=patch, **kwargs)
 
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session

@@ -75,6 +75,11 @@ class ProbeBase:
         """Parameter gradients in the library's own structure."""
         return grads
 
+    def _check_paths(self, at: Any, patch: Mapping[str, Any] | None) -> None:
+        """Adapter-specific refusal of paths in `at` or `patch` that can never
+        be sites (say, inside a module of a library the adapter cannot see
+        into), before any work, with the reason."""
+
     def _discovery_key(self, args: tuple, kwargs: dict) -> Hashable | None:
         """What this probe's sites on these inputs depend on, or `None`: discover
         afresh. An adapter overrides it to add what its sites depend on beyond
@@ -99,6 +104,7 @@ class ProbeBase:
     ) -> ForwardResult:
         check_selection(at)
         check_patch_kind(patch)
+        self._check_paths(at, patch)
         self._check_inputs(args, kwargs)
         discovered, _ = self._discover(args, kwargs)
         chosen = select(at, discovered)
@@ -126,6 +132,7 @@ class ProbeBase:
         check_loss_fn(loss_fn)
         check_selection(at)
         check_patch_kind(patch)
+        self._check_paths(at, patch)
         self._check_inputs(args, kwargs)
         discovered, loss_struct = self._discover(args, kwargs, loss_fn)
         check_loss(loss_struct, has_aux)

@@ -22,6 +22,7 @@ from ._sites import (
     JAX_ARRAYS,
     Arrays,
     Site,
+    SiteOrigin,
     differentiable_part,
     patch_misfit,
     site_name,
@@ -46,7 +47,7 @@ class Call:
     method: str | None
     index: int
     module: Any
-    origin: Any
+    origin: SiteOrigin | None
     slot: int
 
 
@@ -102,7 +103,7 @@ class Session:
         method: str | None,
         module: Any,
         args: tuple = (),
-        origin: Any = None,
+        origin: SiteOrigin | None = None,
         record: bool = True,
     ) -> Call:
         """Name a call as it starts: sites are ordered by call entry.

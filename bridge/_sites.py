@@ -32,6 +32,15 @@ def key_name(key: Any) -> str:
     return str(key)
 
 
+class SiteOrigin:
+    """The base of an adapter's private record of where a call is (a Linen
+    scope path, a Haiku state bundle, the transforms around it). Subclasses
+    are frozen dataclasses of plain data: a discovery is reused across traces
+    only where every origin is (`bridge._discovery_cache`)."""
+
+    __slots__ = ()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Site:
     """One call of a submodule, as seen by abstract evaluation.
@@ -56,7 +65,7 @@ class Site:
     index: int
     module: Any
     struct: Any
-    origin: Any = None
+    origin: SiteOrigin | None = None
     stacked: int = 0
 
     @property

@@ -18,8 +18,10 @@ bridge does not know is added from outside with this module alone, as
      any work) and `_format_grads(self, grads)` (the library's structure);
    - optionally `reuses_discovery = True`, once the pytree flattening holds
      everything the sites depend on (static parts in the treedef) and every
-     `origin` given to `session.enter` is plain data: discovery is then
-     reused across calls of the same structure.
+     `origin` given to `session.enter` (a `SiteOrigin` subclass) is plain
+     data: discovery is then reused across calls of the same structure;
+   - optionally `_check_paths(self, at, patch)`: refuse, before any work,
+     paths that can never be sites in this library, saying why.
 
    Inside `_run`, the session's declared hooks are the only things an adapter
    changes: `with session.tapping(handler):` routes `bridge.tap` through the
@@ -50,6 +52,15 @@ from ._probe import ProbeBase as ProbeBase
 from ._registry import register_adapter as register_adapter
 from ._session import Session as Session
 from ._sites import Site as Site
+from ._sites import SiteOrigin as SiteOrigin
 from ._sites import key_name as key_name
 
-__all__ = ["Layer", "ProbeBase", "Session", "Site", "key_name", "register_adapter"]
+__all__ = [
+    "Layer",
+    "ProbeBase",
+    "Session",
+    "Site",
+    "SiteOrigin",
+    "key_name",
+    "register_adapter",
+]

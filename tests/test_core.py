@@ -447,6 +447,7 @@ def test_the_top_level_is_the_user_api_and_adapter_authors_have_their_module():
         "ProbeBase",
         "Session",
         "Site",
+        "SiteOrigin",
         "key_name",
         "register_adapter",
     }
