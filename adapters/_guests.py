@@ -141,15 +141,14 @@ def hosted(library: str) -> Callable[[Callable], Callable]:
 
 def enclosing_path(session: Session) -> str:
     """The path of the innermost site being called now (`""` at the root)."""
-    # The session keeps it for `bridge.tap`; guests are named under it the same way.
-    enclosing = session._enclosing  # noqa: SLF001
+    enclosing = session.enclosing
     return enclosing[-1] if enclosing else ""
 
 
 def depth(session: Session) -> int:
     """How many sites are being called now: a guest call made at another depth
     than its library's last call is inside a site of another library."""
-    return len(session._enclosing)  # noqa: SLF001
+    return len(session.enclosing)
 
 
 def joined(prefix: str, name: str) -> str:

@@ -257,6 +257,12 @@ class Session:
                     site, struct=struct, stacked=site.stacked + added
                 )
 
+    @property
+    def enclosing(self) -> tuple[str, ...]:
+        """The paths of the calls running now, outermost first: a tap, or a
+        module of another library called inside one, is named under the last."""
+        return tuple(self._enclosing)
+
     def tap(self, name: str, value: Any) -> Any:
         """A named value inside the model's code (`bridge.tap`): the adapter's
         handler where one is installed (`tapping`), else `tap_here`."""
