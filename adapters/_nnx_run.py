@@ -141,7 +141,6 @@ class Run:
         self.stop = stop  # the code of the probe's call of the model
         self.ids = {id(module): path for path, module in modules.items()}
         self.outer = internals.active_transforms()
-        self.deferred: dict[str, tuple[str, str, tuple[str, ...]]] = {}
         self.first_lifted: tuple[str, tuple[str, ...]] | None = None
         # `{(path, step key): scan length}`: calls whose module keeps its
         # parameters' shape inside nnx.scan, met by the first discovery pass.
@@ -301,7 +300,7 @@ class Run:
             inputs = positional_arrays(args) if session.with_inputs else None
             key = _variable_name("recording", site_method, call.index)
             setattr(module, key, _Recording((recording, inputs)))
-            self.deferred[call.name] = (path, key, names)
+            session.defer(call.name, (path, key, names))
         return value
 
     def _keeps_shape(self, module: nnx.Module, path: str) -> bool:
@@ -397,7 +396,7 @@ class Run:
         if inputs is not None:
             inputs = _set_row(inputs, row, positional_arrays(args))
         internals.set_value(recording, (values, inputs))
-        self.deferred[call.name] = (call.path, key("recording"), ("nnx.scan",))
+        session.defer(call.name, (call.path, key("recording"), ("nnx.scan",)))
         return value
 
     def hand_over(self, session: Session) -> None:
@@ -408,19 +407,22 @@ class Run:
                 is self.placed[path, key]
             ):
                 raise self._broadcast_error(path, names)
-        for name, (path, key, names) in self.deferred.items():
-            recording = vars(self.modules[path]).get(key)
-            if recording is None:
-                raise ValueError(
-                    f"bridge cannot see through {' inside '.join(reversed(names))} "
-                    f"around '{path}': its values did not come out with the module's "
-                    "parameters, so a perturbation there would be silently dropped. "
-                    "Select sites outside it."
-                )
-            if internals.get_value(recording) is self.placed.get((path, key)):
-                raise self._broadcast_error(path, names)
-            value, inputs = internals.get_value(recording)
-            session.carried_out(name, value, inputs)
+        session.hand_over(self._recorded)
+
+    def _recorded(self, name: str, where: tuple) -> tuple[Any, Any]:
+        """A value recorded inside transforms, as it left them on the copy."""
+        path, key, names = where
+        recording = vars(self.modules[path]).get(key)
+        if recording is None:
+            raise ValueError(
+                f"bridge cannot see through {' inside '.join(reversed(names))} "
+                f"around '{path}': its values did not come out with the module's "
+                "parameters, so a perturbation there would be silently dropped. "
+                "Select sites outside it."
+            )
+        if internals.get_value(recording) is self.placed.get((path, key)):
+            raise self._broadcast_error(path, names)
+        return internals.get_value(recording)
 
     def explain(self, error: ValueError) -> None:
         """NNX's own error when a transform broadcasts a module bridge records in."""

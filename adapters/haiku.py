@@ -218,7 +218,13 @@ class HaikuProbe(ProbeBase):
             outputs, new_state = transformed.apply(
                 trainable, state, *leading, *args, **model_kwargs
             )
-        interceptor.hand_over(new_state)
+        # The values recorded inside lifted transforms, as they leave them in
+        # state (stacked over a layer stack's layers).
+        session.hand_over(
+            lambda name, where: new_state[where[0]][
+                haiku_state.recording_entry(*where[1:])
+            ]
+        )
         new_state = haiku_state.without_epsilons(new_state)
         if self.with_state:
             return outputs, new_state
@@ -250,7 +256,6 @@ class _Interceptor:
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
         self.checkpoints: dict[Any, Any] = {}
         self.bodies: dict[Any, Any] = {}
-        self.deferred: dict[str, tuple[str, str, int]] = {}
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         if not _is_site(context):
@@ -307,7 +312,7 @@ class _Interceptor:
                 session, call, value, call_args, origin, method, patched
             )
             if not session.discovering and call.name in session.selected:
-                self.deferred[call.name] = (origin.bundle, method, call.index)
+                session.defer(call.name, (origin.bundle, method, call.index))
             return value
 
         def perturb(value):
@@ -324,15 +329,8 @@ class _Interceptor:
             hk.set_state(
                 haiku_state.recording_entry(method, call.index), (recording, inputs)
             )
-            self.deferred[call.name] = (origin.bundle, method, call.index)
+            session.defer(call.name, (origin.bundle, method, call.index))
         return value
-
-    def hand_over(self, state: Mapping) -> None:
-        """Give the session the values recorded inside lifted transforms, as
-        they leave them in state (stacked over a layer stack's layers)."""
-        for name, (bundle, method, index) in self.deferred.items():
-            value, inputs = state[bundle][haiku_state.recording_entry(method, index)]
-            self.session.carried_out(name, value, inputs)
 
 
 def _joined(prefix: str, name: str) -> str:

@@ -210,7 +210,7 @@ class LinenProbe(ProbeBase):
                     "bridge.probe(..., vmap=True)."
                 ) from error
             raise
-        interceptor.hand_over(state)
+        session.hand_over(lambda name, where: _recorded(state, where))
         if user_mutable is False:
             return outputs, None
         ours = {EPSILON_COLLECTION, RECORDING_COLLECTION}
@@ -288,7 +288,6 @@ class _Interceptor:
         self.session = session
         self.in_params = in_params
         self.stack: list[_Frame] = []
-        self.deferred: dict[str, tuple[str, tuple[str, ...], str]] = {}
         self.transform = "a Flax lifted transform"
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
@@ -387,17 +386,18 @@ class _Interceptor:
                 module.scope.put_variable(
                     RECORDING_COLLECTION, key, (recording, inputs)
                 )
-            self.deferred[call.name] = (in_params, path, key)
+            session.defer(call.name, (in_params, path, key))
         return value
 
-    def hand_over(self, state: Mapping) -> None:
-        """Give the session the values recorded inside lifted transforms."""
-        for name, (in_params, path, key) in self.deferred.items():
-            node = state["params" if in_params else RECORDING_COLLECTION]
-            for part in path:
-                node = node[part]
-            value, inputs = node[PARAMS_RECORDING + key if in_params else key]
-            self.session.carried_out(name, value, inputs)
+
+def _recorded(state: Mapping, where: tuple) -> tuple[Any, Any]:
+    """A value recorded inside a lifted transform, as it left it in `state`:
+    in the probe's collection, or among the parameters inside `nn.scan`."""
+    in_params, path, key = where
+    node = state["params" if in_params else RECORDING_COLLECTION]
+    for part in path:
+        node = node[part]
+    return node[PARAMS_RECORDING + key if in_params else key]
 
 
 def is_bridge_variable(name: str) -> bool:

@@ -88,6 +88,9 @@ class Session:
         self._counts: dict[str, int] = {}
         self._enclosing: list[str] = []
         self._tap_handler: Callable[[str, Any], Any] | None = None
+        # Sites inside lifted transforms whose values leave in library state:
+        # `{name: where}`, read back by `hand_over`.
+        self._deferred: dict[str, Any] = {}
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
@@ -190,6 +193,19 @@ class Session:
         floating leaves in a run (what a recording keeps)."""
         return value if self.discovering else differentiable_part(value)
 
+    def defer(self, name: str, where: Any) -> None:
+        """A site inside a lifted transform carries its value out (see
+        `to_carry_out`) in the library's own state, at `where` (an adapter's
+        location: a collection path, a state entry, a module attribute)."""
+        self._deferred[name] = where
+
+    def hand_over(self, read: Callable[[str, Any], tuple[Any, Any]]) -> None:
+        """After the model's call: each deferred site's `(value, inputs)`,
+        `read(name, where)` from the state the call returned, goes to
+        `carried_out`."""
+        for name, where in self._deferred.items():
+            self.carried_out(name, *read(name, where))
+
     def carried_out(self, name: str, value: Any, inputs: tuple | None = None) -> None:
         """A site's value (and inputs) as it left a lifted transform, stacked
         over iterations or layers: at discovery it reshapes the site (see
@@ -205,17 +221,23 @@ class Session:
         if inputs is not None and self.with_inputs:
             self.inputs[name] = self.arrays.positional(inputs)
 
-    def checkpoint(self) -> tuple[dict[str, int], int, int]:
+    def checkpoint(self) -> tuple[dict[str, int], int, int, dict[str, Any]]:
         """The naming state now, to `restore` when a library traces a body again."""
-        return dict(self._counts), len(self.sites), len(self._enclosing)
+        return (
+            dict(self._counts),
+            len(self.sites),
+            len(self._enclosing),
+            dict(self._deferred),
+        )
 
-    def restore(self, checkpoint: tuple[dict[str, int], int, int]) -> None:
+    def restore(self, checkpoint: tuple[dict[str, int], int, int, dict]) -> None:
         """Forget the calls since `checkpoint`: they were an earlier trace of the
         same code (Flax traces a lifted body more than once), not new calls."""
-        counts, discovered, depth = checkpoint
+        counts, discovered, depth, deferred = checkpoint
         self._counts = dict(counts)
         del self.sites[discovered:]
         del self._enclosing[depth:]
+        self._deferred = dict(deferred)
 
     def run_with_fallback(
         self,
