@@ -28,7 +28,12 @@ bridge does not know is added from outside with this module alone, as
    adapter (which calls `session.tap_here` where the value is reachable), and
    `session.exit(call, value, patch=row)` applies one iteration's row of a
    patch value the adapter carried into a lifted transform
-   (`session.patched_with_values()` gives the `Site` of each).
+   (`session.patched_with_values()` gives the `Site` of each). A site inside
+   a lifted transform whose value must leave it through the library's own
+   state carries `session.to_carry_out(value)` out, says where with
+   `session.defer(name, where)`, and after the call `session.hand_over(read)`
+   reads each back (`read(name, where) -> (value, inputs)`): at discovery
+   that reshapes the site to its stacked shape, in a run it records it.
 
    Register the subclass as a pytree whose leaves are the model's variables
    (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
