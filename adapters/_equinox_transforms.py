@@ -54,7 +54,6 @@ import jax.numpy as jnp
 
 from bridge._session import Session, positional_arrays
 from bridge._sites import (
-    Site,
     SiteOrigin,
     abstract,
     differentiable_part,
@@ -148,13 +147,12 @@ def in_tree(session: Session) -> dict[str, Any]:
     }
 
 
-def patches_in_tree(session: Session, patched: dict[str, Site]) -> dict[str, Any]:
+def patches_in_tree(session: Session) -> dict[str, Any]:
     """The patch values of the sites inside transforms, which ride in the tree
-    (sliced per iteration inside a scan); `patched` holds the `Site` of each
-    site patched with a value. A patch function needs no leaf."""
+    (sliced per iteration inside a scan). A patch function needs no leaf."""
     return {
         name: session.patches[name]
-        for name, site in patched.items()
+        for name, site in session.patched_with_values().items()
         if isinstance(site.origin, InTransform)
     }
 
@@ -169,7 +167,7 @@ def run_with_tree_leaves(
     (`call_model(leaves) -> (outputs, state)`), and record the selected sites
     there, whose values and inputs leave the scan as the recorders' cotangents
     (see `record`)."""
-    patches = patches_in_tree(session, session.patched_with_values())
+    patches = patches_in_tree(session)
     sites = in_tree(session)
     if not sites:  # nothing to record in there: no backward pass needed
         return call_model({name: Leaves(patch=p) for name, p in patches.items()})

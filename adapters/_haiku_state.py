@@ -220,13 +220,13 @@ def patch_entry(method: str, index: int) -> str:
     return f"{PATCH_PREFIX}{method}#{index}"
 
 
-def placed(patched: Mapping[str, Site]) -> dict[str, Site]:
+def placed(session: Session) -> dict[str, Site]:
     """Of the sites patched with a value, those inside a lifted transform: the
     value rides in state beside the epsilon (a patch function needs no
     placing)."""
     return {
         name: site
-        for name, site in patched.items()
+        for name, site in session.patched_with_values().items()
         if isinstance(site.origin, Origin) and site.origin.lifted
     }
 

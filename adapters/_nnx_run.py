@@ -409,7 +409,7 @@ class Run:
                 raise self._broadcast_error(path, names)
         session.hand_over(self._recorded)
 
-    def _recorded(self, name: str, where: tuple) -> tuple[Any, Any]:
+    def _recorded(self, where: tuple) -> tuple[Any, Any]:
         """A value recorded inside transforms, as it left them on the copy."""
         path, key, names = where
         recording = vars(self.modules[path]).get(key)

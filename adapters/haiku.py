@@ -169,17 +169,7 @@ class HaikuProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        with session.tapping(haiku_state.tap_outside_transforms(session, _APPLY_CODE)):
-            return self._run_tapping(trainable, args, kwargs, session)
-
-    def _run_tapping(
-        self, trainable: Any, args: tuple, kwargs: dict, session: Session
-    ) -> tuple[Any, Any]:
-        placed = (
-            {}
-            if session.discovering
-            else haiku_state.placed(session.patched_with_values())
-        )
+        placed = {} if session.discovering else haiku_state.placed(session)
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True, placed)
         return session.run_with_fallback(
@@ -202,8 +192,11 @@ class HaikuProbe(ProbeBase):
         model_kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
         leading = (kwargs.get("rng"),) if self.takes_rng else ()
         interceptor = _Interceptor(session, state_route, placed)
+        tapping = session.tapping(
+            haiku_state.tap_outside_transforms(session, _APPLY_CODE)
+        )
         if not state_route:  # a plain transform: epsilons from the session
-            with hk.intercept_methods(interceptor):
+            with tapping, hk.intercept_methods(interceptor):
                 outputs = self.transformed.apply(
                     trainable, *leading, *args, **model_kwargs
                 )
@@ -214,17 +207,13 @@ class HaikuProbe(ProbeBase):
             else haiku_state.with_state(self.transformed, self.takes_rng)
         )
         state = haiku_state.with_epsilons(self.state or {}, session, placed)
-        with hk.intercept_methods(interceptor):
+        with tapping, hk.intercept_methods(interceptor):
             outputs, new_state = transformed.apply(
                 trainable, state, *leading, *args, **model_kwargs
             )
         # The values recorded inside lifted transforms, as they leave them in
         # state (stacked over a layer stack's layers).
-        session.hand_over(
-            lambda name, where: new_state[where[0]][
-                haiku_state.recording_entry(*where[1:])
-            ]
-        )
+        session.hand_over(lambda where: new_state[where[0]][where[1]])
         new_state = haiku_state.without_epsilons(new_state)
         if self.with_state:
             return outputs, new_state
@@ -312,7 +301,10 @@ class _Interceptor:
                 session, call, value, call_args, origin, method, patched
             )
             if not session.discovering and call.name in session.selected:
-                session.defer(call.name, (origin.bundle, method, call.index))
+                session.defer(
+                    call.name,
+                    (origin.bundle, haiku_state.recording_entry(method, call.index)),
+                )
             return value
 
         def perturb(value):
@@ -329,7 +321,10 @@ class _Interceptor:
             hk.set_state(
                 haiku_state.recording_entry(method, call.index), (recording, inputs)
             )
-            session.defer(call.name, (origin.bundle, method, call.index))
+            session.defer(
+                call.name,
+                (origin.bundle, haiku_state.recording_entry(method, call.index)),
+            )
         return value
 
 

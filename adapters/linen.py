@@ -210,7 +210,7 @@ class LinenProbe(ProbeBase):
                     "bridge.probe(..., vmap=True)."
                 ) from error
             raise
-        session.hand_over(lambda name, where: _recorded(state, where))
+        session.hand_over(lambda where: _recorded(state, where))
         if user_mutable is False:
             return outputs, None
         ours = {EPSILON_COLLECTION, RECORDING_COLLECTION}

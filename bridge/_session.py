@@ -199,12 +199,12 @@ class Session:
         location: a collection path, a state entry, a module attribute)."""
         self._deferred[name] = where
 
-    def hand_over(self, read: Callable[[str, Any], tuple[Any, Any]]) -> None:
+    def hand_over(self, read: Callable[[Any], tuple[Any, Any]]) -> None:
         """After the model's call: each deferred site's `(value, inputs)`,
-        `read(name, where)` from the state the call returned, goes to
+        `read(where)` from the state the call returned, goes to
         `carried_out`."""
         for name, where in self._deferred.items():
-            self.carried_out(name, *read(name, where))
+            self.carried_out(name, *read(where))
 
     def carried_out(self, name: str, value: Any, inputs: tuple | None = None) -> None:
         """A site's value (and inputs) as it left a lifted transform, stacked

@@ -32,7 +32,7 @@ bridge does not know is added from outside with this module alone, as
    a lifted transform whose value must leave it through the library's own
    state carries `session.to_carry_out(value)` out, says where with
    `session.defer(name, where)`, and after the call `session.hand_over(read)`
-   reads each back (`read(name, where) -> (value, inputs)`): at discovery
+   reads each back (`read(where) -> (value, inputs)`): at discovery
    that reshapes the site to its stacked shape, in a run it records it.
 
    Register the subclass as a pytree whose leaves are the model's variables
