@@ -885,25 +885,40 @@ def test_vmap_true_gives_a_carried_site_the_batched_numbers():
     assert_tree_allclose(mapped.activations, batched.activations)
 
 
-def test_a_patch_value_reaches_a_scanned_site_left_out_of_the_selection():
-    """The patch rides in on the module whether or not the site is selected."""
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_patch_value_reaches_a_scanned_site_left_out_of_the_selection(mode):
+    """The patch rides in on the module whether or not the site is selected:
+    the reference is the unrolled model computed by hand, each block's linear
+    output replaced by its row."""
     model = _build(ScannedStack)
     values = jax.random.normal(jax.random.key(0), (3, 5, 4))
-    scanned = bridge.probe(model).apply(
-        STACK_X, at="head", patch={"blocks/linear": values}
-    )
-    selected = bridge.probe(model).apply(STACK_X, patch={"blocks/linear": values})
-    np.testing.assert_allclose(scanned.outputs, selected.outputs, rtol=1e-6)
-    assert list(scanned.activations) == ["head"]
-    unpatched = bridge.probe(model).apply(STACK_X, at="head")
-    assert not np.allclose(scanned.outputs, unpatched.outputs)
+
+    def run(probe, x):
+        return probe.apply(x, at="head", patch={"blocks/linear": values})
+
+    if mode == "jit":
+        run = jax.jit(run)
+    res = run(bridge.probe(model), STACK_X)
+    unrolled = unrolled_like(model)
+    h = unrolled.embed(STACK_X)
+    for i, block in enumerate(unrolled.blocks):
+        h = h + nnx.tanh(block.norm(values[i]))
+    np.testing.assert_allclose(res.outputs, unrolled.head(h), rtol=1e-5, atol=1e-6)
+    assert list(res.activations) == ["head"]
 
 
-def test_a_patch_value_reaches_a_carried_cell_left_out_of_the_selection():
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_patch_value_reaches_a_carried_cell_left_out_of_the_selection(mode):
     model = _build(ReversedCarriedScan)
     x = _inputs(STEPS, 3, 4)
     values = jax.random.normal(jax.random.key(1), (STEPS, 3, 4))
-    res = bridge.probe(model).apply(x, at="head", patch={"cell": values})
+
+    def run(probe, x):
+        return probe.apply(x, at="head", patch={"cell": values})
+
+    if mode == "jit":
+        run = jax.jit(run)
+    res = run(bridge.probe(model), x)
     # Every step's value is replaced by its row, so the head sees `values`.
     np.testing.assert_allclose(
         res.outputs, nnx.clone(model).head(values), rtol=1e-5, atol=1e-6
