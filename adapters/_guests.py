@@ -42,7 +42,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -323,19 +322,12 @@ class _LinenGuest(_Guest):
         )
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
-        """As the Linen adapter's interceptor: a lifted transform's module
-        (`ScanBlock`, scope path `()`) is called before its body runs; Flax
-        traces a body more than once, and a repeated trace re-uses the names of
-        the first."""
-        if module.path == ():
-            parent.bodies.clear()
-            parent.transform = linen_transform_name(module)
-            return
-        key = (module.path, method, type(module))
-        if key in parent.bodies:
-            self.host.session.restore(parent.bodies[key])
-        else:
-            parent.bodies[key] = self.host.session.checkpoint()
+        """As the Linen adapter's interceptor (`entering_linen_lifted_scope`)."""
+        transform = entering_linen_lifted_scope(
+            self.host.session, parent.bodies, module, method
+        )
+        if transform is not None:
+            parent.transform = transform
 
 
 class _HaikuGuest(_Guest):
@@ -386,6 +378,26 @@ class _HaikuGuest(_Guest):
         )
 
 
+def entering_linen_lifted_scope(
+    session: Session, bodies: dict, module: Any, method: str
+) -> str | None:
+    """A Linen call in a new scope root (inside a lifted transform), whose
+    parent frame holds `bodies`. A lifted transform's own module (`ScanBlock`,
+    scope path `()`) is called before its body runs: it starts a new call of
+    the body, and its transform's name is returned. Flax traces a body more
+    than once, and a repeated trace re-uses the names of the first: the
+    session is restored to where the first trace of the body began."""
+    if module.path == ():
+        bodies.clear()
+        return linen_transform_name(module)
+    key = (module.path, method, type(module))
+    if key in bodies:
+        session.restore(bodies[key])
+    else:
+        bodies[key] = session.checkpoint()
+    return None
+
+
 def _haiku_running_init() -> bool:
     import haiku as hk
 
@@ -393,13 +405,10 @@ def _haiku_running_init() -> bool:
 
 
 def _is_haiku_site(context: Any) -> bool:
-    """A module method call a user would name, as the Haiku adapter counts
-    them (its `_is_site`): not `__init__`, private helpers or property reads."""
-    method = context.method_name
-    if method.startswith("_") and method != "__call__":
-        return False
-    attribute = inspect.getattr_static(context.orig_class, method, None)
-    return not isinstance(attribute, property)
+    """A module method call the Haiku adapter counts as a site."""
+    from .haiku import is_site
+
+    return is_site(context)
 
 
 @contextlib.contextmanager

@@ -247,7 +247,7 @@ class _Interceptor:
         self.bodies: dict[Any, Any] = {}
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
-        if not _is_site(context):
+        if not is_site(context):
             return next_fun(*call_args, **call_kwargs)
         module = context.module
         if self.session.batch_axis is not None:
@@ -335,7 +335,7 @@ def _joined(prefix: str, name: str) -> str:
 _APPLY_CODE = HaikuProbe._apply.__code__
 
 
-def _is_site(context: hk.MethodContext) -> bool:
+def is_site(context: hk.MethodContext) -> bool:
     """A module method call a user would name: not `__init__`, private helpers
     (`MultiHeadAttention._linear_projection`) or property reads
     (`Embed.embeddings`, `ExponentialMovingAverage.average`), which Haiku

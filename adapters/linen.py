@@ -320,17 +320,11 @@ class _Interceptor:
         return None
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
-        if module.path == ():
-            # Flax validating a transformed module (`ScanBlock`) before its body
-            # runs: what follows is a new call of the body, not a re-trace.
-            parent.bodies.clear()
-            self.transform = guests.linen_transform_name(module)
-            return
-        key = (module.path, method, type(module))
-        if key in parent.bodies:
-            self.session.restore(parent.bodies[key])
-        else:
-            parent.bodies[key] = self.session.checkpoint()
+        transform = guests.entering_linen_lifted_scope(
+            self.session, parent.bodies, module, method
+        )
+        if transform is not None:
+            self.transform = transform
 
     def _site(self, next_fun, call_args, call_kwargs, module, method, lifted):
         session = self.session
