@@ -46,7 +46,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bridge._session import Session, current
+from bridge._session import BodyTraces, Session, current
+from bridge._sites import is_carrier_name
 
 try:
     # Telling whether a guest call runs in the host's trace needs JAX's trace
@@ -208,7 +209,7 @@ class _Frame:
     apply_root: Any = None
     root: Any = None
     transform: str | None = None
-    bodies: dict = dataclasses.field(default_factory=dict)
+    bodies: BodyTraces | None = None
     lift: str | None = None
 
 
@@ -231,10 +232,17 @@ class _Guest:
         if top is None or top.inner_depth != depth(session):
             trace = jax_internals.current_trace()
             return (
-                _Frame(enclosing_path(session), depth(session), trace, root, root),
+                _Frame(
+                    enclosing_path(session),
+                    depth(session),
+                    trace,
+                    root,
+                    root,
+                    bodies=BodyTraces(session),
+                ),
                 True,
             )
-        return dataclasses.replace(top, root=root, bodies={}), False
+        return dataclasses.replace(top, root=root, bodies=BodyTraces(session)), False
 
     def _blocked(self, frame: _Frame, own_transform: str | None) -> str | None:
         """The transform a guest call is inside, if any: the host's around the
@@ -323,9 +331,7 @@ class _LinenGuest(_Guest):
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
         """As the Linen adapter's interceptor (`entering_linen_lifted_scope`)."""
-        transform = entering_linen_lifted_scope(
-            self.host.session, parent.bodies, module, method
-        )
+        transform = entering_linen_lifted_scope(parent.bodies, module, method)
         if transform is not None:
             parent.transform = transform
 
@@ -379,22 +385,17 @@ class _HaikuGuest(_Guest):
 
 
 def entering_linen_lifted_scope(
-    session: Session, bodies: dict, module: Any, method: str
+    bodies: BodyTraces, module: Any, method: str
 ) -> str | None:
     """A Linen call in a new scope root (inside a lifted transform), whose
     parent frame holds `bodies`. A lifted transform's own module (`ScanBlock`,
     scope path `()`) is called before its body runs: it starts a new call of
-    the body, and its transform's name is returned. Flax traces a body more
-    than once, and a repeated trace re-uses the names of the first: the
-    session is restored to where the first trace of the body began."""
+    the body, and its transform's name is returned. A body's first call
+    starts its trace, first or repeated (Flax traces a body more than once)."""
     if module.path == ():
         bodies.clear()
         return linen_transform_name(module)
-    key = (module.path, method, type(module))
-    if key in bodies:
-        session.restore(bodies[key])
-    else:
-        bodies[key] = session.checkpoint()
+    bodies.begin_or_again((module.path, method, type(module)))
     return None
 
 
@@ -479,14 +480,11 @@ def call_linen_module(module: Any, next_fun, call_args, call_kwargs) -> Any:
 
 def _bridge_variables(module: Any) -> dict[str, Any]:
     """The Linen adapter's variables in a Linen module's scope, by name."""
-    linen_adapter = sys.modules.get(f"{__package__}.linen")
-    if linen_adapter is None:
-        return {}
     return {
         name: value
         for collection in module.variables.values()
         for name, value in collection.items()
-        if linen_adapter.is_bridge_variable(name)
+        if is_carrier_name(name)
     }
 
 

@@ -25,18 +25,17 @@ import jax
 import jax.numpy as jnp
 
 from bridge._session import Session, positional_arrays
-from bridge._sites import Site, SiteOrigin, add_epsilon, differentiable_part, is_array
+from bridge._sites import (
+    Site,
+    SiteOrigin,
+    add_epsilon,
+    carrier_name,
+    differentiable_part,
+    is_array,
+    is_carrier_name,
+)
 
 from . import _haiku_internals as internals
-
-#: Prefix of the state entries that hold the probe's epsilons. `#` and `.`
-#: cannot occur in a name a Haiku module gives its own state by convention.
-EPSILON_PREFIX = "bridge_epsilon."
-#: Prefix of the state entries carrying recordings out of lifted transforms.
-RECORDING_PREFIX = "bridge_recording."
-#: Prefix of the state entries carrying patch values into lifted transforms.
-PATCH_PREFIX = "bridge_patch."
-RESERVED = (EPSILON_PREFIX, RECORDING_PREFIX, PATCH_PREFIX)
 
 
 def with_state(transformed: hk.Transformed, takes_rng: bool) -> hk.TransformedWithState:
@@ -116,18 +115,18 @@ def scanned(
     selected = call.name in session.selected
     if not (selected or patched):  # a patch function needs no row
         return session.exit(call, value, record=False)
-    counter = step_entry(method, call.index)
+    counter = carrier_name("step", method, call.index)
     step = hk.get_state(counter)
     row = length - 1 - step if reverse else step
 
     def perturb(value):
-        epsilon = hk.get_state(state_entry(method, call.index))
+        epsilon = hk.get_state(carrier_name("epsilon", method, call.index))
         return add_epsilon(value, jax.tree.map(lambda e: e[row], epsilon))
 
     patch = patch_from_state(call, method, row) if patched else None
     value = session.exit(call, value, perturb, record=False, patch=patch)
     if selected:
-        recording = recording_entry(method, call.index)
+        recording = carrier_name("recording", method, call.index)
         values, inputs = hk.get_state(recording)
         values = _set_row(values, row, differentiable_part(value))
         if inputs is not None:
@@ -141,7 +140,7 @@ def patch_from_state(call: Any, method: str, row: Any = None) -> Any:
     """`call`'s patch value, read from state (see `placed`): a layer stack
     slices it per layer going in; inside `hk.scan` the carry holds the whole
     stacked value and `row` picks the iteration's."""
-    entry = patch_entry(method, call.index)
+    entry = carrier_name("patch", method, call.index)
     value = hk.get_state(entry, (), jnp.float32, init=unreachable(call))
     if row is not None:
         value = jax.tree.map(lambda v: v[row], value)
@@ -204,22 +203,6 @@ def unreachable(call: Any) -> Any:
     return fail
 
 
-def state_entry(method: str, index: int) -> str:
-    return f"{EPSILON_PREFIX}{method}#{index}"
-
-
-def recording_entry(method: str, index: int) -> str:
-    return f"{RECORDING_PREFIX}{method}#{index}"
-
-
-def step_entry(method: str, index: int) -> str:
-    return f"{RECORDING_PREFIX}{method}#{index}.step"
-
-
-def patch_entry(method: str, index: int) -> str:
-    return f"{PATCH_PREFIX}{method}#{index}"
-
-
 def placed(session: Session) -> dict[str, Site]:
     """Of the sites patched with a value, those inside a lifted transform: the
     value rides in state beside the epsilon (a patch function needs no
@@ -246,23 +229,27 @@ def with_epsilons(
         site = session.selected[name]
         if site.origin is None:  # a `bridge.tap`: its epsilon lives in the session
             continue
-        put(site, state_entry(site.method or "__call__", site.index), epsilon)
+        put(site, carrier_name("epsilon", site.method, site.index), epsilon)
     for name, site in patched.items():
         put(
             site,
-            patch_entry(site.method or "__call__", site.index),
+            carrier_name("patch", site.method, site.index),
             session.patches[name],
         )
     for site in {**session.selected, **patched}.values():
         origin = site.origin
         if origin is None or origin.scan is None:
             continue
-        method, length = site.method or "__call__", origin.scan[0]
-        put(site, step_entry(method, site.index), jnp.zeros((), jnp.int32))
+        length = origin.scan[0]
+        put(
+            site,
+            carrier_name("step", site.method, site.index),
+            jnp.zeros((), jnp.int32),
+        )
         if site.name in session.selected:
             inputs = _rows(origin.inputs, length) if session.with_inputs else None
             recording = (_rows(origin.value, length), inputs)
-            put(site, recording_entry(method, site.index), recording)
+            put(site, carrier_name("recording", site.method, site.index), recording)
     return merged
 
 
@@ -270,7 +257,7 @@ def without_epsilons(state: Mapping) -> dict:
     """Apply's new state less the epsilons, and less bundles that held only them."""
     stripped = {}
     for bundle, entries in state.items():
-        kept = {k: v for k, v in entries.items() if not k.startswith(RESERVED)}
+        kept = {k: v for k, v in entries.items() if not is_carrier_name(k)}
         if kept or len(kept) == len(entries):
             stripped[bundle] = kept
     return stripped

@@ -50,7 +50,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge._session import Session, positional_arrays
-from bridge._sites import SiteOrigin, add_epsilon, differentiable_part
+from bridge._sites import (
+    SiteOrigin,
+    add_epsilon,
+    carrier_name,
+    differentiable_part,
+    is_carrier_name,
+)
 
 from . import _jax_internals as jax_internals
 from . import _nnx_internals as internals
@@ -105,13 +111,9 @@ class Origin(SiteOrigin):
     inputs: Any = None
 
 
-def _variable_name(kind: str, method: str | None, index: int) -> str:
-    return f"bridge_{kind}_{(method or '__call__').strip('_')}_{index}"
-
-
 def is_bridge_attribute(name: str) -> bool:
     """Whether an attribute of a module of the copy is bridge's own."""
-    return name == PATH_ATTRIBUTE or name.startswith("bridge_")
+    return name == PATH_ATTRIBUTE or is_carrier_name(name)
 
 
 class Run:
@@ -173,14 +175,14 @@ class Run:
             if isinstance(getattr(site, "origin", None), Origin) and (
                 site.origin.transforms
             ):
-                key = _variable_name(kind, site.method, site.index)
+                key = carrier_name(kind, site.method, site.index)
                 setattr(self.modules[site.origin.path], key, _Carried(value))
         for site in reached.values():
             origin = site.origin
             if not isinstance(origin, Origin) or origin.scan is None:
                 continue
             module = self.modules[origin.path]
-            step = _variable_name("step", site.method, site.index)
+            step = carrier_name("step", site.method, site.index)
             setattr(module, step, _Carried(jnp.zeros((), jnp.int32)))
             if site.name not in session.selected:
                 continue  # patched only: the counter picks the patch's row
@@ -193,7 +195,7 @@ class Run:
 
             inputs = rows(origin.inputs) if session.with_inputs else None
             recording = (rows(origin.value), inputs)
-            key = _variable_name("recording", site.method, site.index)
+            key = carrier_name("recording", site.method, site.index)
             setattr(module, key, _Recording(recording))
             self.placed[origin.path, key] = recording
 
@@ -256,7 +258,7 @@ class Run:
         )
         if self.first_lifted is None:
             self.first_lifted = (path, names)
-        step_key = _variable_name("step", site_method, call.index)
+        step_key = carrier_name("step", site_method, call.index)
         if session.discovering and "nnx.scan" in names:
             if not self.markers and self._keeps_shape(module, path):
                 # Carried or broadcast: the second pass tells which. Nothing
@@ -281,8 +283,8 @@ class Run:
             return self._run_carried(module, call, method, args, kwargs, session)
         value = method(module, *args, **kwargs)
         carried = vars(module)
-        epsilon = carried.get(_variable_name("epsilon", site_method, call.index))
-        patch = carried.get(_variable_name("patch", site_method, call.index))
+        epsilon = carried.get(carrier_name("epsilon", site_method, call.index))
+        patch = carried.get(carrier_name("patch", site_method, call.index))
 
         def perturb(value):
             return add_epsilon(value, internals.get_value(epsilon))
@@ -298,7 +300,7 @@ class Run:
         if session.discovering or call.name in session.selected:
             recording = session.to_carry_out(value)
             inputs = positional_arrays(args) if session.with_inputs else None
-            key = _variable_name("recording", site_method, call.index)
+            key = carrier_name("recording", site_method, call.index)
             setattr(module, key, _Recording((recording, inputs)))
             session.defer(call.name, (path, key, names))
         return value
@@ -361,7 +363,7 @@ class Run:
         variables = vars(module)
 
         def key(kind):
-            return _variable_name(kind, call.method, call.index)
+            return carrier_name(kind, call.method, call.index)
 
         counter = variables[key("step")]
         step = internals.get_value(counter)

@@ -50,13 +50,12 @@ import jax
 import jax.numpy as jnp
 
 from bridge._probe import ProbeBase
-from bridge._session import Session, positional_arrays
-from bridge._sites import Site, add_epsilon
+from bridge._session import BodyTraces, Session, positional_arrays
+from bridge._sites import Site, add_epsilon, carrier_name, is_carrier_name
 
 from . import _guests
 from . import _haiku_internals as internals
 from . import _haiku_state as haiku_state
-from ._haiku_state import EPSILON_PREFIX as EPSILON_PREFIX
 
 _PLAIN_USAGE = (
     "bridge.probe(transformed, params) with params = transformed.init(rng, x)"
@@ -243,8 +242,8 @@ class _Interceptor:
         self.state_route = state_route
         self.placed = placed  # sites whose patch value rides in state
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
-        self.checkpoints: dict[Any, Any] = {}
-        self.bodies: dict[Any, Any] = {}
+        self.traces = BodyTraces(session)  # of each stack's body, by stack call
+        self.bodies: dict[Any, Any] = {}  # each stack's body frame traced last
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         if not is_site(context):
@@ -260,12 +259,12 @@ class _Interceptor:
             caller = internals.layer_stack_caller()
             if caller is not None:
                 self.prefixes[caller] = _joined(prefix, module.module_name)
-                self.checkpoints[caller] = self.session.checkpoint()
+                self.traces.begin(caller)
             return value
         if where.body is not None:
             first = self.bodies.setdefault(where.stack_call, where.body)
             if first is not where.body:  # the stack's body traced again
-                self.session.restore(self.checkpoints[where.stack_call])
+                self.traces.again(where.stack_call)
                 self.bodies[where.stack_call] = where.body
         return self._site(next_fun, call_args, call_kwargs, context, where, prefix)
 
@@ -294,7 +293,7 @@ class _Interceptor:
         value = next_fun(*call_args, **call_kwargs)
         if not self.state_route:
             return session.exit(call, value)  # the session's own epsilon
-        entry = haiku_state.state_entry(method, call.index)
+        entry = carrier_name("epsilon", method, call.index)
         patched = call.name in self.placed
         if origin.scan is not None:
             value = haiku_state.scanned(
@@ -303,7 +302,7 @@ class _Interceptor:
             if not session.discovering and call.name in session.selected:
                 session.defer(
                     call.name,
-                    (origin.bundle, haiku_state.recording_entry(method, call.index)),
+                    (origin.bundle, carrier_name("recording", method, call.index)),
                 )
             return value
 
@@ -319,11 +318,11 @@ class _Interceptor:
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = session.to_carry_out(value)
             hk.set_state(
-                haiku_state.recording_entry(method, call.index), (recording, inputs)
+                carrier_name("recording", method, call.index), (recording, inputs)
             )
             session.defer(
                 call.name,
-                (origin.bundle, haiku_state.recording_entry(method, call.index)),
+                (origin.bundle, carrier_name("recording", method, call.index)),
             )
         return value
 
@@ -403,10 +402,9 @@ def _check_mapping(name: str, value: Any, usage: str) -> None:
 def _check_reserved(state: Mapping) -> None:
     for bundle, entries in state.items():
         for entry in entries:
-            if str(entry).startswith(haiku_state.RESERVED):
-                reserved = " or ".join(map(repr, haiku_state.RESERVED))
+            if is_carrier_name(entry):
                 raise ValueError(
                     f"`state[{bundle!r}]` has an entry {entry!r}: bridge reserves "
-                    f"state names starting with {reserved} "
+                    "state names of the form 'bridge_<kind>:<method>#<index>' "
                     "for its own epsilons and recordings. Rename it."
                 )

@@ -3,7 +3,8 @@
 Every submodule method call passes through an interceptor that reports it to
 the probe's session. At a selected call the interceptor calls the module's own
 `perturb` on its output, reading the epsilon from a private variable
-collection laid out like `params` (`{scope path...: {"__call__#k": eps}}`).
+collection laid out like `params`
+(`{scope path...: {"bridge_epsilon:__call__#k": eps}}`, see `carrier_name`).
 Each call has its own variable name, so the gradients of a shared module's
 calls are never summed, and the collection is passed to `apply` only when
 there are epsilons, so unselected sites cost nothing.
@@ -34,8 +35,13 @@ import flax.linen as nn
 import jax
 
 from bridge._probe import ProbeBase
-from bridge._session import Session, positional_arrays
-from bridge._sites import SiteOrigin, differentiable_part, merge_differentiable
+from bridge._session import BodyTraces, Session, positional_arrays
+from bridge._sites import (
+    SiteOrigin,
+    carrier_name,
+    differentiable_part,
+    merge_differentiable,
+)
 
 from . import _guests as guests
 
@@ -46,10 +52,6 @@ EPSILON_COLLECTION = "bridge_epsilons"
 
 #: The mutable collection carrying recordings out of lifted transforms.
 RECORDING_COLLECTION = "bridge_recordings"
-
-#: Names of the probe's variables inside `params`, where only `params` is carried.
-PARAMS_EPSILON = "bridge_epsilon:"
-PARAMS_RECORDING = "bridge_recording:"
 
 #: Keywords of `Module.apply` rather than of the model.
 _APPLY_KEYWORDS = ("rngs", "mutable", "capture_intermediates")
@@ -247,9 +249,9 @@ def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
         site = session.selected[name]
         if site.origin is None or site.origin.in_session:  # `bridge.tap`, ToLinen
             continue
-        key = _variable_name(site.method or "__call__", site.index)
+        key = carrier_name("epsilon", site.method, site.index)
         if site.origin.in_params:
-            params = _inserted(params, site.origin.scope, PARAMS_EPSILON + key, epsilon)
+            params = _inserted(params, site.origin.scope, key, epsilon)
         else:
             node = collection
             for part in site.origin.scope:
@@ -271,9 +273,9 @@ def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dic
 class _Frame:
     """One active method call, as the interceptor sees it."""
 
-    def __init__(self, root: Any):
+    def __init__(self, root: Any, bodies: BodyTraces):
         self.root = root  # the scope root the call runs in
-        self.bodies: dict[tuple, Any] = {}  # lifted bodies traced from this call
+        self.bodies = bodies  # lifted bodies traced from this call
 
 
 class _Interceptor:
@@ -293,7 +295,7 @@ class _Interceptor:
     def __call__(self, next_fun, call_args, call_kwargs, context):
         module, method = context.module, context.method_name
         parent = self.stack[-1] if self.stack else None
-        frame = _Frame(module.scope.root)
+        frame = _Frame(module.scope.root, BodyTraces(self.session))
         lifted = parent is not None and frame.root is not self.stack[0].root
         if parent is not None and frame.root is not parent.root:
             self._entering_lifted_scope(parent, module, method)
@@ -320,9 +322,7 @@ class _Interceptor:
         return None
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
-        transform = guests.entering_linen_lifted_scope(
-            self.session, parent.bodies, module, method
-        )
+        transform = guests.entering_linen_lifted_scope(parent.bodies, module, method)
         if transform is not None:
             self.transform = transform
 
@@ -354,12 +354,11 @@ class _Interceptor:
             record=not lifted,
         )
         value = guests.call_linen_module(module, next_fun, call_args, call_kwargs)
-        key = _variable_name(method, call.index)
 
         def perturb(value):
             unperturbed = differentiable_part(value)
             floats = module.perturb(
-                PARAMS_EPSILON + key if in_params else key,
+                carrier_name("epsilon", method, call.index),
                 unperturbed,
                 collection="params" if in_params else EPSILON_COLLECTION,
             )
@@ -372,14 +371,12 @@ class _Interceptor:
         if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = session.to_carry_out(value)
-            if in_params:
-                module.scope.put_variable(
-                    "params", PARAMS_RECORDING + key, (recording, inputs)
-                )
-            else:
-                module.scope.put_variable(
-                    RECORDING_COLLECTION, key, (recording, inputs)
-                )
+            key = carrier_name("recording", method, call.index)
+            module.scope.put_variable(
+                "params" if in_params else RECORDING_COLLECTION,
+                key,
+                (recording, inputs),
+            )
             session.defer(call.name, (in_params, path, key))
         return value
 
@@ -391,14 +388,4 @@ def _recorded(state: Mapping, where: tuple) -> tuple[Any, Any]:
     node = state["params" if in_params else RECORDING_COLLECTION]
     for part in path:
         node = node[part]
-    return node[PARAMS_RECORDING + key if in_params else key]
-
-
-def is_bridge_variable(name: str) -> bool:
-    """Whether a variable of a module's scope is the probe's own."""
-    return name.startswith((PARAMS_EPSILON, PARAMS_RECORDING)) or "#" in name
-
-
-def _variable_name(method: str, index: int) -> str:
-    # `#` cannot occur in an attribute name, so this never shadows a submodule.
-    return f"{method}#{index}"
+    return node[key]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -335,6 +335,37 @@ class Session:
 
     def discovered(self) -> list[Site]:
         return [site for site in self.sites if site is not None]
+
+
+class BodyTraces:
+    """Where the traces of lifted bodies began, for a library that traces a
+    body more than once (Flax's `nn.scan` traces its body twice, Haiku's
+    `layer_stack` once per `init` and `apply` pass). A repeated trace is the
+    same code, not new calls: it re-uses the names of the first, so a site
+    inside it is one site, never `#1`."""
+
+    def __init__(self, session: Session):
+        self._session = session
+        self._starts: dict[Hashable, Any] = {}
+
+    def begin(self, key: Hashable) -> None:
+        """A trace of body `key` begins now; a later one begins here again."""
+        self._starts[key] = self._session.checkpoint()
+
+    def again(self, key: Hashable) -> None:
+        """Body `key` is traced again: forget the calls since its first began."""
+        self._session.restore(self._starts[key])
+
+    def begin_or_again(self, key: Hashable) -> None:
+        """A call that starts body `key`'s trace: its first, or a repeat."""
+        if key in self._starts:
+            self.again(key)
+        else:
+            self.begin(key)
+
+    def clear(self) -> None:
+        """A new call of the transform: its body's traces are new calls."""
+        self._starts.clear()
 
 
 def _ndim(struct: Any) -> int:

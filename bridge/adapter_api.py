@@ -34,6 +34,11 @@ bridge does not know is added from outside with this module alone, as
    `session.defer(name, where)`, and after the call `session.hand_over(read)`
    reads each back (`read(where) -> (value, inputs)`): at discovery
    that reshapes the site to its stacked shape, in a run it records it.
+   What rides in the library's variables for one call is named
+   `carrier_name(kind, method, index)` (`is_carrier_name` tells them from the
+   user's). A library that traces a lifted body more than once keeps a
+   `BodyTraces(session)` and calls `begin`/`again` (or `begin_or_again`) where
+   a body's trace starts, so a repeated trace re-uses the first one's names.
 
    Register the subclass as a pytree whose leaves are the model's variables
    (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
@@ -55,17 +60,23 @@ name sites.
 from ._porting import Layer as Layer
 from ._probe import ProbeBase as ProbeBase
 from ._registry import register_adapter as register_adapter
+from ._session import BodyTraces as BodyTraces
 from ._session import Session as Session
 from ._sites import Site as Site
 from ._sites import SiteOrigin as SiteOrigin
+from ._sites import carrier_name as carrier_name
+from ._sites import is_carrier_name as is_carrier_name
 from ._sites import key_name as key_name
 
 __all__ = [
+    "BodyTraces",
     "Layer",
     "ProbeBase",
     "Session",
     "Site",
     "SiteOrigin",
+    "carrier_name",
+    "is_carrier_name",
     "key_name",
     "register_adapter",
 ]

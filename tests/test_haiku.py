@@ -18,7 +18,7 @@ from cases.haiku import Model, _inputs, _random_params, batchnorm_net, call_name
 from helpers import add_at_float_leaves, assert_tree_allclose, numpy_snapshot
 
 import bridge
-from bridge.adapters.haiku import EPSILON_PREFIX
+from bridge._sites import carrier_name, is_carrier_name
 
 MODES = ["eager", "jit"]
 
@@ -157,9 +157,7 @@ def test_state_equals_plain_apply_and_holds_no_epsilon(at, mode):
     _, expected = model.transformed.apply(model.params, model.state, x)
     assert_tree_allclose(res.state, expected)  # same bundles, same entries
     assert not any(
-        entry.startswith(EPSILON_PREFIX)
-        for bundle in res.state.values()
-        for entry in bundle
+        is_carrier_name(entry) for bundle in res.state.values() for entry in bundle
     )
     assert_tree_allclose(numpy_snapshot(model.state), before)
 
@@ -388,7 +386,7 @@ def test_state_that_is_not_a_mapping_is_an_error():
 
 def test_a_reserved_state_name_is_an_error():
     params, _ = _mlp_params()
-    state = {"mlp": {f"{EPSILON_PREFIX}mine": jnp.zeros(())}}
+    state = {"mlp": {carrier_name("epsilon", None, 0): jnp.zeros(())}}
     with pytest.raises(ValueError, match="bridge reserves state names"):
         bridge.probe(hk.transform_with_state(mlp), params, state)
 
