@@ -151,10 +151,6 @@ def _set_row(rows: Any, row: Any, values: Any) -> Any:
     return jax.tree.map(lambda r, v: r.at[row].set(v), rows, values)
 
 
-def _rows(struct: Any, length: int) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), struct)
-
-
 def check_reachable(name: str, origin: Origin, session: Session) -> None:
     if origin.blocked is None or (
         name not in session.selected and name not in session.patches
@@ -217,39 +213,15 @@ def placed(session: Session) -> dict[str, Site]:
 def with_epsilons(
     state: Mapping, session: Session, patched: Mapping[str, Site]
 ) -> dict:
-    """The user's state plus, in each site's bundle (new dicts): its epsilon;
-    the patch value of each site in `patched` (see `placed`); and, for a site
-    inside `hk.scan`, its recording rows (and inputs' rows) and step counter."""
+    """The user's state plus, in each site's bundle (new dicts), what
+    `Session.to_carry_in` gives: the epsilon of each selected site, the patch
+    value of each site in `patched` (see `placed`), and, for a site inside
+    `hk.scan`, its step counter and recording rows."""
     merged = {bundle: dict(entries) for bundle, entries in state.items()}
-
-    def put(site: Site, entry: str, value: Any) -> None:
-        merged.setdefault(site.origin.bundle, {})[entry] = value
-
-    for name, epsilon in session.epsilons.items():
-        site = session.selected[name]
-        if site.origin is None:  # a `bridge.tap`: its epsilon lives in the session
-            continue
-        put(site, carrier_name("epsilon", site.method, site.index), epsilon)
-    for name, site in patched.items():
-        put(
-            site,
-            carrier_name("patch", site.method, site.index),
-            session.patches[name],
-        )
-    for site in {**session.selected, **patched}.values():
-        origin = site.origin
-        if origin is None or origin.scan is None:
-            continue
-        length = origin.scan[0]
-        put(
-            site,
-            carrier_name("step", site.method, site.index),
-            jnp.zeros((), jnp.int32),
-        )
-        if site.name in session.selected:
-            inputs = _rows(origin.inputs, length) if session.with_inputs else None
-            recording = (_rows(origin.value, length), inputs)
-            put(site, carrier_name("recording", site.method, site.index), recording)
+    for carried in session.to_carry_in(
+        lambda site: True, lambda site: site.name in patched
+    ):
+        merged.setdefault(carried.site.origin.bundle, {})[carried.name] = carried.value
     return merged
 
 

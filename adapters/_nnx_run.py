@@ -51,6 +51,7 @@ from flax import nnx
 
 from bridge._session import Session, positional_arrays
 from bridge._sites import (
+    Site,
     SiteOrigin,
     add_epsilon,
     carrier_name,
@@ -159,45 +160,21 @@ class Run:
                 self.placed[path, key] = marker
 
     def place_variables(self, session: Session) -> None:
-        """Put the epsilon and patch value of each selected or patched site
-        inside a transform on its module, stacked like the site; and for a
-        site inside a carrying `nnx.scan`, its step counter and, if selected,
-        its recording rows."""
-        values = [(name, "epsilon", eps) for name, eps in session.epsilons.items()]
-        values += [
-            (name, "patch", patch)
-            for name, patch in session.patches.items()
-            if not callable(patch)
-        ]
-        reached = {**session.patched_with_values(), **session.selected}
-        for name, kind, value in values:
-            site = reached.get(name)
-            if isinstance(getattr(site, "origin", None), Origin) and (
-                site.origin.transforms
-            ):
-                key = carrier_name(kind, site.method, site.index)
-                setattr(self.modules[site.origin.path], key, _Carried(value))
-        for site in reached.values():
-            origin = site.origin
-            if not isinstance(origin, Origin) or origin.scan is None:
-                continue
-            module = self.modules[origin.path]
-            step = carrier_name("step", site.method, site.index)
-            setattr(module, step, _Carried(jnp.zeros((), jnp.int32)))
-            if site.name not in session.selected:
-                continue  # patched only: the counter picks the patch's row
-            length = origin.scan[0]
+        """Put on its module what `Session.to_carry_in` gives for each selected
+        or patched site inside a transform: its epsilon and patch value,
+        stacked like the site, and for a site inside a carrying `nnx.scan` its
+        step counter and, if selected, its recording rows."""
 
-            def rows(struct, length=length):
-                return jax.tree.map(
-                    lambda s: jnp.zeros((length, *s.shape), s.dtype), struct
-                )
+        def inside_transform(site: Site) -> bool:
+            return isinstance(site.origin, Origin) and bool(site.origin.transforms)
 
-            inputs = rows(origin.inputs) if session.with_inputs else None
-            recording = (rows(origin.value), inputs)
-            key = carrier_name("recording", site.method, site.index)
-            setattr(module, key, _Recording(recording))
-            self.placed[origin.path, key] = recording
+        for carried in session.to_carry_in(inside_transform, inside_transform):
+            module = self.modules[carried.site.origin.path]
+            if carried.kind == "recording":
+                setattr(module, carried.name, _Recording(carried.value))
+                self.placed[carried.site.origin.path, carried.name] = carried.value
+            else:
+                setattr(module, carried.name, _Carried(carried.value))
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
         """`bridge.tap` in the model's code: refused inside an NNX transform,

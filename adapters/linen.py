@@ -243,20 +243,18 @@ def _with_recordings(mutable: Any, in_params: bool) -> Any:
 
 def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
     """The epsilons laid out by scope path, as `Module.perturb` reads them: in
-    the probe's own collection, or among the parameters inside `nn.scan`."""
+    the probe's own collection, or among the parameters inside `nn.scan`. A
+    `ToLinen`'s epsilon is the session's (`_Origin.in_session`)."""
     collection: dict = {}
-    for name, epsilon in session.epsilons.items():
-        site = session.selected[name]
-        if site.origin is None or site.origin.in_session:  # `bridge.tap`, ToLinen
-            continue
-        key = carrier_name("epsilon", site.method, site.index)
-        if site.origin.in_params:
-            params = _inserted(params, site.origin.scope, key, epsilon)
+    for carried in session.to_carry_in(lambda site: not site.origin.in_session):
+        scope = carried.site.origin.scope
+        if carried.site.origin.in_params:
+            params = _inserted(params, scope, carried.name, carried.value)
         else:
             node = collection
-            for part in site.origin.scope:
+            for part in scope:
                 node = node.setdefault(part, {})
-            node[key] = epsilon
+            node[carried.name] = carried.value
     return collection, params
 
 

@@ -17,12 +17,14 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from ._sites import (
     JAX_ARRAYS,
     Arrays,
     Site,
     SiteOrigin,
+    carrier_name,
     differentiable_part,
     patch_misfit,
     site_name,
@@ -187,6 +189,49 @@ class Session:
             if not callable(patch) and name in self.patched
         }
 
+    def to_carry_in(
+        self,
+        carried: Callable[[Site], bool],
+        patch_carried: Callable[[Site], bool] = lambda site: False,
+    ) -> list[CarriedIn]:
+        """What an adapter places in its library's own variables before the
+        model's call, each under its `name` (`carrier_name`): for each selected
+        site where `carried(site)`, its epsilon (where it has one); for each
+        site patched with a value where `patch_carried(site)`, that value. A
+        site among these inside a scan whose carry holds them (`origin.scan`)
+        also gets an int32 `step` counter, to pick its row, and, if selected,
+        its `recording` rows: zeros `(length, ...)` of its value's floating
+        leaves and, with `with_inputs`, of its inputs (else `None`), which the
+        adapter fills one row a step."""
+        selected = [
+            site
+            for site in self.selected.values()
+            if site.origin is not None and carried(site)
+        ]
+        patched = [
+            site
+            for site in self.patched_with_values().values()
+            if site.origin is not None and patch_carried(site)
+        ]
+        placed = [
+            CarriedIn(site, "epsilon", self.epsilons[site.name])
+            for site in selected
+            if site.name in self.epsilons
+        ]
+        placed += [
+            CarriedIn(site, "patch", self.patches[site.name]) for site in patched
+        ]
+        for site in {site.name: site for site in [*selected, *patched]}.values():
+            if site.origin.scan is None:
+                continue
+            placed.append(CarriedIn(site, "step", jnp.zeros((), jnp.int32)))
+            if site.name in self.selected:
+                length = site.origin.scan[0]
+                inputs = site.origin.inputs if self.with_inputs else None
+                rows = _zero_rows((site.origin.value, inputs), length)
+                placed.append(CarriedIn(site, "recording", rows))
+        return placed
+
     def to_carry_out(self, value: Any) -> Any:
         """What an adapter carries out of a lifted transform for a site there:
         the whole value at discovery (its structure is the site's), the
@@ -337,6 +382,22 @@ class Session:
         return [site for site in self.sites if site is not None]
 
 
+@dataclasses.dataclass(frozen=True)
+class CarriedIn:
+    """One value an adapter places in its library's variables for `site`
+    (`Session.to_carry_in`): `kind` is `epsilon`, `patch`, `step` or
+    `recording`."""
+
+    site: Site
+    kind: str
+    value: Any
+
+    @property
+    def name(self) -> str:
+        """The variable's name (`carrier_name`)."""
+        return carrier_name(self.kind, self.site.method, self.site.index)
+
+
 class BodyTraces:
     """Where the traces of lifted bodies began, for a library that traces a
     body more than once (Flax's `nn.scan` traces its body twice, Haiku's
@@ -366,6 +427,10 @@ class BodyTraces:
     def clear(self) -> None:
         """A new call of the transform: its body's traces are new calls."""
         self._starts.clear()
+
+
+def _zero_rows(struct: Any, length: int) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), struct)
 
 
 def _ndim(struct: Any) -> int:

@@ -61,9 +61,18 @@ class SiteOrigin:
     """The base of an adapter's private record of where a call is (a Linen
     scope path, a Haiku state bundle, the transforms around it). Subclasses
     are frozen dataclasses of plain data: a discovery is reused across traces
-    only where every origin is (`bridge._discovery_cache`)."""
+    only where every origin is (`bridge._discovery_cache`).
+
+    A call inside a scan whose carry holds what the adapter places there
+    (`Session.to_carry_in`) has `scan = (length, reverse)`, and `value` and
+    `inputs` the abstract floating value and positional arguments of one
+    step; elsewhere these are `None`."""
 
     __slots__ = ()
+
+    scan: tuple[int, bool] | None = None
+    value: Any = None
+    inputs: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

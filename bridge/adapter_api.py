@@ -23,22 +23,34 @@ bridge does not know is added from outside with this module alone, as
    - optionally `_check_paths(self, at, patch)`: refuse, before any work,
      paths that can never be sites in this library, saying why.
 
-   Inside `_run`, the session's declared hooks are the only things an adapter
-   changes: `with session.tapping(handler):` routes `bridge.tap` through the
-   adapter (which calls `session.tap_here` where the value is reachable), and
-   `session.exit(call, value, patch=row)` applies one iteration's row of a
-   patch value the adapter carried into a lifted transform
-   (`session.patched_with_values()` gives the `Site` of each). A site inside
-   a lifted transform whose value must leave it through the library's own
-   state carries `session.to_carry_out(value)` out, says where with
-   `session.defer(name, where)`, and after the call `session.hand_over(read)`
-   reads each back (`read(where) -> (value, inputs)`): at discovery
-   that reshapes the site to its stacked shape, in a run it records it.
-   What rides in the library's variables for one call is named
-   `carrier_name(kind, method, index)` (`is_carrier_name` tells them from the
-   user's). A library that traces a lifted body more than once keeps a
-   `BodyTraces(session)` and calls `begin`/`again` (or `begin_or_again`) where
-   a body's trace starts, so a repeated trace re-uses the first one's names.
+   Inside `_run`, the session's declared hooks are the only things an
+   adapter changes:
+
+   - taps: `with session.tapping(handler):` routes `bridge.tap` through the
+     adapter, which calls `session.tap_here` where the value is reachable;
+   - patches: `session.exit(call, value, patch=row)` applies one iteration's
+     row of a patch value the adapter carried into a lifted transform
+     (`session.patched_with_values()` gives the `Site` of each).
+
+   The carrier: a lifted transform (a scan, a layer stack, a remat) sees only
+   what its library carries through it, so an adapter moves bridge's values
+   through the library's own variables (Linen collections, Haiku state, NNX
+   module attributes), and the session says what moves:
+
+   - in: `session.to_carry_in(carried, patch_carried)` lists what to place
+     before the call (epsilons, patch values, a scan's step counters and
+     recording rows), each under its `name`,
+     `carrier_name(kind, method, index)`; `is_carrier_name` tells them from
+     the user's variables;
+   - out: a site there carries `session.to_carry_out(value)`, says where with
+     `session.defer(name, where)`, and after the call
+     `session.hand_over(read)` reads each back (`read(where) -> (value,
+     inputs)`): at discovery that reshapes the site to its stacked shape, in
+     a run it records it;
+   - re-traces: a library that traces a body more than once keeps a
+     `BodyTraces(session)` and calls `begin`/`again` (or `begin_or_again`)
+     where a body's trace starts, so a repeated trace re-uses the first one's
+     names.
 
    Register the subclass as a pytree whose leaves are the model's variables
    (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
