@@ -216,14 +216,12 @@ def run_with_tree_leaves(
                 f"outputs, but {model_name} returned no floating-point array."
             )
         # What the session recorded in here must leave `jax.vjp` as outputs.
-        recorded = (dict(session.activations), dict(session.inputs))
-        return sum(floats, jnp.zeros(())), (outputs, state, recorded)
+        return sum(floats, jnp.zeros(())), (outputs, state, session.recordings())
 
     total, pullback, (outputs, state, recorded) = jax.vjp(
         forward, recorders, has_aux=True
     )
-    session.activations.update(recorded[0])
-    session.inputs.update(recorded[1])
+    session.adopt(recorded)
     (cotangents,) = pullback(jnp.ones_like(total))
     for name, site in sites.items():
         value, inputs = cotangents[name]

@@ -266,6 +266,18 @@ class Session:
         if inputs is not None and self.with_inputs:
             self.inputs[name] = self.arrays.positional(inputs)
 
+    def recordings(self) -> tuple[dict[str, Any], dict[str, tuple]]:
+        """The values (and inputs) recorded so far. An adapter that runs the
+        model inside a JAX transform of its own (Equinox's `jax.vjp`) returns
+        them from it as outputs, and `adopt`s them outside."""
+        return dict(self.activations), dict(self.inputs)
+
+    def adopt(self, recordings: tuple[dict[str, Any], dict[str, tuple]]) -> None:
+        """Take `recordings` (see `recordings`) as the session's own."""
+        activations, inputs = recordings
+        self.activations.update(activations)
+        self.inputs.update(inputs)
+
     def checkpoint(self) -> tuple[dict[str, int], int, int, dict[str, Any]]:
         """The naming state now, to `restore` when a library traces a body again."""
         return (

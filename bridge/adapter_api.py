@@ -47,6 +47,9 @@ bridge does not know is added from outside with this module alone, as
      `session.hand_over(read)` reads each back (`read(where) -> (value,
      inputs)`): at discovery that reshapes the site to its stacked shape, in
      a run it records it;
+   - through a transform of the adapter's own (Equinox records the sites in
+     a scan through a `jax.vjp` of the model): `session.recordings()`
+     leaves it as outputs and `session.adopt(...)` takes them back;
    - re-traces: a library that traces a body more than once keeps a
      `BodyTraces(session)` and calls `begin`/`again` (or `begin_or_again`)
      where a body's trace starts, so a repeated trace re-uses the first one's
