@@ -72,6 +72,22 @@ class _Origin(SiteOrigin):
     in_session: bool = False
 
 
+def _is_nested_apply(module: Any) -> bool:
+    """Whether a module's call starts an `apply` (or `bind`) the model makes
+    itself, `self.lm_head.apply({"params": ...}, x)` as a tied LM head does:
+    a fresh scope root whose module keeps its name. A lifted transform's own
+    module (`ScanBlock`) has one too, but its class is made by
+    `flax.linen.transforms`; the scopes of its body name the transform in
+    their debug path."""
+    scope = module.scope
+    return (
+        module.name is not None
+        and scope.path == ()
+        and getattr(scope, "debug_path", None) == ()
+        and type(module).__module__ != nn.transforms.__name__
+    )
+
+
 def _check_perturbed(floats: Any, value: Any, name: str) -> None:
     """`Module.perturb` adds an epsilon leaf by leaf since flax 0.10.1; before,
     `value += epsilon` concatenated a tuple-valued call's output with its
@@ -271,8 +287,9 @@ def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dic
 class _Frame:
     """One active method call, as the interceptor sees it."""
 
-    def __init__(self, root: Any, bodies: BodyTraces):
+    def __init__(self, root: Any, path: tuple[str, ...], bodies: BodyTraces):
         self.root = root  # the scope root the call runs in
+        self.path = path  # the module's path in the model
         self.bodies = bodies  # lifted bodies traced from this call
 
 
@@ -289,18 +306,27 @@ class _Interceptor:
         self.in_params = in_params
         self.stack: list[_Frame] = []
         self.transform = "a Flax lifted transform"
+        # The scope roots of `apply`s the model makes itself, by id: the root
+        # (kept alive, so that its id is not reused) and the path its module
+        # has in the model.
+        self.nested: dict[int, tuple[Any, tuple[str, ...]]] = {}
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         module, method = context.module, context.method_name
         parent = self.stack[-1] if self.stack else None
-        frame = _Frame(module.scope.root, BodyTraces(self.session))
-        lifted = parent is not None and frame.root is not self.stack[0].root
-        if parent is not None and frame.root is not parent.root:
-            self._entering_lifted_scope(parent, module, method)
+        root = module.scope.root
+        if parent is not None and root is not parent.root:
+            if not self._lifted(parent) and _is_nested_apply(module):
+                self.nested[id(root)] = (root, (*parent.path, module.name))
+            elif id(root) not in self.nested:
+                self._entering_lifted_scope(parent, module, method)
+        _, prefix = self.nested.get(id(root), (None, ()))
+        path = (*prefix, *module.path)
+        frame = _Frame(root, path, BodyTraces(self.session))
         self.stack.append(frame)
         try:
             if (
-                module.path == ()
+                path == ()
                 or method == "setup"
                 or (method.startswith("_") and method != "__call__")
             ):
@@ -308,14 +334,21 @@ class _Interceptor:
                 return guests.call_linen_module(
                     module, next_fun, call_args, call_kwargs
                 )
-            return self._site(next_fun, call_args, call_kwargs, module, method, lifted)
+            return self._site(next_fun, call_args, call_kwargs, module, method, frame)
         finally:
             self.stack.pop()
+
+    def _lifted(self, frame: _Frame) -> bool:
+        """Whether `frame`'s call runs inside a lifted transform: in a scope
+        root other than the model's and its own `apply`s'."""
+        return frame.root is not self.stack[0].root and id(frame.root) not in (
+            self.nested
+        )
 
     def lifted_transform(self) -> str | None:
         """The lifted transform the call running now is inside, if any: where a
         module of another library called there cannot be a site."""
-        if self.stack and self.stack[-1].root is not self.stack[0].root:
+        if self.stack and self._lifted(self.stack[-1]):
             return self.transform
         return None
 
@@ -324,9 +357,10 @@ class _Interceptor:
         if transform is not None:
             self.transform = transform
 
-    def _site(self, next_fun, call_args, call_kwargs, module, method, lifted):
+    def _site(self, next_fun, call_args, call_kwargs, module, method, frame):
         session = self.session
-        path = tuple(module.path)
+        path = frame.path
+        lifted = self._lifted(frame)
         carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
         in_params = not carried and self.in_params
         if not carried and not (in_params and module.is_mutable_collection("params")):
@@ -342,7 +376,11 @@ class _Interceptor:
                     "nor `params`, so a perturbation there would be silently "
                     "dropped. Select sites outside it."
                 )
-        in_session = not in_params and guests.is_to_linen(module)
+        # Neither a `ToLinen` nor an `apply` the model makes passes bridge's
+        # collection on: their epsilon is the session's.
+        in_session = not in_params and (
+            guests.is_to_linen(module) or id(frame.root) in self.nested
+        )
         call = session.enter(
             "/".join(path),
             None if method == "__call__" else method,

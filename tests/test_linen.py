@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.linen import DropoutNet, SharedMLP, perturbed_apply
-from helpers import assert_tree_allclose, random_like, tree_vdot
+from helpers import assert_tree_allclose, random_like, tree_vdot, value_and_grad_in
 
 import bridge
 
@@ -445,3 +445,83 @@ def test_nn_vmap_that_broadcasts_params_raises_instead_of_summing():
     probe = bridge.probe(Ensemble(True), Ensemble(True).init(jax.random.key(1), x))
     with pytest.raises(ValueError, match="cannot see through this nn.vmap"):
         probe.value_and_grad(mse, x)
+
+
+# -- an `apply` the model makes itself (a tied LM head) -------------------------
+
+
+class _Head(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return nn.Dense(6, name="proj")(nn.LayerNorm(name="norm")(h))
+
+
+class _TiedLM(nn.Module):
+    """Hugging Face's tied GPT-2 head in miniature: a submodule applied with
+    variables the model hands it, `self.head.apply({"params": ...}, h)`."""
+
+    def setup(self):
+        self.embed = nn.Embed(6, 4)
+        self.head = _Head()
+
+    def __call__(self, ids):
+        h = self.embed(ids)
+        if self.is_initializing():
+            return self.head(h)
+        head_params = dict(self.variables["params"]["head"])
+        head_params["proj"] = {
+            "kernel": self.variables["params"]["embed"]["embedding"].T,
+            "bias": head_params["proj"]["bias"],
+        }
+        return self.head.apply({"params": head_params}, h)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_an_apply_the_model_makes_itself_is_a_site_under_its_name(mode):
+    model, ids = _TiedLM(), jnp.array([[0, 3, 5], [2, 2, 1]])
+    variables = model.init(jax.random.key(0), ids)
+    probe = bridge.probe(model, variables)
+    assert list(probe.sites(ids)) == ["embed", "head", "head/norm", "head/proj"]
+
+    def loss(y):
+        return jnp.sum(jnp.sin(y) ** 2)
+
+    res = value_and_grad_in(mode, probe, loss, (ids,))
+    params = variables["params"]
+    plain_loss, plain_grads = jax.value_and_grad(
+        lambda p: loss(model.apply({"params": p}, ids))
+    )(params)
+    np.testing.assert_allclose(res.loss, plain_loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, plain_grads, rtol=1e-5, atol=1e-6)
+    # Values: the head's LayerNorm of the embedding, computed on its own.
+    embedded = params["embed"]["embedding"][ids]
+    normed = nn.LayerNorm().apply({"params": params["head"]["norm"]}, embedded)
+    np.testing.assert_allclose(res.activations["head/norm"], normed, atol=1e-6)
+    # The bias identity at the projection; the head's gradient at the output.
+    np.testing.assert_allclose(
+        res.activation_grads["head/proj"].sum((0, 1)),
+        plain_grads["head"]["proj"]["bias"],
+        rtol=1e-5,
+    )
+    output = model.apply(variables, ids)
+    np.testing.assert_allclose(
+        res.activation_grads["head"], jax.grad(loss)(output), rtol=1e-5
+    )
+    # And the jvp of an offset the test adds at the LayerNorm inside the apply.
+    delta = random_like(jax.ShapeDtypeStruct(normed.shape, normed.dtype), seed=3)
+
+    def loss_along(t):
+        def add(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            if context.module.name == "norm":
+                out = out + t * delta
+            return out
+
+        with nn.intercept_methods(add):
+            return loss(model.apply(variables, ids))
+
+    _, directional = jax.jvp(loss_along, (0.0,), (1.0,))
+    assert abs(directional) > 1e-3  # the offset moves the loss
+    np.testing.assert_allclose(
+        tree_vdot(res.activation_grads["head/norm"], delta), directional, rtol=1e-4
+    )

@@ -230,18 +230,27 @@ def reference(name):
                 capture_intermediates=True,
                 mutable=["intermediates"],
             )
-            return m.loss_fn(out), state["intermediates"]
+            return m.loss_fn(out), (state["intermediates"], out)
 
         return jax.value_and_grad(loss, has_aux=True)(params)
 
-    (loss, intermediates), grads = run(m.variables["params"])
+    (loss, (intermediates, out)), grads = run(m.variables["params"])
+    activations = _captured(intermediates)
+    if name.startswith("gpt2"):
+        # The tied head is an `apply` of its own, which capture_intermediates
+        # does not record; its output is the model's logits.
+        activations["lm_head"] = out.logits
     plain = jax.jit(
         lambda p: m.loss_fn(
             m.module.apply({"params": p}, *m.args, **m.model_kwargs, **m.apply_kwargs)
         )
     )(m.variables["params"])
     return SimpleNamespace(
-        loss=loss, plain_loss=plain, grads=grads, activations=_captured(intermediates)
+        loss=loss,
+        plain_loss=plain,
+        grads=grads,
+        activations=activations,
+        logits=out.logits,
     )
 
 
@@ -332,9 +341,10 @@ GPT2_SITES = [
 def test_gpt2_sites_are_its_scope_paths_in_call_order():
     sites = _sites("gpt2")
     # The tied LM head is `self.lm_head.apply(...)` with the embedding as its
-    # kernel: a separate `apply`, which neither Flax's capture_intermediates
-    # nor bridge sees as a submodule call. Untied, it is an ordinary site.
-    assert list(sites) == GPT2_SITES
+    # kernel: an `apply` of the model's own, whose root module keeps its name.
+    # It is the same site untied, where it is an ordinary submodule call.
+    assert list(sites) == [*GPT2_SITES, "lm_head"]
+    assert sites["lm_head"].shape == (BATCH, SEQ, VOCAB)
     assert sites["transformer/h/0/attn/c_attn"].shape == (BATCH, SEQ, 3 * 32)
     assert sites["transformer/h/0/mlp/c_fc"].shape == (BATCH, SEQ, 4 * 32)
     m = build("gpt2")
@@ -408,4 +418,18 @@ def test_activation_gradients_equal_jvp_of_a_hand_inserted_offset(name, mode):
     deltas, directional = jvp_reference(name)
     assert_directional_derivatives(
         probed(name, mode), build(name).jvp_sites, deltas, directional
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [p for p in _variants_and_modes() if p.values[0].startswith("gpt2")],
+)
+def test_the_tied_lm_head_gets_the_gradient_of_the_loss_at_the_logits(name, mode):
+    res, ref = probed(name, mode), reference(name)
+    loss_fn = build(name).loss_fn
+    want = jax.grad(lambda logits: loss_fn(SimpleNamespace(logits=logits)))(ref.logits)
+    np.testing.assert_allclose(res.activations["lm_head"], ref.logits, atol=1e-5)
+    np.testing.assert_allclose(
+        res.activation_grads["lm_head"], want, rtol=1e-4, atol=1e-8
     )
