@@ -391,12 +391,21 @@ def entering_linen_lifted_scope(
     parent frame holds `bodies`. A lifted transform's own module (`ScanBlock`,
     scope path `()`) is called before its body runs: it starts a new call of
     the body, and its transform's name is returned. A body's first call
-    starts its trace, first or repeated (Flax traces a body more than once)."""
-    if module.path == ():
+    starts its trace, first or repeated (Flax traces a body more than once).
+    In `nn.scan(nn.remat(Block))` the scan's body is the own module of the
+    remat, `CheckpointBlock`, a base class of `ScanCheckpointBlock`: it is
+    traced again as any body is, not a new call."""
+    key = (module.path, module.name, method, type(module))
+    if module.path == () and not any(
+        started[0] == () and issubclass(started[3], type(module))
+        for started in bodies
+        if started[3] is not type(module)
+    ):
         bodies.clear()
+        bodies.begin(key)
         return linen_transform_name(module)
-    bodies.begin_or_again((module.path, method, type(module)))
-    return None
+    bodies.begin_or_again(key)
+    return linen_transform_name(module) if module.path == () else None
 
 
 def _haiku_running_init() -> bool:

@@ -65,11 +65,15 @@ class _Origin(SiteOrigin):
     `in_session`: the epsilon is the session's own, not a variable. So is an
     `nnx.bridge.ToLinen`'s outside lifted transforms: it hands every variable
     of its scope, bridge's collection too, to the NNX module it builds.
+
+    `tap`: the name of a `bridge.tap` inside a lifted transform, whose
+    variables live in the scope of the module that calls it.
     """
 
     scope: tuple[str, ...]
     in_params: bool = False
     in_session: bool = False
+    tap: str | None = None
 
 
 def _is_nested_apply(module: Any) -> bool:
@@ -206,6 +210,7 @@ class LinenProbe(ProbeBase):
         try:
             with (
                 guests.hosting("linen", interceptor.lifted_transform),
+                session.tapping(interceptor.tap),
                 nn.intercept_methods(interceptor),
             ):
                 outputs, state = self.module.apply(
@@ -263,15 +268,22 @@ def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
     `ToLinen`'s epsilon is the session's (`_Origin.in_session`)."""
     collection: dict = {}
     for carried in session.to_carry_in(lambda site: not site.origin.in_session):
-        scope = carried.site.origin.scope
-        if carried.site.origin.in_params:
-            params = _inserted(params, scope, carried.name, carried.value)
+        site = carried.site
+        key = _key(carried.kind, site.method, site.index, site.origin.tap)
+        if site.origin.in_params:
+            params = _inserted(params, site.origin.scope, key, carried.value)
         else:
             node = collection
-            for part in scope:
+            for part in site.origin.scope:
                 node = node.setdefault(part, {})
-            node[carried.name] = carried.value
+            node[key] = carried.value
     return collection, params
+
+
+def _key(kind: str, method: str | None, index: int, tap: str | None) -> str:
+    """The name of a call's variable (`carrier_name`); a tap's is told from
+    its module's own by the tap's name."""
+    return carrier_name(kind, method if tap is None else f"tap/{tap}", index)
 
 
 def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dict:
@@ -287,7 +299,10 @@ def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dic
 class _Frame:
     """One active method call, as the interceptor sees it."""
 
-    def __init__(self, root: Any, path: tuple[str, ...], bodies: BodyTraces):
+    def __init__(
+        self, module: Any, root: Any, path: tuple[str, ...], bodies: BodyTraces
+    ):
+        self.module = module
         self.root = root  # the scope root the call runs in
         self.path = path  # the module's path in the model
         self.bodies = bodies  # lifted bodies traced from this call
@@ -322,7 +337,7 @@ class _Interceptor:
                 self._entering_lifted_scope(parent, module, method)
         _, prefix = self.nested.get(id(root), (None, ()))
         path = (*prefix, *module.path)
-        frame = _Frame(root, path, BodyTraces(self.session))
+        frame = _Frame(module, root, path, BodyTraces(self.session))
         self.stack.append(frame)
         try:
             if (
@@ -334,9 +349,27 @@ class _Interceptor:
                 return guests.call_linen_module(
                     module, next_fun, call_args, call_kwargs
                 )
-            return self._site(next_fun, call_args, call_kwargs, module, method, frame)
+            return self._site(
+                lambda: guests.call_linen_module(
+                    module, next_fun, call_args, call_kwargs
+                ),
+                call_args,
+                module,
+                method,
+                frame,
+            )
         finally:
             self.stack.pop()
+
+    def tap(self, name: str, value: Any) -> Any:
+        """`bridge.tap` in the model's code. Inside a lifted transform it is a
+        site of the calling module's, carried out and perturbed through its
+        scope as the module's own calls are (a value there belongs to the
+        transform's trace); elsewhere the session's own."""
+        if not self.stack or not self._lifted(self.stack[-1]):
+            return self.session.tap_here(name, value)
+        frame = self.stack[-1]
+        return self._site(lambda: value, (), frame.module, "__call__", frame, name)
 
     def _lifted(self, frame: _Frame) -> bool:
         """Whether `frame`'s call runs inside a lifted transform: in a scope
@@ -357,7 +390,9 @@ class _Interceptor:
         if transform is not None:
             self.transform = transform
 
-    def _site(self, next_fun, call_args, call_kwargs, module, method, frame):
+    def _site(self, run, call_args, module, method, frame, tap=None):
+        """The call `run()` of `module`'s `method` as a site; a `bridge.tap`
+        named `tap` inside the call of `frame`."""
         session = self.session
         path = frame.path
         lifted = self._lifted(frame)
@@ -382,19 +417,19 @@ class _Interceptor:
             guests.is_to_linen(module) or id(frame.root) in self.nested
         )
         call = session.enter(
-            "/".join(path),
+            "/".join(path if tap is None else (*path, tap)),
             None if method == "__call__" else method,
-            module,
+            module if tap is None else None,
             call_args,
-            origin=_Origin(path, in_params, in_session),
+            origin=_Origin(path, in_params, in_session, tap),
             record=not lifted,
         )
-        value = guests.call_linen_module(module, next_fun, call_args, call_kwargs)
+        value = run()
 
         def perturb(value):
             unperturbed = differentiable_part(value)
             floats = module.perturb(
-                carrier_name("epsilon", method, call.index),
+                _key("epsilon", method, call.index, tap),
                 unperturbed,
                 collection="params" if in_params else EPSILON_COLLECTION,
             )
@@ -407,7 +442,7 @@ class _Interceptor:
         if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = session.to_carry_out(value)
-            key = carrier_name("recording", method, call.index)
+            key = _key("recording", method, call.index, tap)
             module.scope.put_variable(
                 "params" if in_params else RECORDING_COLLECTION,
                 key,

@@ -440,6 +440,10 @@ class BodyTraces:
         """A new call of the transform: its body's traces are new calls."""
         self._starts.clear()
 
+    def __iter__(self) -> Iterator[Hashable]:
+        """The keys of the bodies whose traces have begun."""
+        return iter(list(self._starts))
+
 
 def _zero_rows(struct: Any, length: int) -> Any:
     return jax.tree.map(lambda s: jnp.zeros((length, *s.shape), s.dtype), struct)

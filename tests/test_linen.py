@@ -525,3 +525,71 @@ def test_an_apply_the_model_makes_itself_is_a_site_under_its_name(mode):
     np.testing.assert_allclose(
         tree_vdot(res.activation_grads["head/norm"], delta), directional, rtol=1e-4
     )
+
+
+# -- taps inside lifted transforms ------------------------------------------------
+
+
+class _TappedCell(nn.Module):
+    @nn.compact
+    def __call__(self, carry, _):
+        hidden = bridge.tap("pre", jnp.tanh(nn.Dense(4, name="dense")(carry)))
+        return hidden * 0.5 + carry, hidden
+
+
+class _TappedStack(nn.Module):
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        cell = nn.remat(_TappedCell) if self.remat else _TappedCell
+        stack = nn.scan(
+            cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        carry, hidden = stack(name="cells")(x, None)
+        return jnp.sum(hidden, axis=0) + carry
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_tap_inside_nn_scan_and_nn_remat_is_stacked_like_the_modules_there(
+    mode, remat
+):
+    model = _TappedStack(remat=remat)
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    variables = model.init(jax.random.key(0), x)
+    probe = bridge.probe(model, variables)
+    sites = probe.sites(x)
+    # One site per call in the body, however often Flax traces it (twice for
+    # nn.scan, and again for the nn.remat inside it).
+    assert set(sites) == {"cells", "cells/dense", "cells/pre"}
+    assert sites["cells/pre"].shape == (3, 2, 4)
+    res = value_and_grad_in(mode, probe, mse, (x,))
+    # The reference: the scan unrolled by hand, with an offset at the tap.
+    dense = variables["params"]["cells"]["dense"]
+    delta = random_like(jax.ShapeDtypeStruct((3, 2, 4), jnp.float32), seed=5)
+
+    def unrolled(t):
+        carry, hidden = x, []
+        for i in range(3):
+            pre = jnp.tanh(carry @ dense["kernel"][i] + dense["bias"][i][None])
+            pre = pre + t * delta[i]
+            hidden.append(pre)
+            carry = pre * 0.5 + carry
+        return jnp.stack(hidden), mse(sum(hidden) + carry)
+
+    (taps, loss), (_, directional) = jax.jvp(unrolled, (0.0,), (1.0,))
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(res.activations["cells/pre"], taps, atol=1e-6)
+    assert abs(directional) > 1e-3  # the offset moves the loss
+    np.testing.assert_allclose(
+        tree_vdot(res.activation_grads["cells/pre"], delta), directional, rtol=1e-4
+    )
+    # The module there keeps its own epsilon beside the tap's: the bias
+    # identity per iteration.
+    np.testing.assert_allclose(
+        res.activation_grads["cells/dense"].sum(1),
+        res.grads["cells"]["dense"]["bias"],
+        rtol=1e-5,
+        atol=1e-7,
+    )
