@@ -173,7 +173,7 @@ class HaikuProbe(ProbeBase):
             return self._apply(trainable, args, kwargs, session, True, placed)
         return session.run_with_fallback(
             lambda state_route: self._apply(
-                trainable, args, kwargs, session, state_route or bool(placed), placed
+                trainable, args, kwargs, session, state_route, placed
             ),
             haiku_state.NeedsState,
             lambda origin: origin.lifted,

@@ -267,7 +267,11 @@ def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
     the probe's own collection, or among the parameters inside `nn.scan`. A
     `ToLinen`'s epsilon is the session's (`_Origin.in_session`)."""
     collection: dict = {}
-    for carried in session.to_carry_in(lambda site: not site.origin.in_session):
+    # A patch value for a site inside `nn.scan` rides with the parameters
+    # beside its epsilon, sliced per iteration as they are.
+    for carried in session.to_carry_in(
+        lambda site: not site.origin.in_session, lambda site: site.origin.in_params
+    ):
         site = carried.site
         key = _key(carried.kind, site.method, site.index, site.origin.tap)
         if site.origin.in_params:
@@ -425,6 +429,11 @@ class _Interceptor:
             record=not lifted,
         )
         value = run()
+        patch = None
+        if in_params and call.name in session.patched_with_values():
+            patch = module.scope.get_variable(
+                "params", _key("patch", method, call.index, tap)
+            )
 
         def perturb(value):
             unperturbed = differentiable_part(value)
@@ -437,7 +446,11 @@ class _Interceptor:
             return merge_differentiable(value, floats)
 
         value = session.exit(
-            call, value, None if in_session else perturb, record=not lifted
+            call,
+            value,
+            None if in_session else perturb,
+            record=not lifted,
+            patch=patch,
         )
         if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None

@@ -309,13 +309,13 @@ class Session:
         calls `run(False)`. Discovery that meets such a site raises `fallback`
         and is done again with `run(True)`, forgetting the calls of the first
         attempt. A later run takes the fallback route only where a selected
-        site's origin `needs_fallback`.
+        or patched site's origin `needs_fallback`.
         """
         if not self.discovering:
             return run(
                 any(
                     site.origin is not None and needs_fallback(site.origin)
-                    for site in self.selected.values()
+                    for site in [*self.selected.values(), *self.patched.values()]
                 )
             )
         start = self.checkpoint()

@@ -593,3 +593,44 @@ def test_a_tap_inside_nn_scan_and_nn_remat_is_stacked_like_the_modules_there(
         rtol=1e-5,
         atol=1e-7,
     )
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("patched", ["cells/dense", "cells/pre"])
+def test_a_stacked_patch_value_inside_nn_scan_gives_each_iteration_its_row(
+    patched, mode, remat
+):
+    model = _TappedStack(remat=remat)
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    variables = model.init(jax.random.key(0), x)
+    patch = random_like(jax.ShapeDtypeStruct((3, 2, 4), jnp.float32), seed=9)
+    dense = variables["params"]["cells"]["dense"]
+    delta = random_like(jax.ShapeDtypeStruct((3, 2, 4), jnp.float32), seed=5)
+
+    def unrolled(t):
+        carry, hidden = x, []
+        for i in range(3):
+            out = carry @ dense["kernel"][i] + dense["bias"][i][None]
+            if patched == "cells/dense":
+                out = patch[i]
+            pre = patch[i] if patched == "cells/pre" else jnp.tanh(out)
+            pre = pre + t * delta[i]
+            hidden.append(pre)
+            carry = pre * 0.5 + carry
+        return jnp.stack(hidden), mse(sum(hidden) + carry)
+
+    (taps, loss), (_, directional) = jax.jvp(unrolled, (0.0,), (1.0,))
+    probe = bridge.probe(model, variables)
+    # Selected or not, the patched site takes its row in each iteration.
+    for at in (None, "cells/pre"):
+        res = value_and_grad_in(
+            mode, probe, mse, (x,), {"at": at, "patch": {patched: patch}}
+        )
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        np.testing.assert_allclose(res.activations["cells/pre"], taps, atol=1e-6)
+        np.testing.assert_allclose(
+            tree_vdot(res.activation_grads["cells/pre"], delta),
+            directional,
+            rtol=1e-4,
+        )
