@@ -81,8 +81,7 @@ def _is_nested_apply(module: Any) -> bool:
     itself, `self.lm_head.apply({"params": ...}, x)` as a tied LM head does:
     a fresh scope root whose module keeps its name. A lifted transform's own
     module (`ScanBlock`) has one too, but its class is made by
-    `flax.linen.transforms`; the scopes of its body name the transform in
-    their debug path."""
+    `flax.linen.transforms`."""
     scope = module.scope
     return (
         module.name is not None
