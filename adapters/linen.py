@@ -271,22 +271,15 @@ def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
     for carried in session.to_carry_in(
         lambda site: not site.origin.in_session, lambda site: site.origin.in_params
     ):
-        site = carried.site
-        key = _key(carried.kind, site.method, site.index, site.origin.tap)
-        if site.origin.in_params:
-            params = _inserted(params, site.origin.scope, key, carried.value)
+        scope = carried.site.origin.scope
+        if carried.site.origin.in_params:
+            params = _inserted(params, scope, carried.name, carried.value)
         else:
             node = collection
-            for part in site.origin.scope:
+            for part in scope:
                 node = node.setdefault(part, {})
-            node[key] = carried.value
+            node[carried.name] = carried.value
     return collection, params
-
-
-def _key(kind: str, method: str | None, index: int, tap: str | None) -> str:
-    """The name of a call's variable (`carrier_name`); a tap's is told from
-    its module's own by the tap's name."""
-    return carrier_name(kind, method if tap is None else f"tap/{tap}", index)
 
 
 def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dict:
@@ -431,13 +424,13 @@ class _Interceptor:
         patch = None
         if in_params and call.name in session.patched_with_values():
             patch = module.scope.get_variable(
-                "params", _key("patch", method, call.index, tap)
+                "params", carrier_name("patch", method, call.index, tap)
             )
 
         def perturb(value):
             unperturbed = differentiable_part(value)
             floats = module.perturb(
-                _key("epsilon", method, call.index, tap),
+                carrier_name("epsilon", method, call.index, tap),
                 unperturbed,
                 collection="params" if in_params else EPSILON_COLLECTION,
             )
@@ -454,7 +447,7 @@ class _Interceptor:
         if lifted and (call.name in session.selected or session.discovering):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = session.to_carry_out(value)
-            key = _key("recording", method, call.index, tap)
+            key = carrier_name("recording", method, call.index, tap)
             module.scope.put_variable(
                 "params" if in_params else RECORDING_COLLECTION,
                 key,

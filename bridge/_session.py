@@ -407,7 +407,8 @@ class CarriedIn:
     @property
     def name(self) -> str:
         """The variable's name (`carrier_name`)."""
-        return carrier_name(self.kind, self.site.method, self.site.index)
+        site = self.site
+        return carrier_name(self.kind, site.method, site.index, site.origin.tap)
 
 
 class BodyTraces:

@@ -27,7 +27,9 @@ def strip_call_index(name: str) -> str:
 CARRIER_PREFIX = "bridge_"
 
 
-def carrier_name(kind: str, method: str | None, index: int) -> str:
+def carrier_name(
+    kind: str, method: str | None, index: int, tap: str | None = None
+) -> str:
     """The name of what an adapter stores for one call of a site in its
     library's own variables (Linen collections, Haiku state, NNX module
     attributes) to carry it into or out of a lifted transform: its `kind`
@@ -35,8 +37,10 @@ def carrier_name(kind: str, method: str | None, index: int) -> str:
     index. `bridge_epsilon:__call__#0`: `:` and `#` occur in no identifier,
     so it never shadows a user's variable, submodule or attribute. Each call
     has its own name, so the gradients of a shared module's calls are never
-    summed."""
-    return f"{CARRIER_PREFIX}{kind}:{method or '__call__'}#{index}"
+    summed. A `bridge.tap` kept in the variables of the module calling it is
+    told from the module's own calls by its name: `bridge_epsilon:tap/h#0`."""
+    called = (method or "__call__") if tap is None else f"tap/{tap}"
+    return f"{CARRIER_PREFIX}{kind}:{called}#{index}"
 
 
 def is_carrier_name(name: Any) -> bool:
@@ -66,13 +70,15 @@ class SiteOrigin:
     A call inside a scan whose carry holds what the adapter places there
     (`Session.to_carry_in`) has `scan = (length, reverse)`, and `value` and
     `inputs` the abstract floating value and positional arguments of one
-    step; elsewhere these are `None`."""
+    step; elsewhere these are `None`. A `bridge.tap` whose values ride in the
+    variables of the module calling it has its name as `tap`."""
 
     __slots__ = ()
 
     scan: tuple[int, bool] | None = None
     value: Any = None
     inputs: Any = None
+    tap: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

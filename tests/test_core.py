@@ -581,3 +581,12 @@ def test_to_carry_in_gives_each_value_a_library_must_carry_under_its_name():
     assert placed["bridge_step:step#1"].dtype == jnp.int32
     # A patch function is applied where the call is; nothing is carried.
     assert not any(entry.site is plain for entry in carried)
+
+
+def test_a_taps_carrier_name_is_told_from_its_modules_own():
+    from bridge.adapter_api import carrier_name, is_carrier_name
+
+    tap = carrier_name("epsilon", "__call__", 0, tap="hidden")
+    assert tap == "bridge_epsilon:tap/hidden#0"
+    assert is_carrier_name(tap)
+    assert tap != carrier_name("epsilon", "__call__", 0)
