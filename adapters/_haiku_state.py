@@ -76,6 +76,8 @@ class Origin(SiteOrigin):
     patch value and recording, and a step counter picks the iteration's row;
     `value` and `inputs` are the abstract value (floating leaves) and
     positional arguments of one iteration, which shape the recording's rows.
+    `tap` names a `bridge.tap` there, kept in the bundle of the module that
+    calls it.
     """
 
     bundle: str
@@ -84,6 +86,7 @@ class Origin(SiteOrigin):
     scan: tuple[int, bool] | None = None
     value: Any = None
     inputs: Any = None
+    tap: str | None = None
 
 
 def scanned(
@@ -115,18 +118,18 @@ def scanned(
     selected = call.name in session.selected
     if not (selected or patched):  # a patch function needs no row
         return session.exit(call, value, record=False)
-    counter = carrier_name("step", method, call.index)
+    counter = carrier_name("step", method, call.index, origin.tap)
     step = hk.get_state(counter)
     row = length - 1 - step if reverse else step
 
     def perturb(value):
-        epsilon = hk.get_state(carrier_name("epsilon", method, call.index))
+        epsilon = hk.get_state(carrier_name("epsilon", method, call.index, origin.tap))
         return add_epsilon(value, jax.tree.map(lambda e: e[row], epsilon))
 
     patch = patch_from_state(call, method, row) if patched else None
     value = session.exit(call, value, perturb, record=False, patch=patch)
     if selected:
-        recording = carrier_name("recording", method, call.index)
+        recording = carrier_name("recording", method, call.index, origin.tap)
         values, inputs = hk.get_state(recording)
         values = _set_row(values, row, differentiable_part(value))
         if inputs is not None:
@@ -140,7 +143,7 @@ def patch_from_state(call: Any, method: str, row: Any = None) -> Any:
     """`call`'s patch value, read from state (see `placed`): a layer stack
     slices it per layer going in; inside `hk.scan` the carry holds the whole
     stacked value and `row` picks the iteration's."""
-    entry = carrier_name("patch", method, call.index)
+    entry = carrier_name("patch", method, call.index, call.origin.tap)
     value = hk.get_state(entry, (), jnp.float32, init=unreachable(call))
     if row is not None:
         value = jax.tree.map(lambda v: v[row], value)
@@ -166,23 +169,25 @@ def check_reachable(name: str, origin: Origin, session: Session) -> None:
     )
 
 
-def tap_outside_transforms(session: Session, stop: Any) -> Any:
-    """The session's tap handler, refusing a tap inside a Haiku transform: its
-    value would be recorded from the transform's inner trace and one epsilon
-    would serve every layer or iteration."""
+def tap_handler(session: Session, stop: Any, in_transform: Any) -> Any:
+    """The session's tap handler. A tap inside `layer_stack`, `hk.scan` or
+    `hk.remat` is a site whose values ride in the state of the module calling
+    it (`in_transform(name, value, where)`), as that module's own do; one
+    inside a transform that cannot carry them raises."""
 
-    def checked(name: str, value: Any) -> Any:
+    def tap(name: str, value: Any) -> Any:
         where = internals.enclosing(stop)
-        if where.lifted or where.blocked is not None:
+        if where.blocked is not None:
             raise NotImplementedError(
-                f"bridge.tap({name!r}) is called inside "
-                f"{where.blocked or 'hk.experimental.layer_stack, hk.scan or hk.remat'}"
-                ", where bridge does not support taps yet. Wrap the computation "
-                "in an hk.Module (its calls are sites there), or tap outside it."
+                f"bridge.tap({name!r}) is called inside {where.blocked}, which "
+                "carries state as one value for every iteration: bridge cannot "
+                "see through it. Tap outside it."
             )
+        if where.lifted:
+            return in_transform(name, value, where)
         return session.tap_here(name, value)
 
-    return checked
+    return tap
 
 
 def unreachable(call: Any) -> Any:

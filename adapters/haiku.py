@@ -192,7 +192,7 @@ class HaikuProbe(ProbeBase):
         leading = (kwargs.get("rng"),) if self.takes_rng else ()
         interceptor = _Interceptor(session, state_route, placed)
         tapping = session.tapping(
-            haiku_state.tap_outside_transforms(session, _APPLY_CODE)
+            haiku_state.tap_handler(session, _APPLY_CODE, interceptor.tap)
         )
         if not state_route:  # a plain transform: epsilons from the session
             with tapping, hk.intercept_methods(interceptor):
@@ -266,16 +266,37 @@ class _Interceptor:
             if first is not where.body:  # the stack's body traced again
                 self.traces.again(where.stack_call)
                 self.bodies[where.stack_call] = where.body
-        return self._site(next_fun, call_args, call_kwargs, context, where, prefix)
+        return self._site(
+            lambda: next_fun(*call_args, **call_kwargs),
+            call_args,
+            module,
+            context.method_name,
+            where,
+            _joined(prefix, module.module_name),
+        )
 
-    def _site(self, next_fun, call_args, call_kwargs, context, where, prefix):
-        session, module, method = self.session, context.module, context.method_name
-        name = _joined(prefix, module.module_name)
+    def tap(self, name: str, value: Any, where: Any) -> Any:
+        """`bridge.tap` inside a layer stack, `hk.scan` or `hk.remat`: a site
+        named under the module calling it, whose state bundle holds its
+        values (see `carrier_name`'s `tap`)."""
+        enclosing = self.session.enclosing
+        if enclosing:
+            path = f"{enclosing[-1]}/{name}"
+        else:  # in the stack's body, outside any module: named like its params
+            path = _joined(self.prefixes.get(where.stack_call, ""), name)
+        return self._site(lambda: value, (), None, "__call__", where, path, name)
+
+    def _site(self, run, call_args, module, method, where, name, tap=None):
+        """The call `run()` of `module`'s `method`, named `name`, as a site;
+        a `bridge.tap` named `tap` inside the module running now."""
+        session = self.session
+        prefix = self.prefixes.get(where.stack_call, "")
         origin = haiku_state.Origin(
             _joined(prefix, hk.experimental.current_name()),
             where.lifted and where.blocked is None,
             where.blocked,
             where.scan if where.blocked is None else None,
+            tap=tap,
         )
         if origin.lifted and session.discovering and not self.state_route:
             raise haiku_state.NeedsState
@@ -290,10 +311,10 @@ class _Interceptor:
         )
         if inside and not session.discovering:
             haiku_state.check_reachable(call.name, origin, session)
-        value = next_fun(*call_args, **call_kwargs)
+        value = run()
         if not self.state_route:
             return session.exit(call, value)  # the session's own epsilon
-        entry = carrier_name("epsilon", method, call.index)
+        entry = carrier_name("epsilon", method, call.index, tap)
         patched = call.name in self.placed
         if origin.scan is not None:
             value = haiku_state.scanned(
@@ -302,7 +323,7 @@ class _Interceptor:
             if not session.discovering and call.name in session.selected:
                 session.defer(
                     call.name,
-                    (origin.bundle, carrier_name("recording", method, call.index)),
+                    (origin.bundle, carrier_name("recording", method, call.index, tap)),
                 )
             return value
 
@@ -318,11 +339,11 @@ class _Interceptor:
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = session.to_carry_out(value)
             hk.set_state(
-                carrier_name("recording", method, call.index), (recording, inputs)
+                carrier_name("recording", method, call.index, tap), (recording, inputs)
             )
             session.defer(
                 call.name,
-                (origin.bundle, carrier_name("recording", method, call.index)),
+                (origin.bundle, carrier_name("recording", method, call.index, tap)),
             )
         return value
 

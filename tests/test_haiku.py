@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.haiku import Model, _inputs, _random_params, batchnorm_net, call_name
-from helpers import add_at_float_leaves, assert_tree_allclose, numpy_snapshot
+from helpers import (
+    add_at_float_leaves,
+    assert_tree_allclose,
+    numpy_snapshot,
+    random_like,
+    tree_vdot,
+)
 
 import bridge
 from bridge._sites import carrier_name, is_carrier_name
@@ -645,17 +651,78 @@ def test_a_plain_transform_with_a_wrapped_apply_and_a_layer_stack_is_an_error():
         probe.sites(x)
 
 
-def tapped_stack(x):
-    layer = lambda x: bridge.tap("h", jax.nn.relu(hk.Linear(8, name="lin")(x)))  # noqa: E731
-    return hk.experimental.layer_stack(2)(layer)(x)
+class _TappedBlock(hk.Module):
+    def __call__(self, x):
+        return x + bridge.tap("pre", jnp.tanh(hk.Linear(8, name="lin")(x)))
 
 
-def test_a_tap_inside_layer_stack_is_an_error_not_a_summed_site():
+def _tapped_layer_stack(x):
+    return hk.experimental.layer_stack(3)(lambda x: _TappedBlock(name="block")(x))(x)
+
+
+def _tapped_scan(x):
+    block = _TappedBlock(name="block")
+
+    def step(carry, _):
+        return block(carry), None
+
+    return hk.scan(step, x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("stack", ["layer_stack", "scan"])
+def test_a_tap_inside_a_layer_stack_or_hk_scan_is_stacked_over_iterations(stack, mode):
+    function = _tapped_layer_stack if stack == "layer_stack" else _tapped_scan
+    transformed = hk.without_apply_rng(hk.transform(function))
     x = _inputs(4, 8)
-    model = Model(tapped_stack, (x,), True, apply_rng=False, rng=None)
-    probe = bridge.probe(model.transformed, model.params, model.state)
+    params = transformed.init(jax.random.key(1), x)
+    probe = bridge.probe(transformed, params)
+    prefix = "__layer_stack_no_per_layer/" if stack == "layer_stack" else ""
+    tap, lin = f"{prefix}block/pre", f"{prefix}block/lin"
+    assert probe.sites(x)[tap].shape == (3, 4, 8)
+    res = run(probe, mode, x)
+    # The reference: the stack unrolled by hand, an offset added at the tap.
+    (linear,) = params.values()
+    delta = random_like(jax.ShapeDtypeStruct((3, 4, 8), jnp.float32), seed=4)
+
+    def unrolled(t):
+        h, taps = x, []
+        for i in range(3):
+            w, b = (
+                (linear["w"][i], linear["b"][i])
+                if stack == "layer_stack"
+                else (linear["w"], linear["b"])
+            )
+            taps.append(jnp.tanh(h @ w + b[None]) + t * delta[i])
+            h = h + taps[-1]
+        return jnp.stack(taps), mse(h)
+
+    (taps, loss), (_, directional) = jax.jvp(unrolled, (0.0,), (1.0,))
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(res.activations[tap], taps, atol=1e-6)
+    assert abs(directional) > 1e-3  # the offset moves the loss
+    np.testing.assert_allclose(
+        tree_vdot(res.activation_grads[tap], delta), directional, rtol=1e-4
+    )
+    # The module calling the tap keeps its own epsilon: the bias identity.
+    bias_grads = res.activation_grads[lin].sum(1)
+    if stack == "scan":  # one Linear for every iteration: gradients summed
+        bias_grads = bias_grads.sum(0)
+    np.testing.assert_allclose(
+        bias_grads, res.grads[next(iter(params))]["b"], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_tap_inside_hk_fori_loop_is_an_error_not_a_summed_site():
+    def looped(x):
+        body = lambda i, x: x + bridge.tap("h", jnp.tanh(x))  # noqa: E731
+        return hk.fori_loop(0, 2, body, x)
+
+    transformed = hk.without_apply_rng(hk.transform(looped))
+    x = _inputs(4, 8)
+    probe = bridge.probe(transformed, transformed.init(jax.random.key(0), x))
     with pytest.raises(
-        NotImplementedError, match="bridge.tap\\('h'\\) is called inside"
+        NotImplementedError, match=r"bridge.tap\('h'\) is called inside hk.fori_loop"
     ):
         probe.sites(x)
 
