@@ -27,7 +27,10 @@ bridge does not know is added from outside with this module alone, as
    adapter changes:
 
    - taps: `with session.tapping(handler):` routes `bridge.tap` through the
-     adapter, which calls `session.tap_here` where the value is reachable;
+     adapter, which calls `session.tap_here` where the value is reachable,
+     and inside a lifted transform may report the tap as a site of the
+     module calling it (`session.enter(path, None, None)`, an origin with
+     `tap=name`), carried like that module's own values;
    - patches: `session.exit(call, value, patch=row)` applies one iteration's
      row of a patch value the adapter carried into a lifted transform
      (`session.patched_with_values()` gives the `Site` of each).
