@@ -315,16 +315,14 @@ class _Interceptor:
         if not self.state_route:
             return session.exit(call, value)  # the session's own epsilon
         entry = carrier_name("epsilon", method, call.index, tap)
+        recording_entry = carrier_name("recording", method, call.index, tap)
         patched = call.name in self.placed
         if origin.scan is not None:
             value = haiku_state.scanned(
                 session, call, value, call_args, origin, method, patched
             )
             if not session.discovering and call.name in session.selected:
-                session.defer(
-                    call.name,
-                    (origin.bundle, carrier_name("recording", method, call.index, tap)),
-                )
+                session.defer(call.name, (origin.bundle, recording_entry))
             return value
 
         def perturb(value):
@@ -338,13 +336,8 @@ class _Interceptor:
         if origin.lifted and (session.discovering or call.name in session.selected):
             inputs = positional_arrays(call_args) if session.with_inputs else None
             recording = session.to_carry_out(value)
-            hk.set_state(
-                carrier_name("recording", method, call.index, tap), (recording, inputs)
-            )
-            session.defer(
-                call.name,
-                (origin.bundle, carrier_name("recording", method, call.index, tap)),
-            )
+            hk.set_state(recording_entry, (recording, inputs))
+            session.defer(call.name, (origin.bundle, recording_entry))
         return value
 
 
