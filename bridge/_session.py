@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import types
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any
 
@@ -78,6 +79,12 @@ class Session:
         self.patches = patches or {}
         # The discovered `Site` of each patched site, selected or not.
         self.patched = patched or {}
+        # Asked for at every call inside a lifted transform: computed once.
+        self._patched_with_values = {
+            name: self.patched[name]
+            for name, patch in self.patches.items()
+            if not callable(patch) and name in self.patched
+        }
         self.with_inputs = with_inputs
         # Set when the model runs under the probe's own `jax.vmap` (vmap=True):
         # a patch function then still sees the whole batch.
@@ -180,14 +187,10 @@ class Session:
                 self.activations[call.name] = self.arrays.recorded(value)
         return value
 
-    def patched_with_values(self) -> dict[str, Site]:
+    def patched_with_values(self) -> Mapping[str, Site]:
         """The discovered `Site` of each site patched with a value rather than
         a function: what an adapter must carry into a lifted transform."""
-        return {
-            name: self.patched[name]
-            for name, patch in self.patches.items()
-            if not callable(patch) and name in self.patched
-        }
+        return types.MappingProxyType(self._patched_with_values)
 
     def to_carry_in(
         self,
