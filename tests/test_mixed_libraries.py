@@ -13,7 +13,7 @@ of the module's class where NNX's own cannot run: `nnx.capture` fails inside
 gradients against plain `nnx.grad` / `jax.grad`, eagerly and under `jax.jit`.
 
 Equinox and Haiku hosts need the guest hook in their adapter's run (see
-`bridge.adapters._guests.hosted`): those tests are marked until it is there.
+`bridge.adapters.shared.guests.hosted`): those tests are marked until it is there.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ def _fresh_adapter(monkeypatch, *modules: str) -> None:
     """Forget the adapter modules, so the next probe imports them again (the
     originals come back after the test). `from . import x` takes the package's
     attribute first: that goes too."""
-    import bridge.adapters
 
     for name in modules:
         monkeypatch.delitem(sys.modules, name, raising=False)
-        monkeypatch.delattr(bridge.adapters, name.rpartition(".")[2], raising=False)
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            monkeypatch.delattr(sys.modules[parent], child, raising=False)
 
 
 def _supported(distribution: str, adapter: str) -> str:
@@ -45,8 +46,9 @@ def test_equinox_adapter_needs_the_jax_trace_stack(monkeypatch):
     _fresh_adapter(
         monkeypatch,
         "bridge.adapters.equinox",
-        "bridge.adapters._equinox_transforms",
-        "bridge.adapters._jax_internals",
+        "bridge.adapters.equinox.probe",
+        "bridge.adapters.equinox.transforms",
+        "bridge.adapters.shared.jax_internals",
     )
     monkeypatch.delattr(core, "trace_ctx")
     with pytest.raises(ImportError, match=_supported("jax", "Equinox")) as error:
@@ -63,8 +65,9 @@ def test_haiku_adapter_needs_its_lifting_module(monkeypatch):
     _fresh_adapter(
         monkeypatch,
         "bridge.adapters.haiku",
-        "bridge.adapters._haiku_state",
-        "bridge.adapters._haiku_internals",
+        "bridge.adapters.haiku.probe",
+        "bridge.adapters.haiku.transforms",
+        "bridge.adapters.haiku.internals",
     )
     monkeypatch.delattr(lift, "LiftingModule")
     with pytest.raises(ImportError, match=_supported("dm-haiku", "Haiku")) as error:
@@ -80,8 +83,9 @@ def test_nnx_adapter_needs_the_transform_stack(monkeypatch):
     _fresh_adapter(
         monkeypatch,
         "bridge.adapters.nnx",
-        "bridge.adapters._nnx_run",
-        "bridge.adapters._nnx_internals",
+        "bridge.adapters.nnx.probe",
+        "bridge.adapters.nnx.transforms",
+        "bridge.adapters.nnx.internals",
     )
     monkeypatch.delattr(nnx.graphlib, "GRAPH_CONTEXT")
     with pytest.raises(ImportError, match=_supported("flax", "Flax NNX")) as error:
@@ -95,7 +99,10 @@ def test_torch_adapter_needs_fake_tensors(monkeypatch):
 
     model = torch.nn.Linear(2, 2)
     _fresh_adapter(
-        monkeypatch, "bridge.adapters.torch", "bridge.adapters._torch_internals"
+        monkeypatch,
+        "bridge.adapters.torch",
+        "bridge.adapters.torch.probe",
+        "bridge.adapters.torch.internals",
     )
     monkeypatch.delattr(fake_tensor, "FakeTensorMode")
     with pytest.raises(ImportError, match=_supported("torch", "PyTorch")) as error:

@@ -13,7 +13,7 @@ import torch
 
 from bridge._sites import Arrays
 
-from . import _torch_internals as internals
+from . import internals
 
 _DTYPES = {
     torch.float32: jnp.float32,

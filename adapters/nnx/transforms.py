@@ -22,7 +22,7 @@ recording buffer `(length, ...)` and an int32 step counter; inside, the
 counter picks the step's row (`length - 1 - step` with `reverse`), the
 recording is written with `.at[row].set` and the counter bumped; after the
 call the recording is read off the copy. `length` and `reverse` come from
-`lax.scan`'s frame (`bridge.adapters._jax_internals.scan_frames`). Such a
+`lax.scan`'s frame (`bridge.adapters.shared.jax_internals.scan_frames`). Such a
 site holds every step, `(length, *value shape)`, in the order of `xs`; a
 patch value is given in that shape (its row is taken), a patch function
 sees one step's value, and `with_inputs=True` records each step's inputs.
@@ -59,8 +59,8 @@ from bridge._sites import (
     is_carrier_name,
 )
 
-from . import _jax_internals as jax_internals
-from . import _nnx_internals as internals
+from ..shared import jax_internals
+from . import internals
 
 jax_internals.require_scan_frame("Flax NNX")
 

@@ -35,7 +35,7 @@ from bridge._sites import (
     is_carrier_name,
 )
 
-from . import _haiku_internals as internals
+from . import internals
 
 
 def with_state(transformed: hk.Transformed, takes_rng: bool) -> hk.TransformedWithState:

@@ -66,21 +66,21 @@ from bridge._selection import check_selection, select
 from bridge._session import Call, current
 from bridge._sites import Site
 
-from . import _torch_internals as internals
-from ._torch_arrays import (
+from . import internals
+from .arrays import (
     TORCH_ARRAYS,
     Spec,
     TensorLeaf,
     detached,
     to_torch,
 )
-from ._torch_catch import TorchSession
+from .session import TorchSession
 
 
 class TorchProbe:
     """A `torch.nn.Module` under probe. Results are detached torch tensors."""
 
-    _porting = "bridge.adapters._porting_torch"
+    _porting = "bridge.adapters.torch.porting"
     vmap = False
 
     def __init__(self, module: torch.nn.Module, *variables: Any, vmap: bool = False):

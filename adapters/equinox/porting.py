@@ -26,8 +26,8 @@ from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperpa
 from bridge._porting import Layer, flattened, replace_leaves
 from bridge._sites import Site, key_name
 
-from ._equinox_transforms import Mapped
-from .equinox import _clone, _is_function
+from .probe import _clone, _is_function
+from .transforms import Mapped
 
 #: The step count written with a moved `mode="batch"` statistic (see above).
 SETTLED_COUNTER = 2**30

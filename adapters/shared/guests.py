@@ -54,7 +54,7 @@ try:
     # stack (the Equinox and NNX adapters read it too). Where this JAX lacks
     # it, no guest is installed: their calls are not sites, never wrong ones,
     # and the Linen and Haiku adapters, which need no JAX internals, still work.
-    from . import _jax_internals as jax_internals
+    from . import jax_internals
 except ImportError:
     jax_internals = None
 
@@ -416,7 +416,7 @@ def _haiku_running_init() -> bool:
 
 def _is_haiku_site(context: Any) -> bool:
     """A module method call the Haiku adapter counts as a site."""
-    from .haiku import is_site
+    from ..haiku.probe import is_site
 
     return is_site(context)
 
@@ -465,7 +465,7 @@ def call_linen_module(module: Any, next_fun, call_args, call_kwargs) -> Any:
         return next_fun(*call_args, **call_kwargs)
     from flax import nnx
 
-    from . import nnx as nnx_adapter
+    from ..nnx import probe as nnx_adapter
 
     run = nnx_adapter.GuestRun(host, enclosing_path(session))
     original = module.__dict__["nnx_class"]

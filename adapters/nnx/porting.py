@@ -25,7 +25,7 @@ from bridge._porting import (
 )
 from bridge._sites import Site, key_name
 
-from ._porting_linen import hyperparameters
+from ..linen.porting import hyperparameters
 
 
 def _leaf_path(key_path: tuple) -> tuple[str, ...]:

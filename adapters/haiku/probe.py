@@ -34,9 +34,9 @@ it wraps (Haiku keeps it on `apply`). `hk.fori_loop`, `hk.while_loop`,
 value for every iteration or example: selecting or patching a site inside
 them raises, naming the transform.
 
-The state route is `bridge.adapters._haiku_state`; reading the enclosing
+The state route is `bridge.adapters.haiku.transforms`; reading the enclosing
 transforms off the call stack, the one use of Haiku's internals, is
-`bridge.adapters._haiku_internals`.
+`bridge.adapters.haiku.internals`.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from bridge._probe import ProbeBase
 from bridge._session import BodyTraces, Session, positional_arrays
 from bridge._sites import Site, add_epsilon, carrier_name, is_carrier_name
 
-from . import _guests
-from . import _haiku_internals as internals
-from . import _haiku_state as haiku_state
+from ..shared import guests as _guests
+from . import internals
+from . import transforms as haiku_state
 
 _PLAIN_USAGE = (
     "bridge.probe(transformed, params) with params = transformed.init(rng, x)"
@@ -115,7 +115,7 @@ class HaikuProbe(ProbeBase):
     """
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters._porting_haiku"
+    _porting = "bridge.adapters.haiku.porting"
 
     #: The transformed functions are in the treedef, params and state are
     #: leaves, and an origin is a state bundle's name and flags: a discovery

@@ -9,7 +9,7 @@ selected call is the session's own, added to the call's value.
 
 Calls inside JAX transforms of the model's own code (its `jax.vmap`s, a
 `lax.scan` over stacked layers, `jax.checkpoint`) are the work of
-`bridge.adapters._equinox_transforms`.
+`bridge.adapters.equinox.transforms`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from bridge._probe import BATCH_AXIS, ProbeBase
 from bridge._session import Session, current
 from bridge._sites import key_name, strip_call_index
 
-from . import _equinox_transforms as transforms
-from . import _guests
-from . import _jax_internals as internals
+from ..shared import guests as _guests
+from ..shared import jax_internals as internals
+from . import transforms
 
 
 def probe(model: eqx.Module, *variables: Any, vmap: bool = False) -> EquinoxProbe:
@@ -65,7 +65,7 @@ class EquinoxProbe(ProbeBase):
     """
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters._porting_equinox"
+    _porting = "bridge.adapters.equinox.porting"
 
     #: Static fields and functions are in the treedef, arrays are leaves, and
     #: an origin is transform names and counts: a discovery is reused by

@@ -11,8 +11,8 @@ import torch
 
 from bridge._session import Call, Session
 
-from . import _torch_internals as internals
-from ._torch_arrays import TORCH_ARRAYS, inexact, jax_tree, tree_map
+from . import internals
+from .arrays import TORCH_ARRAYS, inexact, jax_tree, tree_map
 
 
 class _Slot:

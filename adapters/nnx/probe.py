@@ -22,11 +22,11 @@ the module it is given.
 
 NNX transforms in the model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`)
 run the copy's modules as new objects: the run of the copy, and the sites
-inside those transforms, are `bridge.adapters._nnx_run`.
+inside those transforms, are `bridge.adapters.nnx.transforms`.
 
 Modules of other libraries called inside the model — a Linen module under
 `nnx.bridge.ToNNX`, an `hk.transform`ed function's `apply` — are sites
-named under the NNX site that calls them (`bridge.adapters._guests`).
+named under the NNX site that calls them (`bridge.adapters.shared.guests`).
 `ToNNX` hands every attribute of its module to Linen as a variable, so
 bridge's attributes on the copy are hidden while it runs. The NNX module an
 `nnx.bridge.ToLinen` builds inside a Linen model is instrumented here too
@@ -49,10 +49,9 @@ from flax import nnx
 from bridge._probe import ProbeBase
 from bridge._session import Session, current
 
-from . import _guests as guests
-from . import _jax_internals as jax_internals
-from . import _nnx_internals as internals
-from . import _nnx_run as nnx_run
+from ..shared import guests, jax_internals
+from . import internals
+from . import transforms as nnx_run
 
 #: The probe's run of its copy, while it runs: a reporting method reports only
 #: calls of the modules of the copy running now (or of the NNX module an
@@ -94,7 +93,7 @@ def probe(module: nnx.Module, *variables: Any, vmap: bool = False) -> NnxProbe:
 
 def _equinox_attributes(model: nnx.Module) -> tuple[str, ...]:
     """The paths of the Equinox modules the model's modules hold (`head`):
-    bridge cannot see the calls inside them (see `bridge.adapters._guests`)."""
+    bridge cannot see the calls inside them (see `bridge.adapters.shared.guests`)."""
     found = []
     for path, module in internals.iter_modules(model):
         for name, value in vars(module).items():
@@ -113,7 +112,7 @@ class NnxProbe(ProbeBase):
     """
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters._porting_nnx"
+    _porting = "bridge.adapters.nnx.porting"
 
     #: The graph definition (static attributes included) is in the treedef,
     #: the state is leaves, and an origin is a path, transform names and
@@ -315,7 +314,7 @@ def _hiding_bridge_attributes(method: Callable) -> Callable:
 
 class GuestRun:
     """The NNX modules an `nnx.bridge.ToLinen` builds during one of its calls,
-    inside a Linen model (see `bridge.adapters._guests.call_linen_module`).
+    inside a Linen model (see `bridge.adapters.shared.guests.call_linen_module`).
 
     Their submodules get reporting classes, named under the `ToLinen`'s path;
     each call's epsilon is the session's own. That is right where the calls

@@ -37,7 +37,7 @@ the model, a `vmap` inside the scan, a layer closed over by the scan body
 rather than scanned over) raises an error naming it where it is selected or
 patched: a site is never silently missing or summed over iterations.
 
-The trace stack is read through `bridge.adapters._jax_internals`, the one
+The trace stack is read through `bridge.adapters.shared.jax_internals`, the one
 place that touches JAX's private modules.
 """
 
@@ -62,7 +62,7 @@ from bridge._sites import (
     zeros_like_struct,
 )
 
-from . import _jax_internals as internals
+from ..shared import jax_internals as internals
 
 
 class Leaves(eqx.Module):

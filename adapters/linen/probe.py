@@ -20,7 +20,7 @@ per iteration going in and stacked coming out exactly as the parameters are.
 
 Modules of other libraries called inside the model — the NNX module an
 `nnx.bridge.ToLinen` builds, an `hk.transform`ed function's `apply` — are
-sites named under the Linen site that calls them (`bridge.adapters._guests`).
+sites named under the Linen site that calls them (`bridge.adapters.shared.guests`).
 A `ToLinen`'s own epsilon is the session's outside lifted transforms: it
 hands every variable of its scope to the NNX module it builds.
 """
@@ -43,7 +43,7 @@ from bridge._sites import (
     merge_differentiable,
 )
 
-from . import _guests as guests
+from ..shared import guests
 
 #: The variable collection holding the probe's epsilons. A private name, so a
 #: model that calls `self.perturb` itself (collection "perturbations") is not
@@ -141,7 +141,7 @@ class LinenProbe(ProbeBase):
     """A Flax Linen module with its variables. See `bridge.ActivationProbe`."""
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters._porting_linen"
+    _porting = "bridge.adapters.linen.porting"
 
     #: The module (its attributes) is in the treedef, the variables are leaves,
     #: and an origin is a scope path: a discovery is reused by structure.
