@@ -11,6 +11,7 @@ from . import testing as testing
 from ._compare import ComparisonReport as ComparisonReport
 from ._compare import PairComparison as PairComparison
 from ._compare import compare as compare
+from ._errors import BridgeError as BridgeError
 from ._porting import transfer as transfer
 from ._protocol import ActivationProbe as ActivationProbe
 from ._registry import probe as probe
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationProbe",
+    "BridgeError",
     "ComparisonReport",
     "ForwardResult",
     "PairComparison",

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ._errors import BridgeImportError, BridgeTypeError, BridgeValueError
 from ._hyperparameters import differing_hyperparameters, shown
 from ._porting import (
     Layer,
@@ -212,7 +213,7 @@ class ComparisonReport:
         try:
             from matplotlib.figure import Figure
         except ImportError as error:  # pragma: no cover - depends on the install
-            raise ImportError(
+            raise BridgeImportError(
                 "ComparisonReport.plot needs matplotlib: pip install matplotlib "
                 "(or the [examples] extra of jax-activation-bridge)."
             ) from error
@@ -280,7 +281,7 @@ def compare(
     paired = pair(layers_a, layers_b, ("probe_a", "probe_b"))
     for layer_a, layer_b in paired:
         if layer_a.kind != layer_b.kind:
-            raise ValueError(
+            raise BridgeValueError(
                 f"Cannot compare {label(layer_a)} ({layer_a.described}) of "
                 f"probe_a with {label(layer_b)} ({layer_b.described}) of "
                 f"probe_b: their kinds differ ({layer_a.kind} vs {layer_b.kind}). "
@@ -309,7 +310,7 @@ def compare(
 def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
     pair_ = tuple(loss_fn) if isinstance(loss_fn, tuple | list) else (loss_fn,) * 2
     if len(pair_) != 2 or not all(callable(f) for f in pair_):
-        raise TypeError(
+        raise BridgeTypeError(
             "`loss_fn` must be a function `outputs -> scalar`, or a pair "
             "`(loss_fn_a, loss_fn_b)` of them when the models' outputs differ in "
             f"kind (torch tensors against JAX arrays); got {loss_fn!r}. The inputs "
@@ -372,7 +373,7 @@ def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
     shapes_a = [np.shape(v) for v in values_a]
     shapes_b = [np.shape(v) for v in values_b]
     if shapes_a != shapes_b:
-        raise ValueError(
+        raise BridgeValueError(
             f"Cannot compare site {layer_a.site!r} ({layer_a.described}) of probe_a "
             f"with site {layer_b.site!r} ({layer_b.described}) of probe_b: their "
             f"activations have shapes {shapes_a} and {shapes_b} in the common "

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
+
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
@@ -81,7 +83,7 @@ def porting_module(probe: Any, argument: str) -> Any:
     """The porting module of a probe's library, imported on first use."""
     name = getattr(type(probe), "_porting", None)
     if name is None:
-        raise TypeError(
+        raise BridgeTypeError(
             f"`{argument}` is a {type(probe).__name__}, whose library bridge cannot "
             f"port: transfer and compare know probes of {_KNOWN} models, made with "
             "bridge.probe(model, ...). A third-party adapter can support porting by "
@@ -134,7 +136,7 @@ def pair(
                 f"The first without a partner is {label(extra)} "
                 f"({extra.described}) of {names[more]}."
             )
-        raise ValueError(
+        raise BridgeValueError(
             f"The models do not have the same number of parameterised modules: "
             f"{names[0]} has {len(layers_a)} ({_listed(layers_a)}), {names[1]} has "
             f"{len(layers_b)} ({_listed(layers_b)}). {mismatch} Check that both "
@@ -168,7 +170,7 @@ def check_fits(source: Layer, target: Layer) -> None:
         f"{label(target)} ({target.described}) of the destination"
     )
     if source.kind != target.kind:
-        raise ValueError(
+        raise BridgeValueError(
             f"Cannot pair {where}: their kinds differ ({source.kind} vs "
             f"{target.kind}). transfer pairs parameterised modules in call order: "
             "check that both models call the same layers in the same order."
@@ -177,13 +179,13 @@ def check_fits(source: Layer, target: Layer) -> None:
         have, want = source.weights.get(name), target.weights.get(name)
         if (have is None) != (want is None):
             missing = "the source" if have is None else "the destination"
-            raise ValueError(
+            raise BridgeValueError(
                 f"Cannot pair {where}: {missing} has no {name!r} (a {source.kind} "
                 f"with and one without {name}). Build both with the same options "
                 "(use_bias, use_scale, create_offset, ...)."
             )
         if have is not None and np.shape(have) != np.shape(want):
-            raise ValueError(
+            raise BridgeValueError(
                 f"Cannot pair {where}: their {source.kind} {name!r} shapes do not "
                 f"fit, {tuple(np.shape(have))} vs {tuple(np.shape(want))} in the "
                 "canonical layout (kernels (in, out), windows first, channels "
@@ -284,12 +286,12 @@ def _host_if_torch(leaf: Any) -> Any:
 def second_inputs(args, kwargs, args_b, kwargs_b) -> tuple[tuple, dict]:
     """The second model's inputs: its own where given, else the first's."""
     if args_b is not None and not isinstance(args_b, tuple | list):
-        raise TypeError(
+        raise BridgeTypeError(
             "`args_b` must be a tuple of the second model's positional inputs, "
             f"e.g. args_b=(x_nhwc,); got {type(args_b).__name__}."
         )
     if kwargs_b is not None and not isinstance(kwargs_b, Mapping):
-        raise TypeError(
+        raise BridgeTypeError(
             "`kwargs_b` must be a dict of the second model's keyword inputs; got "
             f"{type(kwargs_b).__name__}."
         )
@@ -351,5 +353,5 @@ def replace_leaves(
     new_tree = jax.tree_util.tree_map_with_path(replace, tree)
     missing = set(updates) - used
     if missing:
-        raise AssertionError(f"bridge bug: no weight at {sorted(missing)}")
+        raise BridgeAssertionError(f"bridge bug: no weight at {sorted(missing)}")
     return new_tree

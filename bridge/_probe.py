@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _discovery_cache as discovery_cache
+from ._errors import BridgeTypeError, BridgeValueError
 from ._result import ForwardResult, ProbeResult
 from ._selection import check_selection, matches_pattern, select
 from ._session import Session
@@ -357,21 +358,21 @@ def _batch_size(args: tuple) -> int:
     for path, leaf in jax.tree_util.tree_leaves_with_path(args):
         if is_array(leaf):
             if jnp.ndim(leaf) == 0:
-                raise ValueError(
+                raise BridgeValueError(
                     f"vmap=True maps every positional input over axis 0, but input "
                     f"args{jax.tree_util.keystr(path)} is a scalar. Give it a leading "
                     "batch axis, or pass it as a keyword argument (not mapped)."
                 )
             sizes[f"args{jax.tree_util.keystr(path)}"] = jnp.shape(leaf)[0]
     if not sizes:
-        raise ValueError(
+        raise BridgeValueError(
             "vmap=True maps the positional inputs over axis 0, but no positional "
             "input is an array. Pass the batch positionally: "
             "probe.value_and_grad(loss_fn, x)."
         )
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-        raise ValueError(
+        raise BridgeValueError(
             "vmap=True maps every positional input over axis 0, so their leading "
             f"axes must agree; got {listed}. Pass inputs that are not per-example "
             "as keyword arguments."
@@ -424,7 +425,7 @@ def _batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:
 
 def check_loss_fn(loss_fn: Any) -> None:
     if not callable(loss_fn):
-        raise TypeError(
+        raise BridgeTypeError(
             "`loss_fn` must be a function `outputs -> scalar` (or `(scalar, "
             f"aux)` with has_aux=True); got {type(loss_fn).__name__}. The "
             "model's inputs come after it: probe.value_and_grad(loss_fn, x)."
@@ -434,14 +435,14 @@ def check_loss_fn(loss_fn: Any) -> None:
 def check_loss(loss_struct: Any, has_aux: bool) -> None:
     if has_aux:
         if not (isinstance(loss_struct, tuple | list) and len(loss_struct) == 2):
-            raise ValueError(
+            raise BridgeValueError(
                 "has_aux=True, but `loss_fn` did not return a pair `(loss, aux)`; "
                 f"it returned {loss_struct}. Return `(loss, aux)` or pass "
                 "has_aux=False."
             )
         loss_struct = loss_struct[0]
     elif isinstance(loss_struct, tuple | list):
-        raise ValueError(
+        raise BridgeValueError(
             f"`loss_fn` returned a {type(loss_struct).__name__} of "
             f"{len(loss_struct)}, not a scalar. If it returns `(loss, aux)`, pass "
             "has_aux=True."
@@ -449,14 +450,14 @@ def check_loss(loss_struct: Any, has_aux: bool) -> None:
     shape = getattr(loss_struct, "shape", None)
     dtype = getattr(loss_struct, "dtype", None)
     if shape == () and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
+        raise BridgeValueError(
             f"`loss_fn` returned a scalar of dtype {dtype}, and gradients need a "
             "real floating-point loss. Compute it in floating point, e.g. "
             "`jnp.mean(logits_or_errors)` or `loss.astype(jnp.float32)` (an "
             "integer loss such as a count of errors has no gradient)."
         )
     if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
+        raise BridgeValueError(
             "`loss_fn` must return a real floating-point scalar, but it returned "
             f"{loss_struct}. Reduce it to one number, e.g. with `.mean()` or "
             "`.sum()`."
@@ -465,7 +466,7 @@ def check_loss(loss_struct: Any, has_aux: bool) -> None:
 
 def check_patch_kind(patch: Any) -> None:
     if patch is not None and not isinstance(patch, Mapping):
-        raise TypeError(
+        raise BridgeTypeError(
             "`patch` must map site paths or globs to a value or a function of the "
             f"original value, e.g. {{'Dense_0': jnp.zeros_like}}; got "
             f"{type(patch).__name__}."
@@ -483,7 +484,7 @@ def resolve_patches(
         matched = [site for site in sites if matches_pattern(pattern, site.name)]
         if not matched:
             names = ", ".join(repr(site.name) for site in sites[:8])
-            raise ValueError(
+            raise BridgeValueError(
                 f"patch key {pattern!r} matches no site. Sites: {names}"
                 f"{', ...' if len(sites) > 8 else ''}."
             )

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ._errors import BridgeTypeError
 from ._protocol import ActivationProbe
 
 _SUPPORTED = (
@@ -69,7 +70,7 @@ def register_adapter(
     if isinstance(matches, type | tuple):
         classes = matches
         if isinstance(classes, tuple) and not all(isinstance(c, type) for c in classes):
-            raise TypeError(
+            raise BridgeTypeError(
                 f"`matches` must be a class, a tuple of classes or a predicate; got "
                 f"{matches!r}."
             )
@@ -81,12 +82,12 @@ def register_adapter(
     elif callable(matches):
         label = getattr(matches, "__name__", repr(matches))
     else:
-        raise TypeError(
+        raise BridgeTypeError(
             f"`matches` must be a class, a tuple of classes or a predicate "
             f"`model -> bool`; got {type(matches).__name__}."
         )
     if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
-        raise TypeError(
+        raise BridgeTypeError(
             "`factory` must be a callable `(model, *variables, vmap) -> probe` or a "
             f"'module:attribute' string; got {factory!r}."
         )
@@ -110,11 +111,11 @@ def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
       >>> res.activation_grads["Dense_0"]
     """
     if not isinstance(vmap, bool):
-        raise TypeError(f"`vmap` must be True or False; got {vmap!r}.")
+        raise BridgeTypeError(f"`vmap` must be True or False; got {vmap!r}.")
     for adapter in _ADAPTERS:
         if adapter.matches(model):
             return adapter.create(model, variables, vmap)
-    raise TypeError(
+    raise BridgeTypeError(
         f"bridge.probe cannot probe a model of type {type(model).__qualname__}."
         f"{_misuse_hint(model)} Supported libraries — "
         f"{_SUPPORTED}. A new library can be added with bridge.register_adapter."

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from ._errors import BridgeTypeError, BridgeValueError
 from ._sites import Site, strip_call_index
 
 Selector = str | type | tuple | Callable[[str, Any], bool]
@@ -34,11 +35,13 @@ def check_selection(at: Any) -> None:
             continue
         if isinstance(part, tuple) and any(isinstance(c, str) for c in part):
             # A tuple is for module classes, as in `isinstance`.
-            raise TypeError(
+            raise BridgeTypeError(
                 f"{_AT_HELP}; got the tuple {part!r}. A tuple selects module "
                 f"classes; for several paths or globs pass a list: at={list(part)!r}."
             )
-        raise TypeError(f"{_AT_HELP}; got {part!r} of type {type(part).__name__}.")
+        raise BridgeTypeError(
+            f"{_AT_HELP}; got {part!r} of type {type(part).__name__}."
+        )
 
 
 def _parts(at: Any) -> list:
@@ -46,7 +49,9 @@ def _parts(at: Any) -> list:
         return []
     if isinstance(at, list):
         if not at:
-            raise ValueError(f"{_AT_HELP}; got an empty list, which selects nothing.")
+            raise BridgeValueError(
+                f"{_AT_HELP}; got an empty list, which selects nothing."
+            )
         return at
     return [at]
 
@@ -81,10 +86,10 @@ def select(at: Any, sites: Sequence[Site]) -> list[Site]:
     for part, chosen in zip(parts, matched, strict=True):
         described = f"`at={at!r}`" if len(parts) == 1 else f"`at` element {part!r}"
         if not chosen:
-            raise ValueError(_no_match_message(described, part, sites))
+            raise BridgeValueError(_no_match_message(described, part, sites))
         if not any(site.differentiable for site in chosen):
             names = ", ".join(repr(site.name) for site in chosen)
-            raise ValueError(
+            raise BridgeValueError(
                 f"{described} selects only sites with integer values ({names}): "
                 "they have no gradient. Select a site with floating-point values, "
                 "or leave this one out of `at`."

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._errors import BridgeTypeError
 from ._sites import (
     JAX_ARRAYS,
     Arrays,
@@ -476,5 +477,5 @@ def tap(name: str, value: Any) -> Any:
     if session is None:
         return value
     if not isinstance(name, str) or not name:
-        raise TypeError(f"`name` must be a non-empty string; got {name!r}.")
+        raise BridgeTypeError(f"`name` must be a non-empty string; got {name!r}.")
     return session.tap(name, value)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._errors import BridgeValueError
+
 
 def site_name(path: str, method: str | None, index: int) -> str:
     """The public name of a call: `path`, `path.method`, then `#k` for call k > 0."""
@@ -243,7 +245,7 @@ def patch_misfit(name: str, expected: Any, got: Any, function: bool) -> ValueErr
     `got` are `(shape, dtype)` trees; `function` says a patch function gave
     `got`."""
     given = "the patch function returns" if function else "the patch has"
-    return ValueError(
+    return BridgeValueError(
         f"patch for site {name!r} does not fit: the site's value has (shape, "
         f"dtype) {expected}, {given} {got}. A patch must keep the site's "
         "structure, shape and dtype: give a value of the site's shape and dtype "

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
+from ._errors import BridgeImportError
+
 #: Distribution name -> oldest supported release (tested in CI).
 MINIMUM = {
     "jax": "0.4.36",
@@ -51,7 +53,7 @@ def unsupported(distribution: str, adapter: str, missing: list[str]) -> ImportEr
     """
     oldest = ADAPTER_MINIMUM.get((adapter, distribution), MINIMUM[distribution])
     newest = NEWEST_TESTED[distribution]
-    return ImportError(
+    return BridgeImportError(
         f"bridge's {adapter} adapter relies on {distribution} internals that "
         f"{distribution} {installed(distribution)} lacks ({'; '.join(missing)}). "
         f"bridge supports {distribution} {oldest} to {newest} for {adapter} "

@@ -73,28 +73,131 @@ bridge does not know is added from outside with this module alone, as
 `Session` is the per-call bookkeeping an adapter reports to; `key_name`
 turns a JAX key-path entry into a path component, as the built-in adapters
 name sites.
+
+The built-in adapters (`bridge.adapters.*`) import from bridge only this
+module, so everything they rely on is here, documented, and a core change that
+breaks it breaks a tested API, not an adapter's private import:
+
+- the probe: `ProbeBase`, `BATCH_AXIS` (the probe's own `jax.vmap` axis name
+  with `vmap=True`), `register_adapter`;
+- the session: `Session`, `Call` (what `enter` returns), `BodyTraces`,
+  `current_session()` (the session tracing the model now, or `None`),
+  `positional_arrays(args)` (a call's inputs as a recording keeps them);
+- sites and values: `Site`, `SiteOrigin`, `Arrays` (a framework's values as
+  the core sees them), `key_name`, `strip_call_index`, `carrier_name`,
+  `is_carrier_name`, `add_epsilon`, `abstract`, `is_array`,
+  `differentiable_part`, `merge_differentiable`, `zeros_like_struct`,
+  `without_axis`;
+- porting (`transfer`/`compare`): `Layer`, the canonical-layout helpers
+  `dense_kernel`, `flatten_trailing`, `flattened`, `replace_leaves`, and the
+  hyperparameter readers `as_float`, `conv_hyperparameters`,
+  `conv_padding_mode`, `norm_hyperparameters`, `AsGiven`;
+- versions: `unsupported(distribution, adapter, missing)`, the error for a
+  library release whose private internals an adapter cannot find;
+- errors: `BridgeError` and its concrete kinds (`BridgeValueError`,
+  `BridgeTypeError`, `BridgeRuntimeError`, `BridgeNotImplementedError`,
+  `BridgeImportError`, `BridgeAssertionError`), each also the built-in type
+  its name says: every error an adapter raises is one of them.
 """
 
+from ._errors import BridgeAssertionError as BridgeAssertionError
+from ._errors import BridgeError as BridgeError
+from ._errors import BridgeImportError as BridgeImportError
+from ._errors import BridgeNotImplementedError as BridgeNotImplementedError
+from ._errors import BridgeRuntimeError as BridgeRuntimeError
+from ._errors import BridgeTypeError as BridgeTypeError
+from ._errors import BridgeValueError as BridgeValueError
+from ._hyperparameters import AsGiven as AsGiven
+from ._hyperparameters import as_float as as_float
+from ._hyperparameters import conv_hyperparameters as conv_hyperparameters
+from ._hyperparameters import conv_padding_mode as conv_padding_mode
+from ._hyperparameters import norm_hyperparameters as norm_hyperparameters
 from ._porting import Layer as Layer
+from ._porting import dense_kernel as dense_kernel
+from ._porting import flatten_trailing as flatten_trailing
+from ._porting import flattened as flattened
+from ._porting import replace_leaves as replace_leaves
+from ._probe import BATCH_AXIS as BATCH_AXIS
 from ._probe import ProbeBase as ProbeBase
+from ._probe import check_loss as check_loss
+from ._probe import check_loss_fn as check_loss_fn
+from ._probe import check_patch_kind as check_patch_kind
+from ._probe import in_order as in_order
+from ._probe import resolve_patches as resolve_patches
 from ._registry import register_adapter as register_adapter
+from ._result import ForwardResult as ForwardResult
+from ._result import ProbeResult as ProbeResult
+from ._selection import check_selection as check_selection
+from ._selection import select as select
 from ._session import BodyTraces as BodyTraces
+from ._session import Call as Call
 from ._session import Session as Session
+from ._session import current as current_session
+from ._session import positional_arrays as positional_arrays
+from ._sites import Arrays as Arrays
 from ._sites import Site as Site
 from ._sites import SiteOrigin as SiteOrigin
+from ._sites import abstract as abstract
+from ._sites import add_epsilon as add_epsilon
 from ._sites import carrier_name as carrier_name
+from ._sites import differentiable_part as differentiable_part
+from ._sites import is_array as is_array
 from ._sites import is_carrier_name as is_carrier_name
 from ._sites import key_name as key_name
+from ._sites import merge_differentiable as merge_differentiable
+from ._sites import strip_call_index as strip_call_index
+from ._sites import without_axis as without_axis
+from ._sites import zeros_like_struct as zeros_like_struct
+from ._versions import unsupported as unsupported
 
 __all__ = [
+    "Arrays",
+    "AsGiven",
+    "BATCH_AXIS",
     "BodyTraces",
+    "BridgeAssertionError",
+    "BridgeError",
+    "BridgeImportError",
+    "BridgeNotImplementedError",
+    "BridgeRuntimeError",
+    "BridgeTypeError",
+    "BridgeValueError",
+    "Call",
+    "ForwardResult",
     "Layer",
     "ProbeBase",
+    "ProbeResult",
     "Session",
     "Site",
     "SiteOrigin",
+    "abstract",
+    "add_epsilon",
+    "as_float",
     "carrier_name",
+    "check_loss",
+    "check_loss_fn",
+    "check_patch_kind",
+    "check_selection",
+    "conv_hyperparameters",
+    "conv_padding_mode",
+    "current_session",
+    "dense_kernel",
+    "differentiable_part",
+    "flatten_trailing",
+    "flattened",
+    "in_order",
+    "is_array",
     "is_carrier_name",
     "key_name",
+    "merge_differentiable",
+    "norm_hyperparameters",
+    "positional_arrays",
     "register_adapter",
+    "replace_leaves",
+    "resolve_patches",
+    "select",
+    "strip_call_index",
+    "unsupported",
+    "without_axis",
+    "zeros_like_struct",
 ]

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
 from ._result import ForwardResult, ProbeResult
 from ._sites import (
     differentiable_part,
@@ -61,7 +62,7 @@ def assert_results_close(
     if type(result_a) is not type(result_b) or not isinstance(
         result_a, ProbeResult | ForwardResult
     ):
-        raise TypeError(
+        raise BridgeTypeError(
             "assert_results_close compares two ProbeResults or two ForwardResults; "
             f"got {type(result_a).__name__} and {type(result_b).__name__}."
         )
@@ -96,7 +97,7 @@ def _site_names(result_a: Any, result_b: Any, sites: Iterable[str] | None) -> li
         if names_a != names_b:
             only_a = [n for n in names_a if n not in names_b]
             only_b = [n for n in names_b if n not in names_a]
-            raise AssertionError(
+            raise BridgeAssertionError(
                 "The results have different sites: only in result_a "
                 f"{only_a[:5]}, only in result_b {only_b[:5]}"
                 + ("" if only_a or only_b else f" (order: {names_a} vs {names_b})")
@@ -107,7 +108,7 @@ def _site_names(result_a: Any, result_b: Any, sites: Iterable[str] | None) -> li
     for name in names:
         for label, present in (("result_a", names_a), ("result_b", names_b)):
             if name not in present:
-                raise AssertionError(
+                raise BridgeAssertionError(
                     f"Site {name!r} is not in {label}; its sites are {present[:8]}."
                 )
     return names
@@ -116,7 +117,7 @@ def _site_names(result_a: Any, result_b: Any, sites: Iterable[str] | None) -> li
 def _assert_close(what: str, a: Any, b: Any, *, rtol: float, atol: float) -> None:
     structure_a, structure_b = jax.tree.structure(a), jax.tree.structure(b)
     if structure_a != structure_b:
-        raise AssertionError(
+        raise BridgeAssertionError(
             f"{what} differ in structure: {structure_a} vs {structure_b}."
         )
     paths_and_leaves = jax.tree_util.tree_leaves_with_path(a)
@@ -126,14 +127,14 @@ def _assert_close(what: str, a: Any, b: Any, *, rtol: float, atol: float) -> Non
         leaf_a, leaf_b = np.asarray(leaf_a), np.asarray(leaf_b)
         where = what + jax.tree_util.keystr(path)
         if leaf_a.shape != leaf_b.shape:
-            raise AssertionError(
+            raise BridgeAssertionError(
                 f"{where} differ in shape: {leaf_a.shape} vs {leaf_b.shape}."
             )
         difference = np.abs(leaf_a.astype(np.float64) - leaf_b.astype(np.float64))
         bound = atol + rtol * np.abs(leaf_b.astype(np.float64))
         if difference.size and not np.all(difference <= bound):
             worst = np.unravel_index(np.argmax(difference - bound), difference.shape)
-            raise AssertionError(
+            raise BridgeAssertionError(
                 f"{where} differ: largest absolute difference "
                 f"{float(difference.max()):.3g}; at index {tuple(map(int, worst))} "
                 f"a={leaf_a[worst]!r}, b={leaf_b[worst]!r} "
@@ -179,7 +180,7 @@ def check_activation_grads(
       >>> bridge.testing.check_activation_grads(probe, loss_fn, x, max_sites=4)
     """
     if max_sites < 1:
-        raise ValueError(f"`max_sites` must be at least 1; got {max_sites}.")
+        raise BridgeValueError(f"`max_sites` must be at least 1; got {max_sites}.")
     dynamic, rebuild = split_arrays((args, kwargs))
 
     @jax.jit
@@ -235,7 +236,7 @@ def check_activation_grads(
     for name in names:
         want, have = expected[name], float(got[name])
         if not abs(want - have) <= atol + rtol * max(abs(want), abs(have)):
-            raise AssertionError(
+            raise BridgeAssertionError(
                 f"Activation gradient at site {name!r} disagrees with jax.jvp of the "
                 f"loss with a perturbation patched in there: vdot(activation_grad, "
                 f"delta) = {want:.6g}, jvp = {have:.6g} (difference "

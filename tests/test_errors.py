@@ -53,9 +53,11 @@ def _check_the_counter(library):
 
 def _fails_before_any_work(error, match, call):
     EXECUTIONS.clear()
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         call()
     assert EXECUTIONS == [], "a forward pass ran before the error"
+    # Every refusal is bridge's own error type, and still the built-in one.
+    assert isinstance(info.value, bridge.BridgeError)
 
 
 # -- the model ---------------------------------------------------------------------

@@ -22,9 +22,17 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperparameters
-from bridge._porting import Layer, flattened, replace_leaves
-from bridge._sites import Site, key_name
+from bridge.adapter_api import (
+    BridgeValueError,
+    Layer,
+    Site,
+    as_float,
+    conv_hyperparameters,
+    flattened,
+    key_name,
+    norm_hyperparameters,
+    replace_leaves,
+)
 
 from .probe import _clone, _is_function
 from .transforms import Mapped
@@ -315,7 +323,7 @@ def _set_statistics(state: Any, module: Any, weights: dict, layer: Layer) -> Any
     if mean is None or var is None:
         return state
     if state is None:
-        raise ValueError(
+        raise BridgeValueError(
             f"Cannot move running statistics into site {layer.site!r} "
             f"({layer.described}): the destination probe has no eqx.nn.State. "
             "Build the model with eqx.nn.make_with_state and probe it with "

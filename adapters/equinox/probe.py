@@ -24,9 +24,16 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from bridge._probe import BATCH_AXIS, ProbeBase
-from bridge._session import Session, current
-from bridge._sites import key_name, strip_call_index
+from bridge.adapter_api import (
+    BATCH_AXIS,
+    BridgeTypeError,
+    BridgeValueError,
+    ProbeBase,
+    Session,
+    current_session,
+    key_name,
+    strip_call_index,
+)
 
 from ..shared import guests as _guests
 from ..shared import jax_internals as internals
@@ -36,7 +43,7 @@ from . import transforms
 def probe(model: eqx.Module, *variables: Any, vmap: bool = False) -> EquinoxProbe:
     if len(variables) > 1 or (variables and not isinstance(variables[0], eqx.nn.State)):
         given = ", ".join(type(v).__name__ for v in variables)
-        raise TypeError(
+        raise BridgeTypeError(
             "An Equinox model is probed as bridge.probe(module), or as "
             "bridge.probe(module, state) with the eqx.nn.State from "
             f"eqx.nn.make_with_state; got {len(variables)} variable arguments "
@@ -46,7 +53,7 @@ def probe(model: eqx.Module, *variables: Any, vmap: bool = False) -> EquinoxProb
     if state is None:
         stateful = _state_indices(model)
         if stateful:
-            raise ValueError(
+            raise BridgeValueError(
                 f"This model keeps state ({', '.join(stateful[:3])} hold an "
                 "eqx.nn.StateIndex) but no state was given. Build it with "
                 "`model, state = eqx.nn.make_with_state(Model)(...)` and pass it: "
@@ -159,7 +166,7 @@ class EquinoxProbe(ProbeBase):
             and len(result) == 2
             and isinstance(result[1], eqx.nn.State)
         ):
-            raise TypeError(
+            raise BridgeTypeError(
                 "A model probed with a state is called as model(*args, state) and "
                 "must return (outputs, new_state) with new_state an eqx.nn.State; "
                 f"{type(self.model).__name__} returned {type(result).__name__}."
@@ -383,7 +390,7 @@ def _observed_call(
 ) -> Any:
     path = site.path
     context = _CONTEXT.get()
-    session = current()
+    session = current_session()
     if context is None or session is not context.session:
         return function(*args, **kwargs)
     depth = transforms.mapped_depth(context.base_trace)
@@ -444,7 +451,7 @@ def _tap(context: _Context, name: str, value: Any) -> Any:
     depth = transforms.mapped_depth(context.base_trace)
     if depth is None:
         where = transforms.describe(transforms.transforms(context.base_trace))
-        raise ValueError(
+        raise BridgeValueError(
             f"bridge.tap({name!r}) is inside {where}, where bridge cannot see a "
             "tap: move the tap out of the transform, or mark the value by "
             "wrapping its computation in an eqx.Module (a module call is a site)."

@@ -52,12 +52,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from bridge._session import Session, positional_arrays
-from bridge._sites import (
+from bridge.adapter_api import (
+    BridgeRuntimeError,
+    BridgeValueError,
+    Session,
     SiteOrigin,
     abstract,
     differentiable_part,
     merge_differentiable,
+    positional_arrays,
     without_axis,
     zeros_like_struct,
 )
@@ -173,7 +176,7 @@ def run_with_tree_leaves(
         return call_model({name: Leaves(patch=p) for name, p in patches.items()})
     for site in sites.values():
         if site.origin.blocked:
-            raise ValueError(site.origin.blocked)
+            raise BridgeValueError(site.origin.blocked)
 
     def shaped(site: Any) -> Any:
         struct = site.value_struct
@@ -210,7 +213,7 @@ def run_with_tree_leaves(
             if leaf is not None
         ]
         if not floats:
-            raise ValueError(
+            raise BridgeValueError(
                 "bridge records the sites inside jax.lax.scan or "
                 "jax.checkpoint through the backward pass of the model's "
                 f"outputs, but {model_name} returned no floating-point array."
@@ -346,13 +349,13 @@ def call_in_transform(
             if "vmap" in unsupported
             else f"{describe((unsupported[0],))}"
         )
-        raise ValueError(
+        raise BridgeValueError(
             f"bridge cannot see through {detail}: site {site_path!r} is called "
             f"inside {where}. bridge sees through jax.lax.scan over stacked layers "
             "and jax.checkpoint; move the call out of the transform, or unroll it."
         )
     if enclosing.count(_SCAN) > 1:
-        raise ValueError(
+        raise BridgeValueError(
             f"bridge cannot see through nested jax.lax.scan: site {site_path!r} is "
             f"called inside {where}. Scan over one stack of layers at a time."
         )
@@ -399,7 +402,7 @@ def call_in_transform(
         if token is not None:
             _SLICED.reset(token)
     if any(isinstance(leaf, eqx.nn.State) for leaf in _leaves_with_state(value)):
-        raise ValueError(
+        raise BridgeValueError(
             f"site {site_path!r} is a stateful layer inside {where}: bridge cannot "
             "thread its eqx.nn.State there. Move it out of the transform."
         )
@@ -425,7 +428,7 @@ def call_in_transform(
     if call.name not in session.selected:
         return value
     if leaves is None or leaves.recorder is None:
-        raise RuntimeError(
+        raise BridgeRuntimeError(
             f"bridge found no epsilon for site {call.name!r} inside {where}: the "
             "model called it differently from the discovery pass. This is a bug "
             "in bridge: please report it."
@@ -514,7 +517,7 @@ def _unreachable(session, site, method, module, function, args, kwargs, origin):
     if not session.discovering and (
         call.name in session.selected or call.name in session.patches
     ):
-        raise ValueError(origin.blocked)
+        raise BridgeValueError(origin.blocked)
     value = function(*args, **kwargs)
     return session.exit(call, value, perturb=lambda v: v, record=False)
 
@@ -585,7 +588,7 @@ def _lift_batched(axis_size, values, dims, *, observe, depth):
 
 
 def _outside_a_vmap(*args, **params):
-    raise RuntimeError(
+    raise BridgeRuntimeError(
         "bridge's Equinox site primitive was evaluated outside a jax.vmap. This is "
         "a bug in bridge: please report it."
     )

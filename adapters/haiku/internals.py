@@ -36,7 +36,7 @@ from typing import Any
 import haiku as hk
 import jax
 
-from bridge._versions import unsupported
+from bridge.adapter_api import unsupported
 
 #: The modules whose functions are recognised on the call stack.
 _SOURCES = ("stateful", "layer_stack", "transform")

@@ -28,9 +28,16 @@ from typing import Any
 import haiku as hk
 import jax.numpy as jnp
 
-from bridge._hyperparameters import as_float, conv_hyperparameters, norm_hyperparameters
-from bridge._porting import Layer, flattened, replace_leaves
-from bridge._sites import Site, key_name
+from bridge.adapter_api import (
+    Layer,
+    Site,
+    as_float,
+    conv_hyperparameters,
+    flattened,
+    key_name,
+    norm_hyperparameters,
+    replace_leaves,
+)
 
 #: The EMA step count written with a moved statistic: `decay ** counter`
 #: underflows to 0 for any decay below 1, and the int32 counter has room to go on.

@@ -49,9 +49,18 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from bridge._probe import ProbeBase
-from bridge._session import BodyTraces, Session, positional_arrays
-from bridge._sites import Site, add_epsilon, carrier_name, is_carrier_name
+from bridge.adapter_api import (
+    BodyTraces,
+    BridgeTypeError,
+    BridgeValueError,
+    ProbeBase,
+    Session,
+    Site,
+    add_epsilon,
+    carrier_name,
+    is_carrier_name,
+    positional_arrays,
+)
 
 from ..shared import guests as _guests
 from . import internals
@@ -73,14 +82,14 @@ def probe(
 ) -> HaikuProbe:
     with_state = isinstance(transformed, hk.TransformedWithState)
     if len(variables) == 1 and _is_params_and_state(variables[0]):
-        raise TypeError(
+        raise BridgeTypeError(
             "bridge.probe got the (params, state) pair that "
             "hk.transform_with_state's init returns as one argument: unpack it, "
             f"{_STATE_USAGE}: bridge.probe(transformed, *variables)."
         )
     if with_state:
         if len(variables) != 2:
-            raise TypeError(
+            raise BridgeTypeError(
                 "An hk.transform_with_state model needs its params and its state: "
                 f"{_STATE_USAGE}; got {len(variables)} variable arguments."
             )
@@ -96,7 +105,7 @@ def probe(
                 if len(variables) > 1
                 else ""
             )
-            raise TypeError(
+            raise BridgeTypeError(
                 f"An hk.transform model needs its params: {_PLAIN_USAGE}; got "
                 f"{len(variables)} variable arguments.{hint}"
             )
@@ -158,7 +167,7 @@ class HaikuProbe(ProbeBase):
 
     def _check_call(self, args: tuple, kwargs: dict) -> None:
         if "rng" in kwargs and not self.takes_rng:
-            raise TypeError(
+            raise BridgeTypeError(
                 "`rng` goes to the transformed function's apply, but this one was "
                 "made with hk.without_apply_rng and takes no rng. Drop `rng=`, or "
                 "transform the model without hk.without_apply_rng."
@@ -217,7 +226,7 @@ class HaikuProbe(ProbeBase):
         if self.with_state:
             return outputs, new_state
         if new_state:
-            raise ValueError(  # what Haiku's own plain apply refuses too
+            raise BridgeValueError(  # what Haiku's own plain apply refuses too
                 "The model uses hk.get_state or hk.set_state, so it needs "
                 "hk.transform_with_state: pass bridge.probe(transformed, params, "
                 "state) with params, state = transformed.init(rng, x)."
@@ -379,7 +388,7 @@ def _check_batch_norm_mapped(module: Any, batch_axis: str) -> None:
     would normalise each example by its own statistics: not the model's batch
     statistics, and silently so where the parameter shapes happen to fit."""
     if isinstance(module, hk.BatchNorm) and module.cross_replica_axis is None:
-        raise ValueError(
+        raise BridgeValueError(
             f"{module.module_name} is an hk.BatchNorm, and with vmap=True the "
             "probe calls the model on one example at a time: its statistics "
             "would be each example's own, and params made for a batch do not "
@@ -407,7 +416,7 @@ def _check_mapping(name: str, value: Any, usage: str) -> None:
             if isinstance(value, tuple)
             else ""
         )
-        raise TypeError(
+        raise BridgeTypeError(
             f"`{name}` must be the dict of dicts that transformed.init returns "
             f"({usage}); got {type(value).__name__}.{hint}"
         )
@@ -417,7 +426,7 @@ def _check_reserved(state: Mapping) -> None:
     for bundle, entries in state.items():
         for entry in entries:
             if is_carrier_name(entry):
-                raise ValueError(
+                raise BridgeValueError(
                     f"`state[{bundle!r}]` has an entry {entry!r}: bridge reserves "
                     "state names of the form 'bridge_<kind>:<method>#<index>' "
                     "for its own epsilons and recordings. Rename it."

@@ -24,8 +24,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from bridge._session import Session, positional_arrays
-from bridge._sites import (
+from bridge.adapter_api import (
+    BridgeNotImplementedError,
+    BridgeValueError,
+    Session,
     Site,
     SiteOrigin,
     add_epsilon,
@@ -33,6 +35,7 @@ from bridge._sites import (
     differentiable_part,
     is_array,
     is_carrier_name,
+    positional_arrays,
 )
 
 from . import internals
@@ -47,7 +50,7 @@ def with_state(transformed: hk.Transformed, takes_rng: bool) -> hk.TransformedWi
     """
     original = internals.original_function(transformed.apply)
     if original is None:
-        raise NotImplementedError(
+        raise BridgeNotImplementedError(
             "Sites inside hk.experimental.layer_stack, hk.scan or hk.remat of a "
             "plain hk.transform model need the function it wraps, which this "
             "Transformed's apply does not expose (it is not Haiku's own). "
@@ -159,7 +162,7 @@ def check_reachable(name: str, origin: Origin, session: Session) -> None:
         name not in session.selected and name not in session.patches
     ):
         return
-    raise ValueError(
+    raise BridgeValueError(
         f"bridge cannot see through {origin.blocked} around site {name!r}: "
         f"Haiku carries state through {origin.blocked} as one value for "
         "every iteration (or mapped example), so one epsilon would serve "
@@ -178,7 +181,7 @@ def tap_handler(session: Session, stop: Any, in_transform: Any) -> Any:
     def tap(name: str, value: Any) -> Any:
         where = internals.enclosing(stop)
         if where.blocked is not None:
-            raise NotImplementedError(
+            raise BridgeNotImplementedError(
                 f"bridge.tap({name!r}) is called inside {where.blocked}, which "
                 "carries state as one value for every iteration: bridge cannot "
                 "see through it. Tap outside it."
@@ -195,7 +198,7 @@ def unreachable(call: Any) -> Any:
     given to `apply` does not reach, inside a lifted transform."""
 
     def fail(shape: Any, dtype: Any) -> Any:
-        raise NotImplementedError(
+        raise BridgeNotImplementedError(
             f"The epsilon of site {call.name!r} did not reach it through Haiku "
             "state: it is called inside a transform that does not carry the "
             "state given to `apply`. Select sites outside it with `at=`."

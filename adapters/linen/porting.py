@@ -15,20 +15,19 @@ from typing import Any
 
 import flax.linen as nn
 
-from bridge._hyperparameters import (
+from bridge.adapter_api import (
+    Layer,
+    Site,
     as_float,
     conv_hyperparameters,
     conv_padding_mode,
-    norm_hyperparameters,
-)
-from bridge._porting import (
-    Layer,
     dense_kernel,
     flatten_trailing,
     flattened,
+    key_name,
+    norm_hyperparameters,
     replace_leaves,
 )
-from bridge._sites import Site, key_name
 
 
 def _count(axes: Any) -> int:

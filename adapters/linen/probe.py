@@ -34,13 +34,18 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from bridge._probe import ProbeBase
-from bridge._session import BodyTraces, Session, positional_arrays
-from bridge._sites import (
+from bridge.adapter_api import (
+    BodyTraces,
+    BridgeRuntimeError,
+    BridgeTypeError,
+    BridgeValueError,
+    ProbeBase,
+    Session,
     SiteOrigin,
     carrier_name,
     differentiable_part,
     merge_differentiable,
+    positional_arrays,
 )
 
 from ..shared import guests
@@ -96,7 +101,7 @@ def _check_perturbed(floats: Any, value: Any, name: str) -> None:
     `value += epsilon` concatenated a tuple-valued call's output with its
     epsilon, and the epsilon's gradient would silently be zero."""
     if jax.tree.structure(floats) != jax.tree.structure(value):
-        raise RuntimeError(
+        raise BridgeRuntimeError(
             f"flax.linen.Module.perturb changed the structure of site {name!r}'s "
             "value (a pytree): this flax adds perturbations to pytrees wrongly. "
             "bridge supports flax >= 0.10.1."
@@ -110,26 +115,26 @@ class _NeedsParams(Exception):
 
 def probe(module: nn.Module, *variables: Any, vmap: bool = False) -> LinenProbe:
     if len(variables) != 1:
-        raise TypeError(
+        raise BridgeTypeError(
             "A Flax Linen module needs its variables: bridge.probe(module, "
             "variables) with variables = module.init(key, x) (a dict with a "
             f"'params' collection); got {len(variables)} variable arguments."
         )
     (variables,) = variables
     if not isinstance(variables, Mapping):
-        raise TypeError(
+        raise BridgeTypeError(
             "`variables` must be the dict returned by module.init(key, x), e.g. "
             f"{{'params': ...}}; got {type(variables).__name__}."
         )
     if variables and "params" not in variables:
-        raise ValueError(
+        raise BridgeValueError(
             "`variables` has no 'params' collection (its keys are "
             f"{sorted(variables)}). Pass what module.init returns, or wrap bare "
             "parameters: bridge.probe(module, {'params': params})."
         )
     for reserved in (EPSILON_COLLECTION, RECORDING_COLLECTION):
         if reserved in variables:
-            raise ValueError(
+            raise BridgeValueError(
                 f"`variables` has a '{reserved}' collection, which bridge reserves "
                 "for its own use. Remove it."
             )
@@ -175,7 +180,7 @@ class LinenProbe(ProbeBase):
             )
             or callable(mutable)
         ):
-            raise TypeError(
+            raise BridgeTypeError(
                 "`mutable` goes to Module.apply: a collection name, a list of names "
                 f"(e.g. mutable=['batch_stats']), True or False; got {mutable!r}."
             )
@@ -217,14 +222,14 @@ class LinenProbe(ProbeBase):
                 )
         except ValueError as error:
             if in_params and "broadcasted variable has a data dependency" in str(error):
-                raise ValueError(
+                raise BridgeValueError(
                     "bridge cannot see through this nn.scan: it "
                     "broadcasts `params` (variable_broadcast='params', as nn.RNN "
                     "does), so one epsilon would serve every iteration and their "
                     "gradients would be summed. Select sites outside it."
                 ) from error
             if in_params and "got axis spec None but output was batched" in str(error):
-                raise ValueError(
+                raise BridgeValueError(
                     "bridge cannot see through this nn.vmap: it broadcasts `params` "
                     "(variable_axes={'params': None}), so one epsilon would serve "
                     "every mapped example and their gradients would be summed. "
@@ -401,7 +406,7 @@ class _Interceptor:
                 site.origin is not None and site.origin.scope == path
                 for site in session.selected.values()
             ):
-                raise ValueError(
+                raise BridgeValueError(
                     f"bridge cannot see through {self.transform} around "
                     f"'{'/'.join(path)}': it carries neither bridge's collections "
                     "nor `params`, so a perturbation there would be silently "

@@ -24,7 +24,7 @@ from typing import Any
 
 from flax import nnx
 
-from bridge._versions import unsupported
+from bridge.adapter_api import unsupported
 
 #: NNX's graph internals: `flax.nnx.graphlib` (`nnx.graphlib`) since flax
 #: 0.12.5, `flax.nnx.graph` before (the same `is_graph_node`, `GRAPH_CONTEXT`).

@@ -16,14 +16,15 @@ from typing import Any
 import jax
 from flax import nnx
 
-from bridge._porting import (
+from bridge.adapter_api import (
     Layer,
+    Site,
     dense_kernel,
     flatten_trailing,
     flattened,
+    key_name,
     replace_leaves,
 )
-from bridge._sites import Site, key_name
 
 from ..linen.porting import hyperparameters
 

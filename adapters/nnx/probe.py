@@ -46,8 +46,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from bridge._probe import ProbeBase
-from bridge._session import Session, current
+from bridge.adapter_api import BridgeTypeError, ProbeBase, Session, current_session
 
 from ..shared import guests, jax_internals
 from . import internals
@@ -74,13 +73,13 @@ _REPORTING_CLASSES: dict[type, type] = {}
 
 def probe(module: nnx.Module, *variables: Any, vmap: bool = False) -> NnxProbe:
     if variables:
-        raise TypeError(
+        raise BridgeTypeError(
             "An NNX module carries its own variables: call bridge.probe(module), "
             f"without further arguments; got {len(variables)} extra argument(s). "
             "To probe other weights, load them first: nnx.update(module, state)."
         )
     if not callable(module):
-        raise TypeError(
+        raise BridgeTypeError(
             f"bridge.probe(module) calls module(*args), but {type(module).__name__} "
             "defines no __call__. Probe the module that runs the forward pass."
         )
@@ -280,7 +279,7 @@ def _public_methods(cls: type) -> list[tuple[str, Callable]]:
 def _reporting_method(name: str, method: Callable) -> Callable:
     @functools.wraps(method)
     def reporting(self, *args, **kwargs):
-        run, session = _RUN.get(), current()
+        run, session = _RUN.get(), current_session()
         if run is None or session is None:  # not while a probe runs the copy
             return method(self, *args, **kwargs)
         return run.report(self, name, method, args, kwargs, session)

@@ -49,14 +49,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bridge._session import Session, positional_arrays
-from bridge._sites import (
+from bridge.adapter_api import (
+    BridgeNotImplementedError,
+    BridgeValueError,
+    Session,
     Site,
     SiteOrigin,
     add_epsilon,
     carrier_name,
     differentiable_part,
     is_carrier_name,
+    positional_arrays,
 )
 
 from ..shared import jax_internals
@@ -181,7 +184,7 @@ class Run:
         where the value is a tracer of the transform's trace."""
         transforms = self.transforms()
         if transforms:
-            raise NotImplementedError(
+            raise BridgeNotImplementedError(
                 f"bridge.tap({name!r}, ...) is called inside "
                 f"{transform_name(transforms[-1])} in the model's own code; "
                 "bridge does not carry taps out of NNX transforms yet. Tap the "
@@ -215,7 +218,7 @@ class Run:
         unsupported = [t for t in transforms if t not in _CARRYING]
         if path is None or not transforms or unsupported:
             named = ", ".join(transform_name(t) for t in unsupported)
-            raise NotImplementedError(
+            raise BridgeNotImplementedError(
                 f"A {type(module).__name__} submodule"
                 + (f" ('{path}')" if path else "")
                 + " is called inside "
@@ -301,7 +304,7 @@ class Run:
                 if inner
                 else "inside nested scans (nnx.scan or lax.scan inside nnx.scan)"
             )
-            raise NotImplementedError(
+            raise BridgeNotImplementedError(
                 f"'{call.path}' keeps its parameters' full shape inside nnx.scan "
                 f"(the scan carries or broadcasts it) and is called {where}; "
                 "bridge gives the sites of a carried module directly inside one "
@@ -393,7 +396,7 @@ class Run:
         path, key, names = where
         recording = vars(self.modules[path]).get(key)
         if recording is None:
-            raise ValueError(
+            raise BridgeValueError(
                 f"bridge cannot see through {' inside '.join(reversed(names))} "
                 f"around '{path}': its values did not come out with the module's "
                 "parameters, so a perturbation there would be silently dropped. "
@@ -415,7 +418,7 @@ class Run:
 
     @staticmethod
     def _broadcast_error(path: str, names: tuple[str, ...]) -> ValueError:
-        return ValueError(
+        return BridgeValueError(
             f"bridge cannot see through this {names[-1]} around '{path}': it "
             "broadcasts the module (in_axes=None for it, or None for its "
             "parameters in nnx.StateAxes), so one epsilon would serve every "

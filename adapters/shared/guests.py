@@ -46,8 +46,13 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bridge._session import BodyTraces, Session, current
-from bridge._sites import is_carrier_name
+from bridge.adapter_api import (
+    BodyTraces,
+    BridgeValueError,
+    Session,
+    current_session,
+    is_carrier_name,
+)
 
 try:
     # Telling whether a guest call runs in the host's trace needs JAX's trace
@@ -103,7 +108,7 @@ def hosting(
     the host can tell; otherwise the error names JAX's transform. Outside a
     probe's session this does nothing.
     """
-    session = current()
+    session = current_session()
     if session is None or jax_internals is None:
         yield None
         return
@@ -176,7 +181,7 @@ def observe(
         and not session.discovering
         and (entered.name in session.selected or entered.name in session.patches)
     ):
-        raise ValueError(
+        raise BridgeValueError(
             f"Site {entered.name!r}, a {_LIBRARY_NAMES[library]} module called "
             f"inside another library's model, is inside {blocked}: bridge "
             "cannot see through it there. Its value there belongs to the "
@@ -298,7 +303,7 @@ class _LinenGuest(_Guest):
     library = "linen"
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
-        session = current()
+        session = current_session()
         if session is not self.host.session:
             return next_fun(*call_args, **call_kwargs)
         module, method = context.module, context.method_name
@@ -351,7 +356,7 @@ class _HaikuGuest(_Guest):
         self.lifts: dict[int, str] = {}
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
-        session = current()
+        session = current_session()
         if (
             session is not self.host.session
             or not _is_haiku_site(context)
@@ -455,7 +460,7 @@ def call_linen_module(module: Any, next_fun, call_args, call_kwargs) -> Any:
     module) builds it through a factory that instruments what it built.
     """
     host = _HOST.get()
-    session = current()
+    session = current_session()
     if (
         not is_to_linen(module)
         or host is None
@@ -537,7 +542,7 @@ def check_not_inside(
             continue
         for path in equinox_attributes:
             if pattern == path or pattern.startswith((f"{path}/", f"{path}.")):
-                raise ValueError(
+                raise BridgeValueError(
                     f"{pattern!r} names {path!r}, an Equinox module held by this "
                     f"{_LIBRARY_NAMES[host]} model, or a path inside it: bridge "
                     "cannot see the calls of an Equinox module called from "

@@ -45,7 +45,7 @@ from typing import Any
 
 from jax.extend.core import Primitive
 
-from bridge._versions import unsupported
+from bridge.adapter_api import unsupported
 
 
 def _missing() -> list[str]:

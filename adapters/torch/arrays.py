@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from bridge._sites import Arrays
+from bridge.adapter_api import Arrays, BridgeAssertionError, BridgeTypeError
 
 from . import internals
 
@@ -34,7 +34,7 @@ _DTYPES = {
 def jax_dtype(dtype: torch.dtype) -> Any:
     """The NumPy/JAX dtype of a torch dtype (sites are `jax.ShapeDtypeStruct`s)."""
     if dtype not in _DTYPES:
-        raise TypeError(f"bridge has no JAX dtype for the torch dtype {dtype}.")
+        raise BridgeTypeError(f"bridge has no JAX dtype for the torch dtype {dtype}.")
     return np.dtype(_DTYPES[dtype])
 
 
@@ -95,7 +95,7 @@ class TorchArrays(Arrays):
         )
 
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
-        raise AssertionError("bridge bug: torch sites are caught by `_Catch`")
+        raise BridgeAssertionError("bridge bug: torch sites are caught by `_Catch`")
 
     def recorded(self, value: Any) -> Any:
         # A copy: models modify outputs in place (`x += residual`,
@@ -139,7 +139,7 @@ def to_torch(tree: Any) -> Any:
 
     def convert(leaf):
         if isinstance(leaf, jax.core.Tracer):
-            raise TypeError(NOT_JAX)
+            raise BridgeTypeError(NOT_JAX)
         if isinstance(leaf, jax.Array):
             return torch.from_dlpack(leaf)
         if isinstance(leaf, np.ndarray):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bridge._versions import unsupported
+from bridge.adapter_api import unsupported
 
 
 def _missing() -> list[str]:

@@ -35,13 +35,14 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 
-from bridge._hyperparameters import (
+from bridge.adapter_api import (
     AsGiven,
+    BridgeAssertionError,
+    Layer,
+    Site,
     conv_hyperparameters,
     norm_hyperparameters,
 )
-from bridge._porting import Layer
-from bridge._sites import Site
 
 #: Where a canonical weight goes: the module's path, the tensor's name on it,
 #: the part of the tensor (`None`: all of it), and the conversion from the
@@ -381,7 +382,7 @@ def _named_tensor(owner: nn.Module, name: str) -> torch.Tensor:
         owner = getattr(owner, parent)
     tensor = getattr(owner, leaf)
     if not isinstance(tensor, torch.Tensor):
-        raise AssertionError(f"bridge bug: no tensor {name!r} on {owner!r}")
+        raise BridgeAssertionError(f"bridge bug: no tensor {name!r} on {owner!r}")
     return tensor
 
 

@@ -54,17 +54,22 @@ import jax
 import torch
 from torch.func import functional_call
 
-from bridge._probe import (
+from bridge.adapter_api import (
+    BridgeTypeError,
+    BridgeValueError,
+    Call,
+    ForwardResult,
+    ProbeResult,
+    Site,
     check_loss,
     check_loss_fn,
     check_patch_kind,
+    check_selection,
+    current_session,
     in_order,
     resolve_patches,
+    select,
 )
-from bridge._result import ForwardResult, ProbeResult
-from bridge._selection import check_selection, select
-from bridge._session import Call, current
-from bridge._sites import Site
 
 from . import internals
 from .arrays import (
@@ -85,13 +90,13 @@ class TorchProbe:
 
     def __init__(self, module: torch.nn.Module, *variables: Any, vmap: bool = False):
         if vmap:
-            raise ValueError(
+            raise BridgeValueError(
                 "vmap=True does not apply to a PyTorch model: the probe calls it "
                 "on the whole batch, as PyTorch models are written. Use "
                 "bridge.probe(module) and pass batched inputs."
             )
         if variables:
-            raise TypeError(
+            raise BridgeTypeError(
                 "A PyTorch module carries its own parameters and buffers: call "
                 f"bridge.probe(module) without variables; got {len(variables)} "
                 "more argument(s)."
@@ -326,12 +331,12 @@ def _hooked(
     open_calls: dict[int, list[Call]] = {}
 
     def enter(copied, args, kwargs, path, original):
-        if current() is session:
+        if current_session() is session:
             call = session.enter(path, None, original, args)
             open_calls.setdefault(id(copied), []).append(call)
 
     def leave(copied, args, kwargs, output):
-        if current() is session:
+        if current_session() is session:
             return session.exit(open_calls[id(copied)].pop(), output)
         return None
 
@@ -369,7 +374,7 @@ def _restored_rng(module: torch.nn.Module | None) -> Iterator[None]:
 def _check_loss_is_a_tensor(loss_out: Any) -> None:
     loss = loss_out[0] if isinstance(loss_out, tuple | list) else loss_out
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(
+        raise BridgeTypeError(
             "`loss_fn` receives the PyTorch model's outputs as torch tensors and "
             f"must return a scalar torch tensor; it returned a {type(loss).__name__}. "
             "Compute the loss with torch operations, e.g. "

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from bridge._session import Call, Session
+from bridge.adapter_api import BridgeRuntimeError, Call, Session
 
 from . import internals
 from .arrays import TORCH_ARRAYS, inexact, jax_tree, tree_map
@@ -94,7 +94,7 @@ class TorchSession(Session):
             if not torch.is_grad_enabled():
                 # Autograd would not see the catch: the gradient would read as
                 # zero, a wrong number.
-                raise RuntimeError(
+                raise BridgeRuntimeError(
                     f"Site {name!r} runs with autograd disabled (inside "
                     "`torch.no_grad()`, `torch.inference_mode()` or a reentrant "
                     "`torch.utils.checkpoint`), so the loss's gradient with respect "
