@@ -8,14 +8,14 @@ checked against its PyTorch original layer by layer (`transfer`, `compare`).
 
 from . import adapter_api as adapter_api
 from . import testing as testing
-from ._compare import ComparisonReport as ComparisonReport
-from ._compare import PairComparison as PairComparison
 from ._compare import compare as compare
 from ._errors import BridgeError as BridgeError
 from ._porting import transfer as transfer
 from ._protocol import ActivationProbe as ActivationProbe
 from ._registry import probe as probe
 from ._registry import register_adapter as register_adapter
+from ._report import ComparisonReport as ComparisonReport
+from ._report import PairComparison as PairComparison
 from ._result import ForwardResult as ForwardResult
 from ._result import ProbeResult as ProbeResult
 from ._session import tap as tap
