@@ -134,11 +134,12 @@ def _run_both(probes, loss_fns, sites, inputs):
     from ._probe import ProbeBase
 
     runs = list(zip(probes, loss_fns, sites, inputs, strict=True))
-    if all(isinstance(probe, ProbeBase) for probe in probes):
+    in_jax = [isinstance(probe, ProbeBase) and probe.runs_in_jax for probe in probes]
+    if all(in_jax):
         return _jitted(runs)
     return tuple(
-        _jitted([run])[0] if isinstance(run[0], ProbeBase) else _value_and_grad(*run)
-        for run in runs
+        _jitted([run])[0] if jax_run else _value_and_grad(*run)
+        for run, jax_run in zip(runs, in_jax, strict=True)
     )
 
 

@@ -1,8 +1,12 @@
 """Discovery, reused: the sites of a call are found once per structure.
 
-`ProbeBase._discover` traces the instrumented model abstractly
-(`jax.eval_shape`) to find its sites and shape their epsilons; the real run
-then traces it again. Without reuse, every `sites`, `apply` and
+One cache for every framework. `ProbeBase._discover` asks the probe for a
+key (`_discovery_key`) and, where nothing is kept under it, discovers afresh
+(`_discover_afresh`). A JAX model is traced abstractly (`jax.eval_shape`) to
+find its sites and shape their epsilons, and the real run then traces it
+again; a PyTorch model runs on fake tensors, keyed by its own signature
+(`bridge.adapters.torch`), its discoveries dropped with its probe
+(`DiscoveryOwner`). Without reuse, every `sites`, `apply` and
 `value_and_grad` discovered anew: a second `jax.jit` compilation of the same
 step, a `sites()` after a `value_and_grad`, an `apply` after a `sites()`,
 `bridge.compare`'s pass over the layers before its run. Under `jax.jit` the
@@ -10,7 +14,7 @@ probe object is rebuilt from its leaves on every trace, so neither the probe's
 identity nor its leaves' values can tell two calls apart: only their
 structure can, and structure is all that discovery sees.
 
-The key (`structure_key`) is what `jax.jit` keys its own trace cache on:
+The JAX key (`structure_key`) is what `jax.jit` keys its own trace cache on:
 
 - the probe's pytree structure: its type and its static parts (a Linen
   module and its attributes, an NNX graph definition with its static
@@ -31,12 +35,13 @@ the call discovers afresh, as it always did.
 What is kept (`Discovery`): the sites — names, shapes, `stacked`, the module
 object (for selection by class or predicate, and for the porting layer's
 hyperparameters), the adapter's `origin` — and the outputs' abstract
-structure, so a loss function is checked against it without tracing the
-model. A site's module is an object of a finished trace whichever trace made
-it, as it always was; an `origin` is used by the adapter in later runs, so a
-discovery is kept only where every origin is plain data (`is_plain`: strings,
-numbers, tuples, frozen records of them, `jax.ShapeDtypeStruct`s), never a
-tracer or an object of the trace that made it.
+structure, so a loss function is checked against it without running the
+model (`ProbeBase._abstract_loss`). A site's module is an object of a
+finished trace whichever trace made it, as it always was; an `origin` is
+used by the adapter in later runs, so a discovery is kept only where every
+origin is plain data (`is_plain`: strings, numbers, tuples, frozen records
+of them, `jax.ShapeDtypeStruct`s), never a tracer or an object of the trace
+that made it.
 
 Bounded: the `maxsize` most recently used discoveries are kept (LRU), behind
 a lock. `CACHE.clear()` forgets them; `CACHE.maxsize = 0` turns reuse off,
@@ -50,6 +55,7 @@ import collections
 import dataclasses
 import enum
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -72,14 +78,15 @@ class Discovery:
 
     Attributes:
       sites: every site of the call, in call order.
-      outputs: the model's outputs as `(treedef, leaves)`, array leaves as
-        `jax.ShapeDtypeStruct`s and the others as they are; `None` where an
-        output leaf is neither an array nor plain data (then the loss was
-        checked inside the discovery trace, and the discovery is not kept).
+      outputs: the model's outputs, abstractly, as the probe's
+        `_abstract_loss` reads them: for a JAX model `(treedef, leaves)`
+        (`abstract_outputs`). `None` where they cannot be kept (an output
+        leaf that is neither an array nor plain data): then the loss was
+        checked inside the discovery trace, and the discovery is not kept.
     """
 
     sites: tuple[Site, ...]
-    outputs: tuple[Any, list] | None
+    outputs: Any
 
     @property
     def reusable(self) -> bool:
@@ -88,24 +95,30 @@ class Discovery:
         )
 
     def abstract_loss(self, loss_fn: Callable[[Any], Any]) -> Any:
-        """`loss_fn`'s abstract value on the outputs: a trace of the loss alone.
+        """`loss_fn`'s abstract value on a JAX model's outputs (`abstract_loss`)."""
+        return abstract_loss(self.outputs, loss_fn)
 
-        Inside `shard_map` an output varying across devices is made varying
-        inside the trace (`jax.eval_shape` takes no varying struct), so a
-        collective in the loss sees what it sees in the real run.
-        """
-        treedef, leaves = self.outputs
-        structs = [leaf for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
 
-        def on_outputs(arrays: list) -> Any:
-            given = iter(map(varying_like, arrays, structs))
-            merged = [
-                next(given) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
-                for leaf in leaves
-            ]
-            return loss_fn(jax.tree.unflatten(treedef, merged))
+def abstract_loss(outputs: tuple[Any, list], loss_fn: Callable[[Any], Any]) -> Any:
+    """`loss_fn`'s abstract value on the outputs `abstract_outputs` kept: a
+    trace of the loss alone.
 
-        return jax.eval_shape(on_outputs, [device_invariant(s) for s in structs])
+    Inside `shard_map` an output varying across devices is made varying
+    inside the trace (`jax.eval_shape` takes no varying struct), so a
+    collective in the loss sees what it sees in the real run.
+    """
+    treedef, leaves = outputs
+    structs = [leaf for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
+
+    def on_outputs(arrays: list) -> Any:
+        given = iter(map(varying_like, arrays, structs))
+        merged = [
+            next(given) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+            for leaf in leaves
+        ]
+        return loss_fn(jax.tree.unflatten(treedef, merged))
+
+    return jax.eval_shape(on_outputs, [device_invariant(s) for s in structs])
 
 
 def abstract_outputs(outputs: Any) -> tuple[Any, list] | None:
@@ -199,7 +212,8 @@ def _context() -> tuple:
 
 
 class DiscoveryCache:
-    """The `maxsize` most recently used discoveries, by `structure_key`.
+    """The `maxsize` most recently used discoveries, by key (`structure_key`
+    for a JAX model).
 
     Thread-safe: two threads may discover the same key at once (both trace;
     the second store wins, with an equal discovery).
@@ -213,11 +227,15 @@ class DiscoveryCache:
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
+        # Owners gone (`discard`) whose entries are still to be dropped.
+        self._gone: list[DiscoveryOwner] = []
 
     def get(self, key: Hashable | None) -> Discovery | None:
         if key is None or self.maxsize <= 0:
             return None
         with self._lock:
+            if self._gone:
+                self._drop_gone()
             try:
                 found = self._entries.get(key)
             except (TypeError, ValueError):
@@ -235,6 +253,8 @@ class DiscoveryCache:
         if key is None or self.maxsize <= 0 or not discovery.reusable:
             return
         with self._lock:
+            if self._gone:
+                self._drop_gone()
             try:
                 self._entries[key] = discovery
                 self._entries.move_to_end(key)
@@ -243,6 +263,33 @@ class DiscoveryCache:
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
 
+    def discard(self, owner: DiscoveryOwner) -> None:
+        """Forget the discoveries whose key starts with `owner`.
+
+        Called by a finalizer, which may run in the middle of this cache's own
+        work in the same thread (a garbage collection): it never waits for the
+        lock, and what it cannot drop now is dropped by the next `get` or
+        `put`.
+        """
+        self._gone.append(owner)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_gone()
+            finally:
+                self._lock.release()
+
+    def _drop_gone(self) -> None:
+        gone = []
+        while self._gone:
+            gone.append(self._gone.pop())
+        dropped = [
+            key
+            for key in self._entries
+            if isinstance(key, tuple) and key and any(key[0] is g for g in gone)
+        ]
+        for key in dropped:
+            del self._entries[key]
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
@@ -250,6 +297,22 @@ class DiscoveryCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class DiscoveryOwner:
+    """The first item of the discovery keys of a probe whose discoveries must
+    not outlive it: a PyTorch model's sites hold its submodules, and with
+    them its weights. They are dropped from `CACHE` when the probe is garbage
+    collected.
+
+    Args:
+      probe: the probe whose discoveries this owner's keys name.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, probe: Any):
+        weakref.finalize(probe, CACHE.discard, self)
 
 
 #: The process's discoveries, shared by every probe.

@@ -8,7 +8,9 @@ with these helpers, in canonical names and conventions: norms' `epsilon`,
 `use_scale`, `use_bias` (GroupNorm's `num_groups`); BatchNorm's `momentum` as
 the share of the running average kept (PyTorch's `1 - momentum`);
 convolutions' `stride`, `dilation`, `groups`, `use_bias`, `padding_mode` and
-`padding` as explicit `(before, after)` pairs per axis.
+`padding` as explicit `(before, after)` pairs per axis (PyTorch's and
+Equinox's convolutions, which share attribute names, read by
+`torch_named_conv_hyperparameters`).
 """
 
 from __future__ import annotations
@@ -172,6 +174,21 @@ def conv_hyperparameters(
         "groups": int(groups),
         "use_bias": bool(use_bias),
     }
+
+
+def torch_named_conv_hyperparameters(module: Any, use_bias: bool) -> dict[str, Any]:
+    """`conv_hyperparameters` of a convolution with PyTorch's attribute names
+    (`kernel_size`, `stride`, `padding`, `padding_mode`, `dilation`,
+    `groups`), which Equinox's convolutions share."""
+    return conv_hyperparameters(
+        window=module.kernel_size,
+        strides=module.stride,
+        padding=module.padding,
+        padding_mode=module.padding_mode,
+        dilation=module.dilation,
+        groups=module.groups,
+        use_bias=use_bias,
+    )
 
 
 def norm_hyperparameters(

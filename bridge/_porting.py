@@ -9,8 +9,9 @@ abstract evaluation: pairing costs no FLOPs.
 Each library's knowledge lives in a porting module of its adapter (named by
 the probe class's `_porting` attribute, imported on first use). It lists a
 model's parameterised calls as `Layer`s, each with its weights in one
-*canonical layout*, and builds a new probe with given canonical weights. The
-canonical layout is channel-last and `(in, out)`:
+*canonical layout*, and builds a new probe with given canonical weights; the
+built-in ones declare a converter per kind of module (`bridge._layer_kinds`).
+The canonical layout is channel-last and `(in, out)`:
 
 | kind | canonical weights |
 |---|---|
@@ -57,7 +58,8 @@ class Layer:
         head axes flattened).
       select: picks the activation leaves to compare from the site's value
         (an Equinox stateful layer returns `(output, state)`).
-      locations: library-private: where each canonical weight goes, and how.
+      locations: where each canonical weight goes back, and how, for the
+        library's `with_weights` (`LayerKinds` writes `{name: (where, back)}`).
       hyperparameters: `{name: value}` of what `transfer` does not move, in
         canonical names and conventions (`epsilon`, `momentum` as the weight
         of the running average kept, a convolution's explicit per-side
@@ -98,8 +100,7 @@ def parameterised_layers(probe: Any, argument: str, args: tuple, kwargs: dict):
     """`(porting module, [Layer per call of a parameterised module])`, in call
     order, found by abstract evaluation."""
     library = porting_module(probe, argument)
-    args, kwargs = inputs_for(probe, args, kwargs)
-    probe._check_inputs(args, kwargs)
+    args, kwargs = probe._prepare_inputs(*inputs_for(probe, args, kwargs))
     discovered, _ = probe._discover(args, kwargs)
     return library, library.layers(probe, discovered)
 
@@ -269,7 +270,7 @@ def inputs_for(probe: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     given for both models (a porter's `x`) as a NumPy array."""
     from ._probe import ProbeBase
 
-    if not isinstance(probe, ProbeBase):
+    if not isinstance(probe, ProbeBase) or not probe.runs_in_jax:
         return args, kwargs
     return jax.tree.map(_host_if_torch, (tuple(args), dict(kwargs)))
 
@@ -312,6 +313,20 @@ def dense_kernel(kernel: Any, inputs: int, stacked: int = 0) -> Any:
     return jnp.reshape(
         kernel, (*lead, flat_size(rest[:inputs]), flat_size(rest[inputs:]))
     )
+
+
+def channel_first_kernel_axes(
+    spatial: int, stacked: int = 0
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(to_hwio, to_oihw)`: the axis orders taking a channel-first kernel
+    `(*stack, out, in, *window)` (OIHW, PyTorch's and Equinox's) to the
+    canonical `(*stack, *window, in, out)`, and back."""
+    stack = tuple(range(stacked))
+    window = tuple(range(stacked + 2, stacked + spatial + 2))
+    to_hwio = (*stack, *window, stacked + 1, stacked)
+    back = (stacked + spatial + 1, stacked + spatial)
+    to_oihw = (*stack, *back, *range(stacked, stacked + spatial))
+    return to_hwio, to_oihw
 
 
 def flattened(value: Any, stacked: int = 0) -> Any:

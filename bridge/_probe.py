@@ -1,42 +1,69 @@
-"""The shared implementation of `ActivationProbe`.
+"""`ProbeBase`: the one implementation of `ActivationProbe`.
 
-An adapter subclasses `ProbeBase` and supplies three things: the trainable
-leaves (`_trainable`), a call of the model that reports each submodule call to
-the active `Session` (`_run`), and the pytree plumbing. Everything else —
-discovery by abstract evaluation, selection, epsilons, patches, the loss
-checks, assembling the result — is here, once.
+The front — the checks before any work, discovery and its cache, selection,
+patch resolution, the result in call order — is written once here, for every
+framework. What depends on the framework is a hook of `ProbeBase`, declared
+below with its JAX implementation as the default:
+
+- `_prepare_inputs`, `_prepare_patch`: the user's values as the model takes
+  them (a PyTorch probe converts NumPy and JAX arrays to tensors);
+- `_discovery_key`, `_discover_afresh`, `_abstract_loss`: discovery (JAX:
+  abstract evaluation, keyed by structure) and the loss on its outputs;
+- `_arrays`: the framework's values, as the session and the patch checks see
+  them;
+- `_forward`, `_differentiate`: the real run (JAX: `jax.value_and_grad`).
+
+A JAX adapter supplies only the model's side: the trainable leaves
+(`_trainable`), a call of the model reporting each submodule call to the
+active `Session` (`_run`), and the pytree plumbing. A probe of another
+framework (`bridge.adapters.torch`) overrides the hooks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from . import _discovery_cache as discovery_cache
-from ._errors import BridgeTypeError, BridgeValueError
-from ._result import ForwardResult, ProbeResult
-from ._selection import check_selection, matches_pattern, select
-from ._session import Session
-from ._sites import (
-    JAX_ARRAYS,
-    Arrays,
-    Site,
-    explicit_sharding,
-    is_array,
-    patch_misfit,
-    shapes_and_dtypes,
-    split_arrays,
-    struct_update,
-    zeros_like_struct,
+from ._batching import (
+    BATCH_AXIS,
+    batch_axis_to,
+    batch_sharding,
+    batch_size,
+    per_example_keys,
+    with_batch_axis,
 )
+from ._checks import (
+    UNCHECKED_LOSS,
+    check_loss,
+    check_loss_fn,
+    check_patch_kind,
+    resolve_patches,
+)
+from ._result import ForwardResult, ProbeResult, in_order
+from ._selection import check_selection, select
+from ._session import Session
+from ._sites import JAX_ARRAYS, Arrays, Site, split_arrays, zeros_like_struct
 
-#: The axis name of the probe's own `jax.vmap` with `vmap=True`, for models
-#: whose layers reduce over the batch (BatchNorm).
-BATCH_AXIS = "batch"
+
+class CallPlan(NamedTuple):
+    """A checked call, ready to run: what `_forward` and `_differentiate` get.
+
+    Attributes:
+      args: the model's positional inputs, as `_prepare_inputs` made them.
+      kwargs: its keyword inputs, likewise.
+      discovered: every site of the call, in call order.
+      chosen: the sites `at` selects, in call order.
+      patches: `{site name: value or function}`, resolved and checked.
+    """
+
+    args: tuple
+    kwargs: dict
+    discovered: list[Site]
+    chosen: list[Site]
+    patches: dict
 
 
 class ProbeBase:
@@ -53,7 +80,16 @@ class ProbeBase:
     #: its pytree is never handed another model's sites.
     reuses_discovery: bool = False
 
-    # -- what an adapter supplies ------------------------------------------------
+    #: Whether the model runs in JAX, so that `jax.jit` can trace the probe
+    #: (`bridge.compare` runs such probes under one `jax.jit`, and hands them a
+    #: PyTorch tensor given for both models as NumPy); `False` for a probe of
+    #: another framework's model.
+    runs_in_jax: bool = True
+
+    #: The framework's values, as the session and the patch checks see them.
+    _arrays: Arrays = JAX_ARRAYS
+
+    # -- what a JAX adapter supplies ---------------------------------------------
 
     def _trainable(self) -> Any:
         """The pytree differentiated for `grads`."""
@@ -81,18 +117,10 @@ class ProbeBase:
         be sites (say, inside a module of a library the adapter cannot see
         into), before any work, with the reason."""
 
-    def _discovery_key(self, args: tuple, kwargs: dict) -> Hashable | None:
-        """What this probe's sites on these inputs depend on, or `None`: discover
-        afresh. An adapter overrides it to add what its sites depend on beyond
-        its pytree, or to return `None` where a discovery must not be reused."""
-        if not self.reuses_discovery:
-            return None
-        return discovery_cache.structure_key(self, args, kwargs)
-
-    # -- the protocol ------------------------------------------------------------
+    # -- the protocol: the front, for every framework ----------------------------
 
     def sites(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        self._check_inputs(args, kwargs)
+        args, kwargs = self._prepare_inputs(args, kwargs)
         discovered, _ = self._discover(args, kwargs)
         return {s.name: s.value_struct for s in discovered if s.differentiable}
 
@@ -103,22 +131,9 @@ class ProbeBase:
         patch: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> ForwardResult:
-        check_selection(at)
-        check_patch_kind(patch)
-        self._check_paths(at, patch)
-        self._check_inputs(args, kwargs)
-        discovered, _ = self._discover(args, kwargs)
-        chosen = select(at, discovered)
-        patches = resolve_patches(patch, discovered)
-        outputs, state, activations, _ = self._call(
-            self._trainable(),
-            args,
-            kwargs,
-            chosen=chosen,
-            patches=patches,
-            discovered=discovered,
-        )
-        return ForwardResult(outputs, in_order(activations, chosen), state)
+        plan = self._plan(at, patch, args, kwargs)
+        outputs, activations, state = self._forward(plan)
+        return ForwardResult(outputs, in_order(activations, plan.chosen), state)
 
     def value_and_grad(
         self,
@@ -131,62 +146,48 @@ class ProbeBase:
         **kwargs: Any,
     ) -> ProbeResult:
         check_loss_fn(loss_fn)
+        plan = self._plan(at, patch, args, kwargs, loss_fn, has_aux)
+        result = self._differentiate(loss_fn, plan, has_aux, with_inputs)
+        return result._replace(
+            activations=in_order(result.activations, plan.chosen),
+            activation_grads=in_order(result.activation_grads, plan.chosen),
+            inputs=in_order(result.inputs, plan.chosen) if with_inputs else None,
+        )
+
+    def _plan(
+        self,
+        at: Any,
+        patch: Mapping[str, Any] | None,
+        args: tuple,
+        kwargs: dict,
+        loss_fn: Callable | None = None,
+        has_aux: bool = False,
+    ) -> CallPlan:
+        """Every check of a call, before any work, and what its run needs."""
         check_selection(at)
         check_patch_kind(patch)
         self._check_paths(at, patch)
-        self._check_inputs(args, kwargs)
+        args, kwargs = self._prepare_inputs(args, kwargs)
         discovered, loss_struct = self._discover(args, kwargs, loss_fn)
-        check_loss(loss_struct, has_aux)
+        if loss_fn is not None and loss_struct is not UNCHECKED_LOSS:
+            check_loss(loss_struct, has_aux)
         chosen = select(at, discovered)
-        patches = resolve_patches(patch, discovered)
-        epsilons = {site.name: zeros_like_struct(site.value_struct) for site in chosen}
-
-        def objective(trainable, epsilons):
-            outputs, state, activations, inputs = self._call(
-                trainable,
-                args,
-                kwargs,
-                chosen=chosen,
-                epsilons=epsilons,
-                patches=patches,
-                with_inputs=with_inputs,
-                discovered=discovered,
-            )
-            loss_out = loss_fn(outputs)
-            loss, aux = loss_out if has_aux else (loss_out, None)
-            return loss, (aux, activations, inputs, state)
-
-        (loss, (aux, activations, inputs, state)), (grads, activation_grads) = (
-            jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-                self._trainable(), epsilons
-            )
+        patches = (
+            resolve_patches(self._prepare_patch(patch), discovered, self._arrays)
+            if patch
+            else {}
         )
-        return ProbeResult(
-            loss=loss,
-            aux=aux,
-            grads=self._format_grads(grads),
-            activations=in_order(activations, chosen),
-            activation_grads=in_order(activation_grads, chosen),
-            state=state,
-            inputs=in_order(inputs, chosen) if with_inputs else None,
-        )
-
-    # -- the machinery -----------------------------------------------------------
-
-    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
-        self._check_call(args, kwargs)
-        if self.vmap:
-            _batch_size(args)
+        return CallPlan(args, kwargs, discovered, chosen, patches)
 
     def _discover(
         self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
     ) -> tuple[list[Site], Any]:
-        """Every site of one forward pass, by abstract evaluation: no FLOPs.
+        """Every site of one forward pass, without running the model.
 
         Also returns the abstract loss when `loss_fn` is given, so a bad loss
-        fails here, before any work. A discovery of a call with the same
-        structure is reused (`_discovery_key`); the loss is checked on the
-        outputs' abstract structure, by a trace of `loss_fn` alone.
+        fails here, before any work. A discovery of a call with the same key
+        (`_discovery_key`) is reused; the loss is then checked on the outputs'
+        abstract structure alone (`_abstract_loss`).
         """
         key = self._discovery_key(args, kwargs)
         found = discovery_cache.CACHE.get(key)
@@ -195,14 +196,36 @@ class ProbeBase:
             found, loss_struct = self._discover_afresh(args, kwargs, loss_fn)
             discovery_cache.CACHE.put(key, found)
         if loss_fn is not None and found.outputs is not None:
-            loss_struct = found.abstract_loss(loss_fn)
+            loss_struct = self._abstract_loss(found.outputs, loss_fn)
         return list(found.sites), loss_struct
+
+    # -- the framework's steps: JAX by default -----------------------------------
+
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Check the call's inputs before any work, and return them as the model
+        takes them (a JAX model: unchanged)."""
+        self._check_call(args, kwargs)
+        if self.vmap:
+            batch_size(args)
+        return args, kwargs
+
+    def _prepare_patch(self, patch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The patch values as the model's values (a JAX model: unchanged)."""
+        return patch
+
+    def _discovery_key(self, args: tuple, kwargs: dict) -> Hashable | None:
+        """What this probe's sites on these inputs depend on, or `None`: discover
+        afresh. An adapter overrides it to add what its sites depend on beyond
+        its pytree, or to return `None` where a discovery must not be reused."""
+        if not self.reuses_discovery:
+            return None
+        return discovery_cache.structure_key(self, args, kwargs)
 
     def _discover_afresh(
         self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
     ) -> tuple[discovery_cache.Discovery, Any]:
         """One abstract trace of the instrumented model: the sites and the
-        outputs' abstract structure.
+        outputs' abstract structure; no FLOPs.
 
         The inputs' array leaves are traced, never closed over, so no operation
         on them can run eagerly. Where an output cannot leave the trace as
@@ -227,10 +250,74 @@ class ProbeBase:
         (session,) = sessions
         discovered = session.discovered()
         if self.vmap:
-            batch, spec = _batch_size(args), _batch_sharding(args)
-            discovered = [_with_batch_axis(site, batch, spec) for site in discovered]
+            batch, spec = batch_size(args), batch_sharding(args)
+            discovered = [with_batch_axis(site, batch, spec) for site in discovered]
         found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1])
         return found, loss_struct
+
+    def _abstract_loss(self, outputs: Any, loss_fn: Callable[[Any], Any]) -> Any:
+        """`loss_fn`'s abstract value on the outputs a discovery kept, or
+        `UNCHECKED_LOSS` where it cannot be evaluated abstractly."""
+        return discovery_cache.abstract_loss(outputs, loss_fn)
+
+    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
+        """One forward pass: `(outputs, activations, state)`, the activations
+        in any order."""
+        outputs, state, activations, _ = self._call(
+            self._trainable(),
+            plan.args,
+            plan.kwargs,
+            chosen=plan.chosen,
+            patches=plan.patches,
+            discovered=plan.discovered,
+        )
+        return outputs, activations, state
+
+    def _differentiate(
+        self,
+        loss_fn: Callable[[Any], Any],
+        plan: CallPlan,
+        has_aux: bool,
+        with_inputs: bool,
+    ) -> ProbeResult:
+        """One forward and backward pass, its dicts in any order: the gradients
+        with respect to the trainable leaves and to a zero epsilon added at
+        each chosen site, by `jax.value_and_grad`."""
+        epsilons = {
+            site.name: zeros_like_struct(site.value_struct) for site in plan.chosen
+        }
+
+        def objective(trainable, epsilons):
+            outputs, state, activations, inputs = self._call(
+                trainable,
+                plan.args,
+                plan.kwargs,
+                chosen=plan.chosen,
+                epsilons=epsilons,
+                patches=plan.patches,
+                with_inputs=with_inputs,
+                discovered=plan.discovered,
+            )
+            loss_out = loss_fn(outputs)
+            loss, aux = loss_out if has_aux else (loss_out, None)
+            return loss, (aux, activations, inputs, state)
+
+        (loss, (aux, activations, inputs, state)), (grads, activation_grads) = (
+            jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
+                self._trainable(), epsilons
+            )
+        )
+        return ProbeResult(
+            loss=loss,
+            aux=aux,
+            grads=self._format_grads(grads),
+            activations=activations,
+            activation_grads=activation_grads,
+            state=state,
+            inputs=inputs,
+        )
+
+    # -- the JAX machinery -------------------------------------------------------
 
     def _call(
         self,
@@ -254,7 +341,7 @@ class ProbeBase:
         probe's own `jax.vmap`, and epsilons and patch values, which have the
         batch axis first (after a stacked site's iteration axes), are mapped
         with the inputs, and so are the random keys among the keywords, one
-        per example (`_per_example_keys`).
+        per example (`per_example_keys`).
         """
         selected = None if chosen is None else {site.name: site for site in chosen}
         epsilons = dict(epsilons or {})
@@ -286,7 +373,7 @@ class ProbeBase:
             rebuild_kwargs = lambda keys: kwargs
             return single(dynamic_args, [], epsilons, patch_values)
         # Each example draws its own randomness, as in a batched model.
-        keys, rebuild_kwargs = _per_example_keys(kwargs, _batch_size(args))
+        keys, rebuild_kwargs = per_example_keys(kwargs, batch_size(args))
         stacked = {site.name: site.stacked for site in discovered}
         outputs, state, activations, inputs = jax.vmap(
             single,
@@ -302,233 +389,6 @@ class ProbeBase:
         return (
             outputs,
             state,
-            _batch_axis_to(activations, stacked),
-            _batch_axis_to(inputs, stacked),
+            batch_axis_to(activations, stacked),
+            batch_axis_to(inputs, stacked),
         )
-
-
-#: The keywords through which the libraries take random keys: Haiku's `rng`,
-#: Linen's `rngs`, a `key` of Equinox (and most JAX) code.
-_KEY_KEYWORDS = ("rng", "rngs", "key")
-
-
-def _per_example_keys(kwargs: dict, batch: int) -> tuple[list, Callable[[list], dict]]:
-    """With `vmap=True`, the random keys among the keyword arguments, each split
-    into one key per example (`jax.random.split(key, batch)`), and a function
-    that rebuilds the keyword arguments from one example's keys.
-
-    A batched model draws a different dropout mask for each example; a model
-    mapped over examples with one key would draw the same mask for all. Keys
-    are the leaves, in plain dicts, lists or tuples, of the keywords
-    `rng`, `rngs` and `key`: typed keys (`jax.random.key`) and raw ones
-    (`jax.random.PRNGKey`, `uint32[2]`).
-    """
-    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(kwargs)
-    plain = (jax.tree_util.DictKey, jax.tree_util.SequenceKey)
-    positions = [
-        i
-        for i, (path, leaf) in enumerate(leaves_with_paths)
-        if getattr(path[0], "key", None) in _KEY_KEYWORDS
-        and all(isinstance(part, plain) for part in path)
-        and _is_key(leaf)
-    ]
-    leaves = [leaf for _, leaf in leaves_with_paths]
-    keys = [jax.random.split(leaves[i], batch) for i in positions]
-
-    def rebuild(example_keys: list) -> dict:
-        rebuilt = list(leaves)
-        for i, key in zip(positions, example_keys, strict=True):
-            rebuilt[i] = key
-        return jax.tree.unflatten(treedef, rebuilt)
-
-    return keys, rebuild
-
-
-def _is_key(leaf: Any) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None:
-        return False
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return jnp.ndim(leaf) == 0
-    return dtype == jnp.uint32 and jnp.shape(leaf) == (2,)
-
-
-def _batch_size(args: tuple) -> int:
-    sizes = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-        if is_array(leaf):
-            if jnp.ndim(leaf) == 0:
-                raise BridgeValueError(
-                    f"vmap=True maps every positional input over axis 0, but input "
-                    f"args{jax.tree_util.keystr(path)} is a scalar. Give it a leading "
-                    "batch axis, or pass it as a keyword argument (not mapped)."
-                )
-            sizes[f"args{jax.tree_util.keystr(path)}"] = jnp.shape(leaf)[0]
-    if not sizes:
-        raise BridgeValueError(
-            "vmap=True maps the positional inputs over axis 0, but no positional "
-            "input is an array. Pass the batch positionally: "
-            "probe.value_and_grad(loss_fn, x)."
-        )
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{name}: {size}" for name, size in sizes.items())
-        raise BridgeValueError(
-            "vmap=True maps every positional input over axis 0, so their leading "
-            f"axes must agree; got {listed}. Pass inputs that are not per-example "
-            "as keyword arguments."
-        )
-    return next(iter(sizes.values()))
-
-
-def _batch_sharding(args: tuple) -> tuple[Any, Any] | None:
-    """`(mesh, spec of axis 0)` of the first positional input sharded over a
-    mesh's `Explicit` axes, else `None`."""
-    for leaf in jax.tree.leaves(args):
-        sharding = explicit_sharding(leaf) if is_array(leaf) else None
-        if sharding is not None:
-            return sharding.mesh, sharding.spec[0] if sharding.spec else None
-    return None
-
-
-def _with_batch_axis(site: Site, batch: int, batch_sharding: Any) -> Site:
-    # The batch axis goes after a stacked site's iteration axes. `update` keeps
-    # the rest of the type: inside `shard_map`, a value varying across devices
-    # needs an epsilon varying too (see `_sites.abstract`); over `Explicit` mesh
-    # axes, an epsilon sharded like the batch.
-    k = site.stacked
-
-    def add_axis(s):
-        shape = (*s.shape[:k], batch, *s.shape[k:])
-        if batch_sharding is None:
-            return struct_update(s, shape=shape)
-        mesh, batch_spec = batch_sharding
-        inner = getattr(s, "sharding", None)
-        spec = list(inner.spec) if inner is not None else []
-        spec += [None] * (len(s.shape) - len(spec))
-        spec.insert(k, batch_spec)
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-        return struct_update(s, shape=shape, sharding=sharding)
-
-    return dataclasses.replace(site, struct=jax.tree.map(add_axis, site.struct))
-
-
-def _batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:
-    """`jax.vmap` put the batch axis first: move it after a stacked site's
-    iteration axes, where its epsilon and patch value have it."""
-    return {
-        name: jax.tree.map(
-            lambda v, k=stacked[name]: jnp.moveaxis(v, 0, k) if k else v, value
-        )
-        for name, value in values.items()
-    }
-
-
-def check_loss_fn(loss_fn: Any) -> None:
-    if not callable(loss_fn):
-        raise BridgeTypeError(
-            "`loss_fn` must be a function `outputs -> scalar` (or `(scalar, "
-            f"aux)` with has_aux=True); got {type(loss_fn).__name__}. The "
-            "model's inputs come after it: probe.value_and_grad(loss_fn, x)."
-        )
-
-
-def check_loss(loss_struct: Any, has_aux: bool) -> None:
-    if has_aux:
-        if not (isinstance(loss_struct, tuple | list) and len(loss_struct) == 2):
-            raise BridgeValueError(
-                "has_aux=True, but `loss_fn` did not return a pair `(loss, aux)`; "
-                f"it returned {loss_struct}. Return `(loss, aux)` or pass "
-                "has_aux=False."
-            )
-        loss_struct = loss_struct[0]
-    elif isinstance(loss_struct, tuple | list):
-        raise BridgeValueError(
-            f"`loss_fn` returned a {type(loss_struct).__name__} of "
-            f"{len(loss_struct)}, not a scalar. If it returns `(loss, aux)`, pass "
-            "has_aux=True."
-        )
-    shape = getattr(loss_struct, "shape", None)
-    dtype = getattr(loss_struct, "dtype", None)
-    if shape == () and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
-        raise BridgeValueError(
-            f"`loss_fn` returned a scalar of dtype {dtype}, and gradients need a "
-            "real floating-point loss. Compute it in floating point, e.g. "
-            "`jnp.mean(logits_or_errors)` or `loss.astype(jnp.float32)` (an "
-            "integer loss such as a count of errors has no gradient)."
-        )
-    if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-        raise BridgeValueError(
-            "`loss_fn` must return a real floating-point scalar, but it returned "
-            f"{loss_struct}. Reduce it to one number, e.g. with `.mean()` or "
-            "`.sum()`."
-        )
-
-
-def check_patch_kind(patch: Any) -> None:
-    if patch is not None and not isinstance(patch, Mapping):
-        raise BridgeTypeError(
-            "`patch` must map site paths or globs to a value or a function of the "
-            f"original value, e.g. {{'Dense_0': jnp.zeros_like}}; got "
-            f"{type(patch).__name__}."
-        )
-
-
-def resolve_patches(
-    patch: Mapping[str, Any] | None, sites: list[Site], arrays: Arrays = JAX_ARRAYS
-) -> dict:
-    """`{site name: value or function}` for every site a patch key matches."""
-    if not patch:
-        return {}
-    resolved = {}
-    for pattern, replacement in patch.items():
-        matched = [site for site in sites if matches_pattern(pattern, site.name)]
-        if not matched:
-            names = ", ".join(repr(site.name) for site in sites[:8])
-            raise BridgeValueError(
-                f"patch key {pattern!r} matches no site. Sites: {names}"
-                f"{', ...' if len(sites) > 8 else ''}."
-            )
-        for site in matched:
-            if callable(replacement):
-                _check_patch_function(site, replacement, arrays)
-            else:
-                _check_patch_value(site, replacement, arrays)
-            resolved[site.name] = replacement
-    return resolved
-
-
-def _check_patch_value(site: Site, value: Any, arrays: Arrays) -> None:
-    if not arrays.fits(site.struct, value):
-        raise patch_misfit(
-            site.name,
-            shapes_and_dtypes(site.struct),
-            arrays.shapes_and_dtypes(value),
-            function=False,
-        )
-
-
-def _check_patch_function(
-    site: Site, function: Callable[[Any], Any], arrays: Arrays
-) -> None:
-    """A patch function that changes the site's shape fails here, by abstract
-    evaluation, before any work. A stacked site's function sees one iteration
-    at a time, and one that cannot be evaluated abstractly here is left to the
-    check at the call itself."""
-    if site.stacked:
-        return
-    try:
-        new = arrays.eval_shape(function, site.struct)
-    except Exception:  # noqa: BLE001 - checked again where the patch is applied
-        return
-    if not arrays.fits(site.struct, new):
-        raise patch_misfit(
-            site.name,
-            shapes_and_dtypes(site.struct),
-            shapes_and_dtypes(new),
-            function=True,
-        )
-
-
-def in_order(values: dict[str, Any], chosen: list[Site]) -> dict[str, Any]:
-    """Dicts come back from traced functions with sorted keys: restore call order."""
-    return {site.name: values[site.name] for site in chosen if site.name in values}

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from ._sites import Site
 
 
 class ProbeResult(NamedTuple):
@@ -41,3 +45,8 @@ class ForwardResult(NamedTuple):
     outputs: Any
     activations: dict[str, Any]
     state: Any
+
+
+def in_order(values: dict[str, Any], chosen: Sequence[Site]) -> dict[str, Any]:
+    """Dicts come back from traced functions with sorted keys: restore call order."""
+    return {site.name: values[site.name] for site in chosen if site.name in values}

@@ -23,40 +23,86 @@ bridge does not know is added from outside with this module alone, as
    - optionally `_check_paths(self, at, patch)`: refuse, before any work,
      paths that can never be sites in this library, saying why.
 
-   Inside `_run`, the session's declared hooks are the only things an
-   adapter changes:
+   `ProbeBase` is the front every framework shares: the checks, selection,
+   patch resolution, the discovery cache and the result in call order. Its
+   framework's steps are hooks whose defaults are JAX's; a probe of a model
+   of another framework (the built-in PyTorch adapter) overrides them
+   instead of implementing `_trainable` and `_run`:
 
-   - taps: `with session.tapping(handler):` routes `bridge.tap` through the
-     adapter, which calls `session.tap_here` where the value is reachable,
-     and inside a lifted transform may report the tap as a site of the
-     module calling it (`session.enter(path, None, None)`, an origin with
-     `tap=name`), carried like that module's own values;
+   - `runs_in_jax = False` (`bridge.compare` runs it outside `jax.jit`), and
+     `_arrays`, its values as the core sees them (an `Arrays`);
+   - `_prepare_inputs(self, args, kwargs) -> (args, kwargs)` and
+     `_prepare_patch(self, patch) -> patch`: the checks of the inputs, and
+     the user's values converted to the model's;
+   - `_discovery_key(self, args, kwargs)`: its key in the one discovery
+     cache, or `None`; a key `(DiscoveryOwner(probe), ...)` makes the
+     discoveries go with the probe (they may hold the model's weights);
+   - `_discover_afresh(self, args, kwargs, loss_fn) -> (Discovery, abstract
+     loss or None)` and `_abstract_loss(self, outputs, loss_fn)`: the loss
+     on the outputs the `Discovery` kept, `UNCHECKED_LOSS` where it cannot
+     be told without a real run (check the real loss with `check_loss`);
+   - `_forward(self, plan) -> (outputs, activations, state)` and
+     `_differentiate(self, loss_fn, plan, has_aux, with_inputs) ->
+     ProbeResult`: the real run of a checked `CallPlan`, dicts in any order.
+
+   Inside `_run`, the session is the one object an adapter reports to: a
+   facade over small parts, each an attribute with one job. The same adapter
+   code serves a discovery (every call listed as a `Site`, nothing changed)
+   and a run (the selected sites perturbed and recorded, the patched ones
+   patched): an adapter never asks which, it asks what it needs to know.
+
+   - what was asked: `session.selected` (`{name: Site}`), `epsilons`,
+     `patches`, `patched` (the `Site` of each patched site), `with_inputs`,
+     `batch_axis`, `arrays`; a discovery asks for nothing (all empty);
+     `session.enclosing` gives the paths of the calls running now;
+   - naming (`session.naming`): each call's name, `path[.method][#k]`. A
+     library that traces a body more than once keeps a `BodyTraces(session)`
+     and calls `begin`/`again` (or `begin_or_again`) where a body's trace
+     starts, so a repeated trace re-uses the first one's names;
+   - the recorder (`session.recorder`), the one part that differs between a
+     discovery and a run, answers: `learns_sites()` (whether this pass learns
+     each site's shapes and origin, which a run then relies on: also the
+     model's first trace on these inputs); `needs_value(name)` (whether the
+     site's value must reach the session's trace: every site's at
+     discovery, a selected or patched one's in a run); and takes
+     `holds_iterations(name, value, length)` (a site inside a scan holds
+     every iteration). An adapter whose library hides some sites from its
+     usual route runs the model with `run_with_fallback(run, fallback,
+     needs_fallback)` and calls `fall_back()` where it meets such a site:
+     a discovery starts again on the fallback route; a run, whose route was
+     chosen from the sites' origins, goes on;
+   - taps (`session.taps`): `with session.taps.tapping(handler):` routes
+     `bridge.tap` through the adapter, which calls `session.taps.tap_here`
+     where the value is reachable, and inside a lifted transform may report
+     the tap as a site of the module calling it (`session.enter(path, None,
+     None)`, an origin with `tap=name`), carried like that module's own
+     values;
    - patches: `session.exit(call, value, patch=row)` applies one iteration's
      row of a patch value the adapter carried into a lifted transform
-     (`session.patched_with_values()` gives the `Site` of each).
+     (`session.carrier.patched_with_values()` gives the `Site` of each).
 
-   The carrier: a lifted transform (a scan, a layer stack, a remat) sees only
-   what its library carries through it, so an adapter moves bridge's values
-   through the library's own variables (Linen collections, Haiku state, NNX
-   module attributes), and the session says what moves:
+   The carrier (`session.carrier`): a lifted transform (a scan, a layer
+   stack, a remat) sees only what its library carries through it, so an
+   adapter moves bridge's values through the library's own variables (Linen
+   collections, Haiku state, NNX module attributes), and the carrier says
+   what moves:
 
-   - in: `session.to_carry_in(carried, patch_carried)` lists what to place
+   - in: `carrier.to_carry_in(carried, patch_carried)` lists what to place
      before the call (epsilons, patch values, a scan's step counters and
      recording rows), each under its `name`,
      `carrier_name(kind, method, index)`; `is_carrier_name` tells them from
      the user's variables;
-   - out: a site there carries `session.to_carry_out(value)`, says where with
-     `session.defer(name, where)`, and after the call
-     `session.hand_over(read)` reads each back (`read(where) -> (value,
-     inputs)`): at discovery that reshapes the site to its stacked shape, in
-     a run it records it;
+   - out: where `carrier.carries_out(name)` (every site at discovery, for
+     its stacked shape; a selected one in a run, for its recording;
+     `carries_out_any(where)` asks it of the sites where `where(site)`), a
+     site there carries `carrier.to_carry_out(value, args)`, says where
+     with `carrier.defer(name, where)`, and after the call
+     `carrier.hand_over(read)` reads each back (`read(where) -> (value,
+     inputs)`) into `carrier.carried_out(name, value, inputs)`: at discovery
+     that reshapes the site to its stacked shape, in a run it records it;
    - through a transform of the adapter's own (Equinox records the sites in
-     a scan through a `jax.vjp` of the model): `session.recordings()`
-     leaves it as outputs and `session.adopt(...)` takes them back;
-   - re-traces: a library that traces a body more than once keeps a
-     `BodyTraces(session)` and calls `begin`/`again` (or `begin_or_again`)
-     where a body's trace starts, so a repeated trace re-uses the first one's
-     names.
+     a scan through a `jax.vjp` of the model): `carrier.recordings()`
+     leaves it as outputs and `carrier.adopt(...)` takes them back.
 
    Register the subclass as a pytree whose leaves are the model's variables
    (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
@@ -79,7 +125,9 @@ module, so everything they rely on is here, documented, and a core change that
 breaks it breaks a tested API, not an adapter's private import:
 
 - the probe: `ProbeBase`, `BATCH_AXIS` (the probe's own `jax.vmap` axis name
-  with `vmap=True`), `register_adapter`;
+  with `vmap=True`), `register_adapter`; for the framework's steps,
+  `CallPlan`, `ProbeResult`, `Discovery`, `DiscoveryOwner`, `UNCHECKED_LOSS`
+  and `check_loss`;
 - the session: `Session`, `Call` (what `enter` returns), `BodyTraces`,
   `current_session()` (the session tracing the model now, or `None`),
   `positional_arrays(args)` (a call's inputs as a recording keeps them);
@@ -88,9 +136,14 @@ breaks it breaks a tested API, not an adapter's private import:
   `is_carrier_name`, `add_epsilon`, `abstract`, `is_array`,
   `differentiable_part`, `merge_differentiable`, `zeros_like_struct`,
   `without_axis`;
-- porting (`transfer`/`compare`): `Layer`, the canonical-layout helpers
-  `dense_kernel`, `flatten_trailing`, `flattened`, `replace_leaves`, and the
-  hyperparameter readers `as_float`, `conv_hyperparameters`,
+- porting (`transfer`/`compare`): `Layer`; the table of a library's layer
+  kinds, `LayerKinds` (`{module class: converter}`, looked up along the
+  class's MRO), whose converters read a `ParameterisedCall` into `Converted`
+  canonical `Weight`s, `weight_by_weight` (the `module:<class>` kind) and
+  `placed` (what `with_weights` writes, and where); the canonical-layout
+  helpers `dense_kernel`, `channel_first_kernel_axes`, `flatten_trailing`,
+  `flattened`, `replace_leaves`, and the hyperparameter readers `as_float`,
+  `conv_hyperparameters`, `torch_named_conv_hyperparameters`,
   `conv_padding_mode`, `norm_hyperparameters`, `AsGiven`;
 - versions: `unsupported(distribution, adapter, missing)`, the error for a
   library release whose private internals an adapter cannot find;
@@ -100,6 +153,11 @@ breaks it breaks a tested API, not an adapter's private import:
   its name says: every error an adapter raises is one of them.
 """
 
+from ._batching import BATCH_AXIS as BATCH_AXIS
+from ._checks import UNCHECKED_LOSS as UNCHECKED_LOSS
+from ._checks import check_loss as check_loss
+from ._discovery_cache import Discovery as Discovery
+from ._discovery_cache import DiscoveryOwner as DiscoveryOwner
 from ._errors import BridgeAssertionError as BridgeAssertionError
 from ._errors import BridgeError as BridgeError
 from ._errors import BridgeImportError as BridgeImportError
@@ -112,23 +170,25 @@ from ._hyperparameters import as_float as as_float
 from ._hyperparameters import conv_hyperparameters as conv_hyperparameters
 from ._hyperparameters import conv_padding_mode as conv_padding_mode
 from ._hyperparameters import norm_hyperparameters as norm_hyperparameters
+from ._hyperparameters import (
+    torch_named_conv_hyperparameters as torch_named_conv_hyperparameters,
+)
+from ._layer_kinds import Converted as Converted
+from ._layer_kinds import LayerKinds as LayerKinds
+from ._layer_kinds import ParameterisedCall as ParameterisedCall
+from ._layer_kinds import Weight as Weight
+from ._layer_kinds import placed as placed
+from ._layer_kinds import weight_by_weight as weight_by_weight
 from ._porting import Layer as Layer
+from ._porting import channel_first_kernel_axes as channel_first_kernel_axes
 from ._porting import dense_kernel as dense_kernel
 from ._porting import flatten_trailing as flatten_trailing
 from ._porting import flattened as flattened
 from ._porting import replace_leaves as replace_leaves
-from ._probe import BATCH_AXIS as BATCH_AXIS
+from ._probe import CallPlan as CallPlan
 from ._probe import ProbeBase as ProbeBase
-from ._probe import check_loss as check_loss
-from ._probe import check_loss_fn as check_loss_fn
-from ._probe import check_patch_kind as check_patch_kind
-from ._probe import in_order as in_order
-from ._probe import resolve_patches as resolve_patches
 from ._registry import register_adapter as register_adapter
-from ._result import ForwardResult as ForwardResult
 from ._result import ProbeResult as ProbeResult
-from ._selection import check_selection as check_selection
-from ._selection import select as select
 from ._session import BodyTraces as BodyTraces
 from ._session import Call as Call
 from ._session import Session as Session
@@ -163,21 +223,26 @@ __all__ = [
     "BridgeTypeError",
     "BridgeValueError",
     "Call",
-    "ForwardResult",
+    "CallPlan",
+    "Converted",
+    "Discovery",
+    "DiscoveryOwner",
     "Layer",
+    "LayerKinds",
+    "ParameterisedCall",
     "ProbeBase",
     "ProbeResult",
     "Session",
     "Site",
     "SiteOrigin",
+    "UNCHECKED_LOSS",
+    "Weight",
     "abstract",
     "add_epsilon",
     "as_float",
     "carrier_name",
+    "channel_first_kernel_axes",
     "check_loss",
-    "check_loss_fn",
-    "check_patch_kind",
-    "check_selection",
     "conv_hyperparameters",
     "conv_padding_mode",
     "current_session",
@@ -185,19 +250,19 @@ __all__ = [
     "differentiable_part",
     "flatten_trailing",
     "flattened",
-    "in_order",
     "is_array",
     "is_carrier_name",
     "key_name",
     "merge_differentiable",
     "norm_hyperparameters",
+    "placed",
     "positional_arrays",
     "register_adapter",
     "replace_leaves",
-    "resolve_patches",
-    "select",
     "strip_call_index",
+    "torch_named_conv_hyperparameters",
     "unsupported",
+    "weight_by_weight",
     "without_axis",
     "zeros_like_struct",
 ]

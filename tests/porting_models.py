@@ -230,7 +230,7 @@ def build(library: str, model: str = "cnn", seed: int = 0):
 def outputs(probe, x):
     """The model's plain forward pass, through the library's own apply (the
     probe's fields; no bridge code runs)."""
-    library = type(probe).__module__.rsplit(".", 1)[-1]
+    library = type(probe).__module__.split(".")[2]  # bridge.adapters.<library>
     if library == "linen":
         return probe.module.apply(probe.variables, x)
     if library == "nnx":

@@ -569,7 +569,9 @@ def test_to_carry_in_gives_each_value_a_library_must_carry_under_its_name():
         with_inputs=True,
         patched={"norm": patched_only, "head": plain},
     )
-    carried = session.to_carry_in(lambda site: site.name != "head", lambda site: True)
+    carried = session.carrier.to_carry_in(
+        lambda site: site.name != "head", lambda site: True
+    )
     placed = {entry.name: entry.value for entry in carried}
     assert sorted(placed) == [
         "bridge_epsilon:step#1",

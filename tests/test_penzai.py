@@ -168,8 +168,12 @@ def test_gradients_match_jax_grad_and_a_jvp_through_penzai_surgery(jit):
     np.testing.assert_allclose(res.loss, expected_loss, rtol=1e-6)
     assert jax.tree.structure(res.grads) == jax.tree.structure(expected_grads)
     assert [g.label for g in res.grads] == [g.label for g in expected_grads]
+    # jit against eager float32: an element near zero differs by rounding at
+    # the scale of its array, not of itself.
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        lambda a, b: np.testing.assert_allclose(
+            a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max())
+        ),
         res.grads,
         expected_grads,
     )

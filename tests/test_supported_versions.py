@@ -10,6 +10,7 @@ import pathlib
 import re
 import sys
 
+import numpy as np
 import pytest
 from helpers import nnx_supported
 
@@ -129,3 +130,45 @@ def test_the_minimum_versions_are_pyprojects_lower_bounds():
         if ">=" in requirement
     )
     assert {name: bounds[name] for name in MINIMUM} == MINIMUM
+
+
+def test_a_guest_library_of_an_unsupported_release_leaves_the_host_probed(
+    monkeypatch,
+):
+    """Haiku imported, at a release its adapter refuses: a Linen model (which
+    could host Haiku calls) is still probed, with its own sites and plain
+    gradients; only Haiku's guest interceptor is left out."""
+    pytest.importorskip("haiku")
+    nn = pytest.importorskip("flax.linen")
+    import jax
+    import jax.numpy as jnp
+
+    from bridge.adapters.shared import guests
+
+    lift = importlib.import_module("haiku._src.lift")
+    _fresh_adapter(
+        monkeypatch,
+        "bridge.adapters.haiku",
+        "bridge.adapters.haiku.guest",
+        "bridge.adapters.haiku.probe",
+        "bridge.adapters.haiku.transforms",
+        "bridge.adapters.haiku.internals",
+    )
+    monkeypatch.delattr(lift, "LiftingModule")
+    guests._load.cache_clear()
+    monkeypatch.setattr(guests, "_load", guests._load.__wrapped__)
+
+    model = nn.Sequential([nn.Dense(3), nn.tanh, nn.Dense(2)])
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    variables = model.init(jax.random.key(0), x)
+    res = bridge.probe(model, variables).value_and_grad(lambda y: (y**2).sum(), x)
+    assert list(res.activations) == ["layers_0", "layers_2"]
+    plain = jax.grad(lambda p: (model.apply({"params": p}, x) ** 2).sum())(
+        variables["params"]
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), res.grads, plain
+    )
+    # The guard is real: with the adapter's import failing, loading it raises.
+    with pytest.raises(ImportError, match="dm-haiku"):
+        guests._load("bridge.adapters.haiku.guest:intercepting")

@@ -568,3 +568,23 @@ def test_sites_runs_the_model_on_fake_tensors_only():
     _SEEN.clear()
     bridge.probe(_SeesItsInput()).sites(_x(4, 3))
     assert _SEEN == ["FakeTensor"]
+
+
+def test_a_deleted_probe_leaves_no_discovery_holding_its_model():
+    """Discoveries are shared by every probe, and a torch site holds its
+    submodule (with its weights): the entries go with the probe."""
+    import gc
+    import weakref
+
+    from bridge._discovery_cache import CACHE
+
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    probe = bridge.probe(model)
+    probe.value_and_grad(lambda y: (y**2).mean(), _x(4, 6))
+    held = len(CACHE)
+    assert held >= 1
+    alive = weakref.ref(model)
+    del probe, model
+    gc.collect()
+    assert alive() is None, "a discovery kept the model alive"
+    assert len(CACHE) < held

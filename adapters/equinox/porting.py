@@ -24,14 +24,20 @@ import jax.numpy as jnp
 
 from bridge.adapter_api import (
     BridgeValueError,
+    Converted,
     Layer,
+    LayerKinds,
+    ParameterisedCall,
     Site,
+    Weight,
     as_float,
-    conv_hyperparameters,
-    flattened,
+    channel_first_kernel_axes,
     key_name,
     norm_hyperparameters,
+    placed,
     replace_leaves,
+    torch_named_conv_hyperparameters,
+    weight_by_weight,
 )
 
 from .probe import _clone, _is_function
@@ -68,32 +74,37 @@ def _own_arrays(module: Any) -> dict[str, Any]:
     }
 
 
-def layers(probe: Any, sites: list[Site]) -> list[Layer]:
-    """Each call of a module with array fields of its own, in call order."""
+@dataclasses.dataclass(frozen=True)
+class _Call(ParameterisedCall):
+    spatial: int = 0  # of the latest convolution: the layout of a norm after it
+
+
+def _calls(probe: Any, sites: list[Site]):
     modules = _modules(probe.model)
     # The root module is no site, but may own parameters (a bare Linear).
     modules[""] = probe.model
-    sites = [Site("", "", None, 0, probe.model, None), *sites]
-    found = []
-    spatial = 0  # of the latest convolution: the layout of a norm after it
-    for site in sites:
+    spatial = 0
+    for site in [Site("", "", None, 0, probe.model, None), *sites]:
         module = modules.get(site.path)
         if module is None:
             continue
         own = _own_arrays(module)
-        if not own and not isinstance(module, eqx.nn.BatchNorm):
-            continue
-        if isinstance(module, eqx.nn.Conv):
+        if own and isinstance(module, eqx.nn.Conv):
             spatial = module.num_spatial_dims
-        layer = _layer(probe, site, module, own, spatial)
-        if isinstance(site.origin, Mapped):
-            outer = site.stacked + int(bool(probe.vmap))
-            layer = dataclasses.replace(
-                layer, to_common=_around_the_layer(site.origin, outer, spatial, layer)
-            )
-        found.append(
-            dataclasses.replace(layer, hyperparameters=_hyperparameters(module))
-        )
+        at = ("model", *site.path.split("/")) if site.path else ("model",)
+        yield _Call(site, module, own, at, probe=probe, spatial=spatial)
+
+
+def layers(probe: Any, sites: list[Site]) -> list[Layer]:
+    """Each call of a module with array fields of its own, in call order."""
+    found = []
+    for call in filter(KINDS.keeps, _calls(probe, sites)):
+        layer = KINDS.layer(call)
+        if isinstance(call.site.origin, Mapped):
+            outer = call.site.stacked + int(bool(probe.vmap))
+            to_common = _around_the_layer(call.site.origin, outer, call.spatial, layer)
+            layer = dataclasses.replace(layer, to_common=to_common)
+        found.append(layer)
     return found
 
 
@@ -124,37 +135,6 @@ def _around_the_layer(origin: Mapped, outer: int, spatial: int, layer: Layer):
     return convert
 
 
-def _hyperparameters(module: Any) -> dict[str, Any]:
-    """What `transfer` does not move, in canonical names and conventions
-    (`bridge._hyperparameters`); `momentum` is Equinox's own, the weight of the
-    running average kept."""
-    if isinstance(module, eqx.nn.Linear):
-        return {"use_bias": bool(module.use_bias)}
-    if isinstance(module, eqx.nn.Conv) and not isinstance(module, eqx.nn.ConvTranspose):
-        return conv_hyperparameters(
-            window=module.kernel_size,
-            strides=module.stride,
-            padding=module.padding,
-            padding_mode=module.padding_mode,
-            dilation=module.dilation,
-            groups=module.groups,
-            use_bias=module.use_bias,
-        )
-    if isinstance(module, eqx.nn.LayerNorm | eqx.nn.RMSNorm):
-        return norm_hyperparameters(module.eps, module.use_weight, module.use_bias)
-    if isinstance(module, eqx.nn.GroupNorm):
-        affine = module.channelwise_affine
-        return norm_hyperparameters(
-            module.eps, affine, affine, num_groups=module.groups
-        )
-    if isinstance(module, eqx.nn.BatchNorm):
-        affine = module.channelwise_affine
-        return norm_hyperparameters(
-            module.eps, affine, affine, momentum=as_float(module.momentum)
-        )
-    return {}
-
-
 def _channel_last(spatial: int):
     """Activation layout: the channel axis, before `spatial` axes, moved last."""
     if spatial == 0:
@@ -167,124 +147,115 @@ def _first(value: Any) -> list:
     return jax.tree.leaves(value[0] if isinstance(value, tuple) else value)
 
 
-def _layer(probe: Any, site: Site, module: Any, own: dict, spatial: int) -> Layer:
-    described = f"eqx.nn.{type(module).__name__}"
-    lead = site.stacked  # iteration axes of a scan over stacked layers
-    at = tuple(site.path.split("/")) if site.path else ()
+# -- the converters: hyperparameters in canonical names and conventions
+# (`bridge._hyperparameters`); `momentum` is Equinox's own, the weight of the
+# running average kept.
 
-    def location(name, convert=lambda value: value):
-        return (("model", *at, name), convert)
 
-    if isinstance(module, eqx.nn.Linear):
-        weight, bias = own["weight"], own.get("bias")
-        return Layer(
-            site.name,
-            site.path,
-            "dense",
-            described,
-            {"kernel": jnp.swapaxes(weight, -1, -2), "bias": bias},
-            locations={
-                "kernel": location("weight", lambda k: jnp.swapaxes(k, -1, -2)),
-                "bias": location("bias"),
-            },
-        )
-    if isinstance(module, eqx.nn.Conv) and not isinstance(module, eqx.nn.ConvTranspose):
-        n = module.num_spatial_dims
-        stack = tuple(range(lead))
-        window = tuple(range(lead + 2, lead + n + 2))
-        to_hwio = (*stack, *window, lead + 1, lead)
-        to_oihw = (*stack, lead + n + 1, lead + n, *range(lead, lead + n))
-        return Layer(
-            site.name,
-            site.path,
-            "conv",
-            described,
-            {
-                "kernel": jnp.transpose(own["weight"], to_hwio),
-                "bias": flattened(own.get("bias"), lead),
-            },
-            to_common=_channel_last(n),
-            locations={
-                "kernel": location("weight", lambda k: jnp.transpose(k, to_oihw)),
-                "bias": location("bias"),
-            },
-        )
-    if isinstance(module, eqx.nn.LayerNorm | eqx.nn.RMSNorm):
-        kind = "layernorm" if isinstance(module, eqx.nn.LayerNorm) else "rmsnorm"
-        weights = {"scale": flattened(own.get("weight"), lead)}
-        locations = {"scale": location("weight")}
-        if kind == "layernorm" or own.get("bias") is not None:
-            weights["bias"] = flattened(own.get("bias"), lead)
-            locations["bias"] = location("bias")
-        return Layer(
-            site.name, site.path, kind, described, weights, locations=locations
-        )
-    if isinstance(module, eqx.nn.GroupNorm):
-        weights = {
-            "scale": flattened(own.get("weight"), lead),
-            "bias": flattened(own.get("bias"), lead),
-        }
-        locations = {"scale": location("weight"), "bias": location("bias")}
-        # Channel-first like the convolutions; at most the value's own axes.
-        outer = lead + int(bool(probe.vmap))
-        return Layer(
-            site.name,
-            site.path,
-            "groupnorm",
-            described,
-            weights,
-            to_common=lambda value: _channel_last(
-                min(spatial, max(jnp.ndim(value) - outer - 1, 0))
-            )(value),
-            locations=locations,
-        )
-    if isinstance(module, eqx.nn.BatchNorm):
-        mean, var = _running_statistics(probe.state, module)
-        weights = {
-            "scale": flattened(own.get("weight"), lead),
-            "bias": flattened(own.get("bias"), lead),
-            "mean": mean,
-            "var": var,
-        }
-        locations = {
-            "scale": location("weight"),
-            "bias": location("bias"),
-            "mean": (("state", site.path, "mean"), None),
-            "var": (("state", site.path, "var"), None),
-        }
-        return Layer(
-            site.name,
-            site.path,
-            "batchnorm",
-            described,
-            weights,
-            to_common=_channel_last(spatial),
-            select=_first,
-            locations=(locations, module),
-        )
-    if isinstance(module, eqx.nn.Embedding):
-        return Layer(
-            site.name,
-            site.path,
-            "embed",
-            described,
-            {"embedding": own["weight"]},
-            locations={"embedding": location("weight")},
-        )
-    cls = type(module)
-    return Layer(
-        site.name,
-        site.path,
-        f"module:{cls.__module__}.{cls.__qualname__}",
-        described,
-        dict(own),
-        select=_first if isinstance(module, eqx.nn.StatefulLayer) else _all,
-        locations={name: location(name) for name in own},
+def _swapped(kernel: Any) -> Any:  # `(out, in)` and `(in, out)`, either way
+    return jnp.swapaxes(kernel, -1, -2)
+
+
+def _linear(call: _Call) -> Converted:
+    weights = {
+        "kernel": call.weight("weight", _swapped, _swapped),
+        "bias": call.weight("bias"),
+    }
+    return Converted("dense", weights, {"use_bias": bool(call.module.use_bias)})
+
+
+def _conv(call: _Call) -> Converted:
+    module = call.module
+    n = module.num_spatial_dims
+    to_hwio, to_oihw = channel_first_kernel_axes(n, call.site.stacked)
+    kernel = call.weight(
+        "weight",
+        lambda k: jnp.transpose(k, to_hwio),
+        lambda k: jnp.transpose(k, to_oihw),
+    )
+    return Converted(
+        "conv",
+        {"kernel": kernel, "bias": call.flat("bias")},
+        torch_named_conv_hyperparameters(module, module.use_bias),
+        to_common=_channel_last(n),
     )
 
 
-def _all(value: Any) -> list:
-    return jax.tree.leaves(value)
+def _layer_norm(call: _Call, kind: str = "layernorm") -> Converted:
+    module = call.module
+    weights = {"scale": call.flat("weight")}
+    if kind == "layernorm" or call.own.get("bias") is not None:
+        weights["bias"] = call.flat("bias")
+    hyperparameters = norm_hyperparameters(
+        module.eps, module.use_weight, module.use_bias
+    )
+    return Converted(kind, weights, hyperparameters)
+
+
+def _rms_norm(call: _Call) -> Converted:
+    return _layer_norm(call, "rmsnorm")
+
+
+def _group_norm(call: _Call) -> Converted:
+    module = call.module
+    affine = module.channelwise_affine
+    # Channel-first like the convolutions; at most the value's own axes.
+    outer = call.site.stacked + int(bool(call.probe.vmap))
+    return Converted(
+        "groupnorm",
+        {"scale": call.flat("weight"), "bias": call.flat("bias")},
+        norm_hyperparameters(module.eps, affine, affine, num_groups=module.groups),
+        to_common=lambda value: _channel_last(
+            min(call.spatial, max(jnp.ndim(value) - outer - 1, 0))
+        )(value),
+    )
+
+
+def _batch_norm(call: _Call) -> Converted:
+    """Scale and bias, and the running statistics of the `eqx.nn.State`."""
+    module = call.module
+    affine = module.channelwise_affine
+    mean, var = _running_statistics(call.probe.state, module)
+    weights = {
+        "scale": call.flat("weight"),
+        "bias": call.flat("bias"),
+        "mean": Weight(mean, ("state", module, "mean")),
+        "var": Weight(var, ("state", module, "var")),
+    }
+    return Converted(
+        "batchnorm",
+        weights,
+        norm_hyperparameters(
+            module.eps, affine, affine, momentum=as_float(module.momentum)
+        ),
+        to_common=_channel_last(call.spatial),
+        select=_first,
+    )
+
+
+def _embedding(call: _Call) -> Converted:
+    return Converted("embed", {"embedding": call.weight("weight")})
+
+
+def _stateful(call: _Call) -> Converted:
+    return dataclasses.replace(weight_by_weight(call), select=_first)
+
+
+KINDS = LayerKinds(
+    {
+        eqx.nn.Linear: _linear,
+        eqx.nn.Conv: _conv,
+        eqx.nn.ConvTranspose: None,  # its kernel is (in, out, *window)
+        eqx.nn.LayerNorm: _layer_norm,
+        eqx.nn.RMSNorm: _rms_norm,
+        eqx.nn.GroupNorm: _group_norm,
+        eqx.nn.BatchNorm: _batch_norm,
+        eqx.nn.Embedding: _embedding,
+        eqx.nn.StatefulLayer: _stateful,
+    },
+    named="eqx.nn.",
+    kept_without_weights=(eqx.nn.BatchNorm,),
+)
 
 
 def _running_statistics(state: Any, module: Any) -> tuple[Any, Any]:
@@ -300,16 +271,16 @@ def _running_statistics(state: Any, module: Any) -> tuple[Any, Any]:
 
 def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     """A new probe with the given canonical weights; model and state are copies."""
-    replacements = {}
+    replacements, running = {}, {}
+    for layer, (store, *where), value in placed(updates):
+        if store == "model":
+            replacements[tuple(where)] = value
+        else:  # a BatchNorm's statistic: both are set together
+            module, name = where
+            running.setdefault(id(module), (layer, module, {}))[2][name] = value
     state = _clone(probe.state) if probe.state is not None else None
-    for layer, weights in updates:
-        locations = layer.locations
-        if isinstance(locations, tuple):  # a BatchNorm: (locations, module)
-            locations, module = locations
-            state = _set_statistics(state, module, weights, layer)
-        for name, (path, convert) in locations.items():
-            if path[0] == "model" and weights.get(name) is not None:
-                replacements[path[1:]] = convert(weights[name])
+    for layer, module, statistics in running.values():
+        state = _set_statistics(state, module, statistics, layer)
     model = replace_leaves(
         probe.model,
         replacements,
@@ -318,8 +289,8 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     return type(probe)(model, state, probe.vmap)
 
 
-def _set_statistics(state: Any, module: Any, weights: dict, layer: Layer) -> Any:
-    mean, var = weights.get("mean"), weights.get("var")
+def _set_statistics(state: Any, module: Any, statistics: dict, layer: Layer) -> Any:
+    mean, var = statistics.get("mean"), statistics.get("var")
     if mean is None or var is None:
         return state
     if state is None:

@@ -7,17 +7,15 @@ function-valued field such as `eqx.nn.MLP.activation` (`activation`,
 its traced function: the user's model is never changed. The epsilon of a
 selected call is the session's own, added to the call's value.
 
-Calls inside JAX transforms of the model's own code (its `jax.vmap`s, a
+A wrapper reports its call from where it runs (`bridge.adapters.equinox.calls`):
+calls inside JAX transforms of the model's own code (its `jax.vmap`s, a
 `lax.scan` over stacked layers, `jax.checkpoint`) are the work of
-`bridge.adapters.equinox.transforms`.
+`bridge.adapters.equinox.transforms` and `bridge.adapters.equinox.scan`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,18 +24,18 @@ import jax
 
 from bridge.adapter_api import (
     BATCH_AXIS,
+    BridgeError,
     BridgeTypeError,
     BridgeValueError,
     ProbeBase,
     Session,
-    current_session,
     key_name,
     strip_call_index,
 )
 
 from ..shared import guests as _guests
 from ..shared import jax_internals as internals
-from . import transforms
+from . import calls, scan
 
 
 def probe(model: eqx.Module, *variables: Any, vmap: bool = False) -> EquinoxProbe:
@@ -117,7 +115,7 @@ class EquinoxProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        return transforms.run_with_tree_leaves(
+        return scan.run_with_tree_leaves(
             lambda leaves: self._call_model(trainable, args, kwargs, session, leaves),
             session,
             self.vmap,
@@ -131,7 +129,7 @@ class EquinoxProbe(ProbeBase):
         args: tuple,
         kwargs: dict,
         session: Session,
-        leaves: dict[str, transforms.Leaves],
+        leaves: dict[str, scan.Leaves],
     ) -> tuple[Any, Any]:
         # A fresh token in every wrapper's static structure: JAX caches the traces
         # of scan and checkpoint bodies by structure, and a cached trace would
@@ -139,10 +137,12 @@ class EquinoxProbe(ProbeBase):
         model = _instrument(
             eqx.combine(trainable, self.model), (), self.vmap, leaves, _Token()
         )
-        context = _Context(session, internals.current_trace())
-        token = _CONTEXT.set(context)
+        context = calls.Context(session, internals.current_trace())
+        token = calls.CONTEXT.set(context)
         # `bridge.tap` inside the model's own vmap must leave it the same way.
-        tapping = session.tapping(lambda name, value: _tap(context, name, value))
+        tapping = session.taps.tapping(
+            lambda name, value: calls.tap(context, name, value)
+        )
         try:
             with tapping:
                 if self.state is None:
@@ -151,7 +151,10 @@ class EquinoxProbe(ProbeBase):
                 # model a copy, so the user's state stays usable.
                 result = model(*args, _clone(self.state), **kwargs)
         except (TypeError, ValueError) as error:
-            if self.vmap or not session.discovering or _raised_by_bridge(error):
+            # Only the model's first trace on these inputs, discovery's, meets
+            # a shape error of the user's own.
+            learnt = session.recorder.learns_sites()
+            if self.vmap or not learnt or isinstance(error, BridgeError):
                 raise
             said = (
                 "".join(error.args)
@@ -160,7 +163,7 @@ class EquinoxProbe(ProbeBase):
             )
             raise type(error)(f"{said}\n\n{_FORGOT_VMAP}") from error
         finally:
-            _CONTEXT.reset(token)
+            calls.CONTEXT.reset(token)
         if not (
             isinstance(result, tuple)
             and len(result) == 2
@@ -186,7 +189,7 @@ def _instrument(
     module: eqx.Module,
     prefix: tuple[str, ...],
     vmap: bool,
-    leaves: dict[str, transforms.Leaves] | None = None,
+    leaves: dict[str, scan.Leaves] | None = None,
     token: _Token | None = None,
 ) -> Any:
     """A copy of `module` whose submodules and function fields report their calls.
@@ -220,7 +223,7 @@ def _instrument(
                 inner,
                 _leaves_of(leaves, name),
                 name,
-                transforms.param_shapes(child),
+                scan.param_shapes(child),
                 token,
             )
         elif _is_function(child) and not _is_plumbing(module, key_path):
@@ -231,8 +234,8 @@ def _instrument(
 
 
 def _leaves_of(
-    leaves: dict[str, transforms.Leaves] | None, path: str
-) -> dict[str, transforms.Leaves]:
+    leaves: dict[str, scan.Leaves] | None, path: str
+) -> dict[str, scan.Leaves]:
     """The leaves of the calls of the module at `path` (`path`, `path#1`, ...)."""
     return {
         name: leaf
@@ -262,25 +265,6 @@ _FORGOT_VMAP = (
     "probe it with bridge.probe(model, vmap=True): the probe maps the model over "
     "axis 0 of the positional inputs, as jax.vmap(model) would."
 )
-#: Where bridge's own code lives (the adapters install as `bridge.adapters`
-#: from their own folder).
-_BRIDGE_FILES = tuple(
-    os.path.dirname(os.path.abspath(file)) + os.sep
-    for file in (sys.modules["bridge"].__file__, __file__)
-)
-
-
-def _raised_by_bridge(error: BaseException) -> bool:
-    """Whether bridge's own code raised `error` (its messages say what to do)
-    rather than the model's, a library's or JAX's."""
-    traceback = error.__traceback__
-    last = None
-    while traceback is not None:
-        last, traceback = traceback, traceback.tb_next
-    if last is None:
-        return False
-    filename = os.path.abspath(last.tb_frame.f_code.co_filename)
-    return filename.startswith(_BRIDGE_FILES)
 
 
 def _state_indices(model: eqx.Module) -> list[str]:
@@ -314,7 +298,7 @@ class _ModuleSite(eqx.Module):
     token: _Token | None = eqx.field(static=True, default=None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _observed_call(self, None, self.module, self.module, args, kwargs)
+        return calls.observed_call(self, None, self.module, self.module, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names the wrapper lacks: forward to the module.
@@ -332,7 +316,7 @@ class _ModuleSite(eqx.Module):
             return attribute
 
         def method(*args: Any, **kwargs: Any) -> Any:
-            return _observed_call(self, name, self.module, attribute, args, kwargs)
+            return calls.observed_call(self, name, self.module, attribute, args, kwargs)
 
         return method
 
@@ -363,99 +347,6 @@ class _FunctionSite(eqx.Module):
     token: _Token | None = eqx.field(static=True, default=None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _observed_call(self, None, self.function, self.function, args, kwargs)
-
-
-# -- reaching the probe's trace -------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Context:
-    session: Session
-    base_trace: Any  # the trace the probe runs the model in
-
-
-_CONTEXT: contextvars.ContextVar[_Context | None] = contextvars.ContextVar(
-    "bridge_equinox", default=None
-)
-
-
-def _observed_call(
-    site: _ModuleSite | _FunctionSite,
-    method: str | None,
-    module: Any,
-    function: Callable,
-    args: tuple,
-    kwargs: dict,
-) -> Any:
-    path = site.path
-    context = _CONTEXT.get()
-    session = current_session()
-    if context is None or session is not context.session:
-        return function(*args, **kwargs)
-    depth = transforms.mapped_depth(context.base_trace)
-    if depth is None:
-        return transforms.call_in_transform(
-            context, site, method, module, function, args, kwargs
+        return calls.observed_call(
+            self, None, self.function, self.function, args, kwargs
         )
-    if depth == 0:
-        call = session.enter(path, method, module, args)
-        return _report(session, call, function(*args, **kwargs))
-
-    entered = []
-    origin = transforms.mapped_origin(args, depth)
-
-    def enter(full_args: tuple) -> tuple:
-        entered.append(session.enter(path, method, module, full_args, origin))
-        return full_args
-
-    if session.with_inputs and not session.discovering:
-        # Inputs are recorded at the probe's trace too, mapped axes first.
-        transforms.lift(args, depth, enter)
-    else:
-        enter(())
-    (call,) = entered
-    value = function(*args, **kwargs)
-    if not (
-        session.discovering
-        or call.name in session.selected
-        or call.name in session.patches
-    ):
-        # Nothing to record or change: bookkeeping only, and no cost.
-        return session.exit(call, value)
-    return transforms.lift(value, depth, lambda full: _report(session, call, full))
-
-
-def _report(session: Session, call: Any, value: Any) -> Any:
-    """`session.exit`, leaving out any `eqx.nn.State` in the value (not an
-    activation: a stateful layer returns `(x, state)`, and the site is `(x, None)`)."""
-
-    def is_state(x: Any) -> bool:
-        return isinstance(x, eqx.nn.State)
-
-    leaves, treedef = jax.tree.flatten(value, is_leaf=is_state)
-    if not any(is_state(leaf) for leaf in leaves):
-        return session.exit(call, value)
-    reported = [None if is_state(leaf) else leaf for leaf in leaves]
-    returned = session.exit(call, jax.tree.unflatten(treedef, reported))
-    returned_leaves = treedef.flatten_up_to(returned)
-    merged = [
-        leaf if is_state(leaf) else new
-        for leaf, new in zip(leaves, returned_leaves, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, merged)
-
-
-def _tap(context: _Context, name: str, value: Any) -> Any:
-    session = context.session
-    depth = transforms.mapped_depth(context.base_trace)
-    if depth is None:
-        where = transforms.describe(transforms.transforms(context.base_trace))
-        raise BridgeValueError(
-            f"bridge.tap({name!r}) is inside {where}, where bridge cannot see a "
-            "tap: move the tap out of the transform, or mark the value by "
-            "wrapping its computation in an eqx.Module (a module call is a site)."
-        )
-    if depth == 0:
-        return session.tap_here(name, value)
-    return transforms.lift(value, depth, lambda full: session.tap_here(name, full))

@@ -1,6 +1,5 @@
-"""Equinox sites inside JAX transforms of the model's own code.
-
-Two routes, both reached from `bridge.adapters.equinox`'s wrappers:
+"""Equinox sites inside JAX transforms of the model's own code: which
+transforms enclose a call, and the route out of the model's own `jax.vmap`.
 
 Inside the model's own `jax.vmap` (`eqx.nn.MultiheadAttention` projects every
 token with `jax.vmap(self.query_proj)`; `eqx.nn.MLP` applies its activation
@@ -15,27 +14,9 @@ hands the result back in, mapped along axis 0 at every level. No tracer leaves
 its trace and autodiff sees ordinary operations, so gradients are per token,
 eager or jitted (`lift`).
 
-Inside `lax.scan` over stacked layers (`eqx.filter_vmap` builds them, the scan
-slices them per step, directly or after `eqx.partition`) and inside
-`jax.checkpoint` / `eqx.filter_checkpoint`, no value can be handed out: the
-epsilon lives in the tree instead (the design's tree surgery). Discovery finds
-these calls and their iterations (a wrapper whose parameters lost a leading
-axis of size L was sliced by the scan). For the run, each such wrapper holds,
-per call, its `Leaves`, stacked `(L, *shape)` so that the scan slices them
-with the parameters: going in, a zero epsilon (its gradient is the stacked
-activation gradient) and the patch value, of which each iteration takes its
-row (a patch function needs no leaf: it is applied to each iteration's
-value); coming out, zero "recorders" of the value and, with
-`with_inputs=True`, of the positional inputs. Values leave the scan
-backwards: the recorders enter through a `custom_vjp` identity whose backward
-pass returns the recorded value and inputs themselves as the recorders'
-cotangents, and `run_with_tree_leaves` pulls them out with one `jax.vjp` of the
-model (`call_in_transform`). Inputs that are not floating-point travel as
-float32 numbers that a cotangent carries exactly (`_as_floats`). A call inside
-a transform this cannot express (`lax.cond`, `while_loop`, a `jax.jit` inside
-the model, a `vmap` inside the scan, a layer closed over by the scan body
-rather than scanned over) raises an error naming it where it is selected or
-patched: a site is never silently missing or summed over iterations.
+Inside `lax.scan` over stacked layers and inside `jax.checkpoint` no value
+can be handed out: that route, through the tree, is
+`bridge.adapters.equinox.scan`.
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`, the one
 place that touches JAX's private modules.
@@ -43,7 +24,6 @@ place that touches JAX's private modules.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -52,40 +32,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from bridge.adapter_api import (
-    BridgeRuntimeError,
-    BridgeValueError,
-    Session,
-    SiteOrigin,
-    abstract,
-    differentiable_part,
-    merge_differentiable,
-    positional_arrays,
-    without_axis,
-    zeros_like_struct,
-)
+from bridge.adapter_api import BridgeRuntimeError, SiteOrigin
 
 from ..shared import jax_internals as internals
-
-
-class Leaves(eqx.Module):
-    """A call's leaves inside a transform: array leaves of the tree, so a scan
-    slices them per iteration as it slices the parameters. The epsilon and the
-    patch value go in; the recorders of the value and of the positional
-    inputs bring them out, as their cotangents (see `record`). `None` where
-    the call has none."""
-
-    epsilon: Any = None
-    recorder: Any = None
-    inputs: Any = None
-    patch: Any = None
-
-
-def param_shapes(module: Any) -> tuple[tuple[int, ...], ...]:
-    """Shapes of a module's arrays, bridge's own leaves left out."""
-    arrays = eqx.filter(module, eqx.is_array, is_leaf=lambda x: isinstance(x, Leaves))
-    return tuple(tuple(a.shape) for a in jax.tree.leaves(arrays))
-
 
 # -- inside the model's own jax.vmap: handing the whole value out ----------------
 
@@ -138,133 +87,11 @@ def mapped_origin(args: tuple, depth: int) -> Mapped | None:
     return Mapped(axes, jnp.ndim(arrays[0]))
 
 
-# -- inside lax.scan and jax.checkpoint: epsilons, patches, recorders in the tree --
+# -- which transforms enclose a call -------------------------------------------
 
-
-def in_tree(session: Session) -> dict[str, Any]:
-    """The selected sites whose epsilons live in the tree."""
-    return {
-        name: site
-        for name, site in session.selected.items()
-        if isinstance(site.origin, InTransform)
-    }
-
-
-def patches_in_tree(session: Session) -> dict[str, Any]:
-    """The patch values of the sites inside transforms, which ride in the tree
-    (sliced per iteration inside a scan). A patch function needs no leaf."""
-    return {
-        name: session.patches[name]
-        for name, site in session.patched_with_values().items()
-        if isinstance(site.origin, InTransform)
-    }
-
-
-def run_with_tree_leaves(
-    call_model: Callable[[dict[str, Leaves]], tuple[Any, Any]],
-    session: Session,
-    vmap: bool,
-    model_name: str,
-) -> tuple[Any, Any]:
-    """Run the model with the `Leaves` of the calls inside transforms
-    (`call_model(leaves) -> (outputs, state)`), and record the selected sites
-    there, whose values and inputs leave the scan as the recorders' cotangents
-    (see `record`)."""
-    patches = patches_in_tree(session)
-    sites = in_tree(session)
-    if not sites:  # nothing to record in there: no backward pass needed
-        return call_model({name: Leaves(patch=p) for name, p in patches.items()})
-    for site in sites.values():
-        if site.origin.blocked:
-            raise BridgeValueError(site.origin.blocked)
-
-    def shaped(site: Any) -> Any:
-        struct = site.value_struct
-        if vmap:  # the probe's own vmap: one example here
-            struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
-        return zeros_like_struct(struct)
-
-    def shaped_inputs(site: Any) -> Any:
-        if not session.with_inputs:
-            return None
-        # Shaped at discovery, where the probe's vmap had already taken the
-        # batch axis away.
-        return zeros_like_struct(site.origin.inputs_recorder)
-
-    recorders = {
-        name: (shaped(site), shaped_inputs(site)) for name, site in sites.items()
-    }
-
-    def forward(recorders: dict) -> tuple[Any, Any]:
-        leaves = {name: Leaves(patch=p) for name, p in patches.items()}
-        for name, site in sites.items():
-            value_recorder, inputs_recorder = recorders[name]
-            epsilon = session.epsilons.get(name)
-            leaves[name] = Leaves(
-                shaped(site) if epsilon is None else epsilon,
-                value_recorder,
-                inputs_recorder,
-                patches.get(name),
-            )
-        outputs, state = call_model(leaves)
-        floats = [
-            jnp.sum(leaf)
-            for leaf in jax.tree.leaves(differentiable_part(outputs))
-            if leaf is not None
-        ]
-        if not floats:
-            raise BridgeValueError(
-                "bridge records the sites inside jax.lax.scan or "
-                "jax.checkpoint through the backward pass of the model's "
-                f"outputs, but {model_name} returned no floating-point array."
-            )
-        # What the session recorded in here must leave `jax.vjp` as outputs.
-        return sum(floats, jnp.zeros(())), (outputs, state, session.recordings())
-
-    total, pullback, (outputs, state, recorded) = jax.vjp(
-        forward, recorders, has_aux=True
-    )
-    session.adopt(recorded)
-    (cotangents,) = pullback(jnp.ones_like(total))
-    for name, site in sites.items():
-        value, inputs = cotangents[name]
-        if session.with_inputs:
-            inputs = jax.tree.map(_from_floats, site.origin.inputs, inputs)
-        session.record(name, value, inputs)
-    return outputs, state
-
-
-_SCAN = "scan"
-_CHECKPOINT = "checkpoint / remat"
-
-
-@dataclasses.dataclass(frozen=True)
-class InTransform(SiteOrigin):
-    """Where a site lives that takes its epsilon and patch value from the tree
-    and records through it: `iterations` of the enclosing scan (`None` when
-    only a checkpoint encloses it)."""
-
-    iterations: int | None
-    transforms: tuple[str, ...]
-    #: Why a call there cannot be a site (raised where it is selected).
-    blocked: str | None = None
-    #: How each positional array input comes back from its float32 transport
-    #: (an `_Encoding`, `None` for other arguments), and the abstract zeros of
-    #: its recorder, stacked like the site.
-    inputs: Any = None
-    inputs_recorder: Any = None
-
-    @property
-    def described(self) -> str:
-        return describe(self.transforms)
-
-
-#: The innermost scan over stacked layers now running a sliced wrapper:
-#: `(the scan body's trace, iterations)`. A call without parameters of its
-#: own (a function field, a parameterless module) inside it is sliced too.
-_SLICED: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar(
-    "bridge_equinox_sliced", default=None
-)
+#: JAX's names of the transforms bridge sees through with tree leaves.
+SCAN = "scan"
+CHECKPOINT = "checkpoint / remat"
 
 
 def transforms(base_trace: Any) -> tuple[str, ...]:
@@ -294,8 +121,8 @@ _PARENT_UNKNOWN = (
 
 def describe(transforms: tuple[str, ...]) -> str:
     names = {
-        _SCAN: "jax.lax.scan",
-        _CHECKPOINT: "jax.checkpoint",
+        SCAN: "jax.lax.scan",
+        CHECKPOINT: "jax.checkpoint",
         "vmap": "jax.vmap",
         "jit": "a jax.jit inside the model",
         "cond": "jax.lax.cond",
@@ -305,246 +132,6 @@ def describe(transforms: tuple[str, ...]) -> str:
         "fori_loop": "jax.lax.fori_loop",
     }
     return " inside ".join(names.get(t, t) for t in transforms)
-
-
-def iterations(site: Any) -> int | None:
-    """L when the wrapper's arrays lost a leading axis of size L (a scan sliced
-    them), 0 when they are whole, `None` when it cannot tell (no arrays)."""
-    if not site.shapes:
-        return None
-    module = getattr(site, "module", None)  # a function site has no arrays
-    now = () if module is None else param_shapes(module)
-    if now == site.shapes:
-        return 0
-    leading = {shape[:1] for shape in site.shapes}
-    if (
-        len(now) == len(site.shapes)
-        and len(leading) == 1
-        and all(n == s[1:] for n, s in zip(now, site.shapes, strict=True))
-    ):
-        return site.shapes[0][0]
-    return None
-
-
-def call_in_transform(
-    context: Any,
-    site: Any,
-    method: str | None,
-    module: Any,
-    function: Callable,
-    args: tuple,
-    kwargs: dict,
-) -> Any:
-    """A call inside `lax.scan` or `jax.checkpoint`: see the module docstring."""
-    session = context.session
-    enclosing = transforms(context.base_trace)
-    where = describe(enclosing)
-    site_path = site.path if method is None else f"{site.path}.{method}"
-    unsupported = [t for t in enclosing if t not in (_SCAN, _CHECKPOINT)]
-    if unsupported:
-        detail = (
-            "a jax.vmap of the model's own code inside a scan or checkpoint (an "
-            "epsilon in the tree cannot vary along the mapped axis; eqx.nn.MLP "
-            "with scan=True maps its activation so: use scan=False)"
-            if "vmap" in unsupported
-            else f"{describe((unsupported[0],))}"
-        )
-        raise BridgeValueError(
-            f"bridge cannot see through {detail}: site {site_path!r} is called "
-            f"inside {where}. bridge sees through jax.lax.scan over stacked layers "
-            "and jax.checkpoint; move the call out of the transform, or unroll it."
-        )
-    if enclosing.count(_SCAN) > 1:
-        raise BridgeValueError(
-            f"bridge cannot see through nested jax.lax.scan: site {site_path!r} is "
-            f"called inside {where}. Scan over one stack of layers at a time."
-        )
-    count = None
-    if _SCAN in enclosing:
-        count = iterations(site)
-        sliced = _SLICED.get()
-        if not count and sliced and sliced[0] is internals.current_trace():
-            count = sliced[1]
-        if not count:
-            blocked = (
-                f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
-                "called in every iteration, but the scan does not slice its "
-                "parameters (a layer closed over by the scan body, as in an RNN), "
-                "so one epsilon would sum the gradients of all iterations. Select "
-                "sites outside the scan with `at=`, scan over stacked layers "
-                "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
-                "unroll the loop."
-            )
-            return _unreachable(
-                session,
-                site,
-                method,
-                module,
-                function,
-                args,
-                kwargs,
-                InTransform(None, enclosing, blocked),
-            )
-    origin = InTransform(
-        count,
-        enclosing,
-        **(_inputs_origin(args, count) if session.discovering else {}),
-    )
-    call = session.enter(site.path, method, module, args, origin=origin, record=False)
-    token = (
-        _SLICED.set((internals.current_trace(), count))
-        if count and iterations(site)
-        else None
-    )
-    try:
-        value = function(*args, **kwargs)
-    finally:
-        if token is not None:
-            _SLICED.reset(token)
-    if any(isinstance(leaf, eqx.nn.State) for leaf in _leaves_with_state(value)):
-        raise BridgeValueError(
-            f"site {site_path!r} is a stateful layer inside {where}: bridge cannot "
-            "thread its eqx.nn.State there. Move it out of the transform."
-        )
-    leaves = site.bridge_leaves.get(call.name)
-    # The patch value and the epsilon come from the tree, not from the session.
-    value = _exit(session, call, value, None if leaves is None else leaves.patch)
-    if session.discovering:
-        if count:
-            session.restructure(
-                call.name,
-                # Broadcast, not zeros: a value varying across shard_map's
-                # devices stays varying, and so do its epsilon and recorder.
-                jax.tree.map(
-                    lambda a: (
-                        jnp.broadcast_to(a, (count, *jnp.shape(a)))
-                        if eqx.is_array(a)
-                        else a
-                    ),
-                    value,
-                ),
-            )
-        return value
-    if call.name not in session.selected:
-        return value
-    if leaves is None or leaves.recorder is None:
-        raise BridgeRuntimeError(
-            f"bridge found no epsilon for site {call.name!r} inside {where}: the "
-            "model called it differently from the discovery pass. This is a bug "
-            "in bridge: please report it."
-        )
-    inputs = None
-    if leaves.inputs is not None:
-        inputs = jax.tree.map(_as_floats, positional_arrays(args))
-    # The value recorded is the patched one, before its epsilon.
-    floats = record(
-        differentiable_part(value), inputs, (leaves.recorder, leaves.inputs)
-    )
-    floats = jax.tree.map(jnp.add, floats, leaves.epsilon)
-    return merge_differentiable(value, floats)
-
-
-def _exit(session: Session, call: Any, value: Any, patch: Any) -> Any:
-    """`session.exit` for a call whose epsilon the caller adds, patched with
-    `patch`, the patch value's leaf in the tree: one iteration's row of a
-    stacked patch inside a scan. Without it, the session's own patch applies
-    (a patch function, to this iteration's value)."""
-    return session.exit(call, value, perturb=lambda v: v, record=False, patch=patch)
-
-
-def _inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:
-    """Discovery: how a call's positional inputs are recorded inside a
-    transform (see `InTransform.inputs`)."""
-    inputs = positional_arrays(args)
-    transported = jax.tree.map(_as_floats, inputs)
-    if iterations:
-        # Broadcast, not zeros, as for the value (`restructure` in
-        # `call_in_transform`): inputs varying across devices stay varying.
-        transported = jax.tree.map(
-            lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), transported
-        )
-    return {
-        "inputs": jax.tree.map(_Encoding.of, inputs),
-        "inputs_recorder": abstract(transported),
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class _Encoding:
-    """How an input came to be float32 numbers in `_as_floats`, to undo it."""
-
-    dtype: Any
-    key_impl: Any = None
-
-    @classmethod
-    def of(cls, x: Any) -> _Encoding:
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return cls(jax.random.key_data(x).dtype, jax.random.key_impl(x))
-        return cls(x.dtype)
-
-
-def _as_floats(x: Any) -> Any:
-    """An input as numbers a floating-point cotangent carries exactly: floats
-    as they are, integers and booleans as float32 (wider ones as their 16-bit
-    words, exact in float32), a typed random key as its integer data."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype.itemsize > 1:
-        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return x.astype(jnp.float32)
-
-
-def _from_floats(encoding: _Encoding, x: Any) -> Any:
-    """The inverse of `_as_floats`, on the recorded (stacked) numbers."""
-    dtype = jnp.dtype(encoding.dtype)
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return x
-    if dtype.itemsize > 1:
-        x = jax.lax.bitcast_convert_type(x.astype(jnp.uint16), dtype)
-    else:
-        x = x.astype(dtype)
-    if encoding.key_impl is not None:
-        x = jax.random.wrap_key_data(x, impl=encoding.key_impl)
-    return x
-
-
-def _unreachable(session, site, method, module, function, args, kwargs, origin):
-    """A call that cannot be a site: listed by discovery, refused where it is
-    selected or patched, and otherwise run as it is."""
-    call = session.enter(site.path, method, module, args, origin=origin, record=False)
-    if not session.discovering and (
-        call.name in session.selected or call.name in session.patches
-    ):
-        raise BridgeValueError(origin.blocked)
-    value = function(*args, **kwargs)
-    return session.exit(call, value, perturb=lambda v: v, record=False)
-
-
-def _leaves_with_state(value: Any) -> list:
-    return jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.nn.State))
-
-
-@jax.custom_vjp
-def record(value: Any, inputs: Any, recorders: Any) -> Any:
-    """`value`; the cotangent of `recorders` is `(value, inputs)` themselves,
-    so they leave a scan as the gradient of the stacked recorder leaves."""
-    del inputs, recorders
-    return value
-
-
-def _record_forward(value: Any, inputs: Any, recorders: Any) -> tuple[Any, Any]:
-    del recorders
-    return value, (value, inputs)
-
-
-def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any]:
-    _, inputs = recorded
-    return cotangent, jax.tree.map(jnp.zeros_like, inputs), recorded
-
-
-record.defvjp(_record_forward, _record_backward)
 
 
 def lift(tree: Any, depth: int, observe: Callable[[Any], Any]) -> Any:

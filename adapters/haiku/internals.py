@@ -109,12 +109,12 @@ def _qualname(code: Any) -> str:
 
 def enclosing(stop: Any) -> Enclosing:
     """Haiku's transforms run the body from their own frames; walk up to the
-    probe's `apply` (`stop`, a code object) and name them."""
+    frame of the probe's own `apply` (`stop`) and name them."""
     found = Enclosing()
     inner_applies = layer_bodies = scans = 0
     scan_frame = None
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code is not stop:
+    while frame is not None and frame is not stop:
         code = frame.f_code
         if code.co_filename.startswith(_HAIKU_SOURCE):
             qualname = _qualname(code)

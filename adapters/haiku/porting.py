@@ -21,7 +21,6 @@ keep.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,13 +28,18 @@ import haiku as hk
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    Converted,
     Layer,
+    LayerKinds,
+    ParameterisedCall,
     Site,
+    Weight,
     as_float,
     conv_hyperparameters,
     flattened,
     key_name,
     norm_hyperparameters,
+    placed,
     replace_leaves,
 )
 
@@ -46,151 +50,117 @@ SETTLED_COUNTER = 2**30
 
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     """Each call of a module that owns `params` (or is an `hk.BatchNorm`)."""
-    found = []
-    for site in sites:
-        module = site.module
-        if module is None:
-            continue
-        own = dict(probe.params.get(site.path, {}))
-        if not own and not isinstance(module, hk.BatchNorm):
-            continue
-        layer = _layer(probe, site, own)
-        found.append(
-            dataclasses.replace(layer, hyperparameters=_hyperparameters(module))
+    return KINDS.layers(
+        ParameterisedCall(
+            site,
+            site.module,
+            dict(probe.params.get(site.path, {})),
+            ("params", site.path),
+            probe=probe,
         )
-    return found
-
-
-def _hyperparameters(module: Any) -> dict[str, Any]:
-    """What `transfer` does not move, in canonical names and conventions
-    (`bridge._hyperparameters`): `hk.BatchNorm`'s `decay_rate` is the `momentum`, the
-    weight of the running average kept."""
-    if isinstance(module, hk.Linear):
-        return {"use_bias": bool(module.with_bias)}
-    if isinstance(module, hk.ConvND):
-        return conv_hyperparameters(
-            window=module.kernel_shape,
-            strides=module.stride,
-            padding=module.padding,
-            dilation=module.kernel_dilation,
-            groups=module.feature_group_count,
-            use_bias=module.with_bias,
-        )
-    if isinstance(module, hk.LayerNorm | hk.GroupNorm):
-        extra = (
-            {"num_groups": module.groups} if isinstance(module, hk.GroupNorm) else {}
-        )
-        return norm_hyperparameters(
-            module.eps, module.create_scale, module.create_offset, **extra
-        )
-    if isinstance(module, hk.RMSNorm):
-        return norm_hyperparameters(module.eps, module.create_scale)
-    if isinstance(module, hk.BatchNorm):
-        return norm_hyperparameters(
-            module.eps,
-            module.create_scale,
-            module.create_offset,
-            momentum=as_float(module.mean_ema.decay),
-        )
-    return {}
-
-
-def _identity(names: dict) -> dict:
-    return {name: (path, lambda value: value) for name, path in names.items()}
-
-
-def _layer(probe: Any, site: Site, own: dict) -> Layer:
-    module, path = site.module, site.path
-    described = f"hk.{type(module).__name__}"
-    lead = site.stacked
-    at = ("params", path)
-    if isinstance(module, hk.Linear):
-        weights = {"kernel": own["w"], "bias": own.get("b")}
-        locations = {"kernel": (*at, "w"), "bias": (*at, "b")}
-        kind = "dense"
-    elif isinstance(module, hk.ConvND):
-        weights = {"kernel": own["w"], "bias": flattened(own.get("b"), lead)}
-        locations = {"kernel": (*at, "w"), "bias": (*at, "b")}
-        kind = "conv"
-    elif isinstance(module, hk.LayerNorm):
-        weights = {
-            "scale": flattened(own.get("scale"), lead),
-            "bias": flattened(own.get("offset"), lead),
-        }
-        locations = {"scale": (*at, "scale"), "bias": (*at, "offset")}
-        kind = "layernorm"
-    elif isinstance(module, hk.RMSNorm):
-        weights = {"scale": flattened(own.get("scale"), lead)}
-        locations = {"scale": (*at, "scale")}
-        kind = "rmsnorm"
-    elif isinstance(module, hk.GroupNorm):
-        weights = {
-            "scale": flattened(own.get("scale"), lead),
-            "bias": flattened(own.get("offset"), lead),
-        }
-        locations = _identity({"scale": (*at, "scale"), "bias": (*at, "offset")})
-        return Layer(
-            site.name,
-            path,
-            "groupnorm",
-            described,
-            weights,
-            to_common=_channel_layout(probe, site, module),
-            locations=locations,
-        )
-    elif isinstance(module, hk.BatchNorm):
-        state = probe.state or {}
-        mean = state.get(f"{path}/~/mean_ema", {}).get("average")
-        var = state.get(f"{path}/~/var_ema", {}).get("average")
-        weights = {
-            "scale": flattened(own.get("scale"), lead),
-            "bias": flattened(own.get("offset"), lead),
-            "mean": flattened(mean, lead),
-            "var": flattened(var, lead),
-        }
-        locations = _identity({"scale": (*at, "scale"), "bias": (*at, "offset")})
-        for name, ema in (("mean", "mean_ema"), ("var", "var_ema")):
-            locations[name] = (("state", f"{path}/~/{ema}"), _ema_entries)
-        return Layer(
-            site.name,
-            path,
-            "batchnorm",
-            described,
-            weights,
-            to_common=_channel_layout(probe, site, module),
-            locations=locations,
-        )
-    elif isinstance(module, hk.Embed):
-        weights = {"embedding": own["embeddings"]}
-        locations = {"embedding": (*at, "embeddings")}
-        kind = "embed"
-    else:
-        cls = type(module)
-        weights = own
-        locations = {name: (*at, name) for name in own}
-        kind = f"module:{cls.__module__}.{cls.__qualname__}"
-    return Layer(
-        site.name,
-        path,
-        kind,
-        described,
-        weights,
-        to_common=_channel_layout(probe, site, module),
-        locations=_identity(locations),
+        for site in sites
+        if site.module is not None
     )
 
 
-def _channel_layout(probe: Any, site: Site, module: Any):
+# -- the converters: hyperparameters in canonical names and conventions
+# (`bridge._hyperparameters`); `hk.BatchNorm`'s `decay_rate` is the `momentum`,
+# the weight of the running average kept.
+
+
+def _linear(call: ParameterisedCall) -> Converted:
+    weights = {"kernel": call.weight("w"), "bias": call.weight("b")}
+    return Converted("dense", weights, {"use_bias": bool(call.module.with_bias)})
+
+
+def _conv(call: ParameterisedCall) -> Converted:
+    module = call.module
+    hyperparameters = conv_hyperparameters(
+        window=module.kernel_shape,
+        strides=module.stride,
+        padding=module.padding,
+        dilation=module.kernel_dilation,
+        groups=module.feature_group_count,
+        use_bias=module.with_bias,
+    )
+    weights = {"kernel": call.weight("w"), "bias": call.flat("b")}
+    return Converted("conv", weights, hyperparameters)
+
+
+def _affine(call: ParameterisedCall, kind: str, **more) -> Converted:
+    """A norm with a `scale` and an `offset` (the canonical `bias`); a
+    BatchNorm's running statistics too."""
+    module = call.module
+    weights = {"scale": call.flat("scale"), "bias": call.flat("offset")}
+    if kind == "batchnorm":
+        weights |= {
+            "mean": _running(call, "mean_ema"),
+            "var": _running(call, "var_ema"),
+        }
+    hyperparameters = norm_hyperparameters(
+        module.eps, module.create_scale, module.create_offset, **more
+    )
+    return Converted(kind, weights, hyperparameters)
+
+
+def _running(call: ParameterisedCall, ema: str) -> Weight:
+    """A running statistic: the average of an EMA submodule's state."""
+    where = ("state", f"{call.site.path}/~/{ema}")
+    state = call.probe.state or {}
+    average = state.get(where[1], {}).get("average")
+    return Weight(flattened(average, call.site.stacked), where, _ema_entries)
+
+
+def _layer_norm(call: ParameterisedCall) -> Converted:
+    return _affine(call, "layernorm")
+
+
+def _group_norm(call: ParameterisedCall) -> Converted:
+    return _affine(call, "groupnorm", num_groups=call.module.groups)
+
+
+def _batch_norm(call: ParameterisedCall) -> Converted:
+    momentum = as_float(call.module.mean_ema.decay)
+    return _affine(call, "batchnorm", momentum=momentum)
+
+
+def _rms_norm(call: ParameterisedCall) -> Converted:
+    module = call.module
+    hyperparameters = norm_hyperparameters(module.eps, module.create_scale)
+    return Converted("rmsnorm", {"scale": call.flat("scale")}, hyperparameters)
+
+
+def _embed(call: ParameterisedCall) -> Converted:
+    return Converted("embed", {"embedding": call.weight("embeddings")})
+
+
+def _channel_layout(call: ParameterisedCall):
     """Activation layout of a module with a `data_format` (`hk.ConvND`,
     `hk.BatchNorm`, `hk.GroupNorm`): channels first (`NCHW`,
     `"channels_first"`) has its channel axis (1, after the scan and vmap axes)
     moved last."""
-    if getattr(module, "channel_index", -1) == -1:
+    if getattr(call.module, "channel_index", -1) == -1:
         return lambda value: value
-    channel = site.stacked + int(bool(probe.vmap)) + 1
+    channel = call.site.stacked + int(bool(call.probe.vmap)) + 1
     return lambda value: (
         jnp.moveaxis(value, channel, -1) if jnp.ndim(value) > channel + 1 else value
     )
+
+
+KINDS = LayerKinds(
+    {
+        hk.Linear: _linear,
+        hk.ConvND: _conv,
+        hk.LayerNorm: _layer_norm,
+        hk.RMSNorm: _rms_norm,
+        hk.GroupNorm: _group_norm,
+        hk.BatchNorm: _batch_norm,
+        hk.Embed: _embed,
+    },
+    named="hk.",
+    to_common=_channel_layout,
+    kept_without_weights=(hk.BatchNorm,),
+)
 
 
 def _ema_entries(statistic: Any) -> dict[str, Any]:
@@ -204,16 +174,12 @@ def _ema_entries(statistic: Any) -> dict[str, Any]:
 def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     """A new probe of the same transformed function with the given weights."""
     replacements: dict[str, dict] = {"params": {}, "state": {}}
-    for layer, weights in updates:
-        for name, (path, convert) in layer.locations.items():
-            if weights.get(name) is None:
-                continue
-            converted = convert(weights[name])
-            if isinstance(converted, Mapping):  # an EMA's entries
-                for entry, value in converted.items():
-                    replacements[path[0]][(*path[1:], entry)] = value
-            else:
-                replacements[path[0]][path[1:]] = converted
+    for _, (collection, *path), value in placed(updates):
+        if isinstance(value, Mapping):  # an EMA's entries
+            for entry, entry_value in value.items():
+                replacements[collection][(*path, entry)] = entry_value
+        else:
+            replacements[collection][tuple(path)] = value
 
     def named(key_path):
         return tuple(key_name(key) for key in key_path)

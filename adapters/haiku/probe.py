@@ -42,6 +42,7 @@ transforms off the call stack, the one use of Haiku's internals, is
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +60,6 @@ from bridge.adapter_api import (
     add_epsilon,
     carrier_name,
     is_carrier_name,
-    positional_arrays,
 )
 
 from ..shared import guests as _guests
@@ -177,10 +177,10 @@ class HaikuProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        placed = {} if session.discovering else haiku_state.placed(session)
+        placed = haiku_state.placed(session)
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True, placed)
-        return session.run_with_fallback(
+        return session.recorder.run_with_fallback(
             lambda state_route: self._apply(
                 trainable, args, kwargs, session, state_route, placed
             ),
@@ -199,9 +199,13 @@ class HaikuProbe(ProbeBase):
     ) -> tuple[Any, Any]:
         model_kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
         leading = (kwargs.get("rng"),) if self.takes_rng else ()
-        interceptor = _Interceptor(session, state_route, placed)
-        tapping = session.tapping(
-            haiku_state.tap_handler(session, _APPLY_CODE, interceptor.tap)
+        # Haiku's transforms around a call are read off the stack up to this
+        # frame: what runs the probe (a user's jit, a scan of it) is not the
+        # model's.
+        here = sys._getframe()
+        interceptor = _Interceptor(session, state_route, placed, here)
+        tapping = session.taps.tapping(
+            haiku_state.tap_handler(session, here, interceptor.tap)
         )
         if not state_route:  # a plain transform: epsilons from the session
             with tapping, hk.intercept_methods(interceptor):
@@ -221,7 +225,7 @@ class HaikuProbe(ProbeBase):
             )
         # The values recorded inside lifted transforms, as they leave them in
         # state (stacked over a layer stack's layers).
-        session.hand_over(lambda where: new_state[where[0]][where[1]])
+        session.carrier.hand_over(lambda where: new_state[where[0]][where[1]])
         new_state = haiku_state.without_epsilons(new_state)
         if self.with_state:
             return outputs, new_state
@@ -246,8 +250,15 @@ class _Interceptor:
     trace of a stack's body re-uses the names of the first.
     """
 
-    def __init__(self, session: Session, state_route: bool, placed: Mapping[str, Site]):
+    def __init__(
+        self,
+        session: Session,
+        state_route: bool,
+        placed: Mapping[str, Site],
+        apply_frame: Any,
+    ):
         self.session = session
+        self.apply_frame = apply_frame  # where the walks up the stack stop
         self.state_route = state_route
         self.placed = placed  # sites whose patch value rides in state
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
@@ -260,7 +271,7 @@ class _Interceptor:
         module = context.module
         if self.session.batch_axis is not None:
             _check_batch_norm_mapped(module, self.session.batch_axis)
-        where = internals.enclosing(_APPLY_CODE)
+        where = internals.enclosing(self.apply_frame)
         prefix = self.prefixes.get(where.stack_call, "")
         if internals.is_lifting(module):
             # Returns the lifted params, not an activation: not a site.
@@ -307,8 +318,8 @@ class _Interceptor:
             where.scan if where.blocked is None else None,
             tap=tap,
         )
-        if origin.lifted and session.discovering and not self.state_route:
-            raise haiku_state.NeedsState
+        if origin.lifted and not self.state_route:
+            session.recorder.fall_back()  # discovery: again, through state
         inside = origin.lifted or origin.blocked is not None
         call = session.enter(
             name,
@@ -318,7 +329,7 @@ class _Interceptor:
             origin=origin,
             record=not inside,
         )
-        if inside and not session.discovering:
+        if inside:
             haiku_state.check_reachable(call.name, origin, session)
         value = run()
         if not self.state_route:
@@ -330,8 +341,8 @@ class _Interceptor:
             value = haiku_state.scanned(
                 session, call, value, call_args, origin, method, patched
             )
-            if not session.discovering and call.name in session.selected:
-                session.defer(call.name, (origin.bundle, recording_entry))
+            if call.name in session.selected:  # its recording rows are carried
+                session.carrier.defer(call.name, (origin.bundle, recording_entry))
             return value
 
         def perturb(value):
@@ -342,19 +353,15 @@ class _Interceptor:
 
         patch = haiku_state.patch_from_state(call, method) if patched else None
         value = session.exit(call, value, perturb, record=not inside, patch=patch)
-        if origin.lifted and (session.discovering or call.name in session.selected):
-            inputs = positional_arrays(call_args) if session.with_inputs else None
-            recording = session.to_carry_out(value)
-            hk.set_state(recording_entry, (recording, inputs))
-            session.defer(call.name, (origin.bundle, recording_entry))
+        carrier = session.carrier
+        if origin.lifted and carrier.carries_out(call.name):
+            hk.set_state(recording_entry, carrier.to_carry_out(value, call_args))
+            carrier.defer(call.name, (origin.bundle, recording_entry))
         return value
 
 
 def _joined(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
-
-
-_APPLY_CODE = HaikuProbe._apply.__code__
 
 
 def is_site(context: hk.MethodContext) -> bool:

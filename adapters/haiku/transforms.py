@@ -33,7 +33,6 @@ from bridge.adapter_api import (
     add_epsilon,
     carrier_name,
     differentiable_part,
-    is_array,
     is_carrier_name,
     positional_arrays,
 )
@@ -105,18 +104,15 @@ def scanned(
     stacked epsilon, patch value (where `patched`) and recording; a carried
     step counter picks the row."""
     length, reverse = origin.scan
-    if session.discovering:
+    if session.recorder.learns_sites():
+        # One iteration's shapes: they shape the rows a run carries.
         call.origin = dataclasses.replace(
             origin,
             value=session.arrays.abstract(differentiable_part(value)),
             inputs=session.arrays.abstract(positional_arrays(args)),
         )
         value = session.exit(call, value, record=False)
-        stacked = jax.tree.map(
-            lambda v: jnp.broadcast_to(v, (length, *jnp.shape(v))),
-            jax.tree.map(lambda v: v if is_array(v) else None, value),
-        )
-        session.restructure(call.name, stacked)
+        session.recorder.holds_iterations(call.name, value, length)
         return value
     selected = call.name in session.selected
     if not (selected or patched):  # a patch function needs no row
@@ -188,7 +184,7 @@ def tap_handler(session: Session, stop: Any, in_transform: Any) -> Any:
             )
         if where.lifted:
             return in_transform(name, value, where)
-        return session.tap_here(name, value)
+        return session.taps.tap_here(name, value)
 
     return tap
 
@@ -213,7 +209,7 @@ def placed(session: Session) -> dict[str, Site]:
     placing)."""
     return {
         name: site
-        for name, site in session.patched_with_values().items()
+        for name, site in session.carrier.patched_with_values().items()
         if isinstance(site.origin, Origin) and site.origin.lifted
     }
 
@@ -222,11 +218,11 @@ def with_epsilons(
     state: Mapping, session: Session, patched: Mapping[str, Site]
 ) -> dict:
     """The user's state plus, in each site's bundle (new dicts), what
-    `Session.to_carry_in` gives: the epsilon of each selected site, the patch
+    the carrier's `to_carry_in` gives: the epsilon of each selected site, the patch
     value of each site in `patched` (see `placed`), and, for a site inside
     `hk.scan`, its step counter and recording rows."""
     merged = {bundle: dict(entries) for bundle, entries in state.items()}
-    for carried in session.to_carry_in(
+    for carried in session.carrier.to_carry_in(
         lambda site: True, lambda site: site.name in patched
     ):
         merged.setdefault(carried.site.origin.bundle, {})[carried.name] = carried.value

@@ -45,18 +45,18 @@ from bridge.adapter_api import (
     carrier_name,
     differentiable_part,
     merge_differentiable,
-    positional_arrays,
 )
 
 from ..shared import guests
-
-#: The variable collection holding the probe's epsilons. A private name, so a
-#: model that calls `self.perturb` itself (collection "perturbations") is not
-#: disturbed.
-EPSILON_COLLECTION = "bridge_epsilons"
-
-#: The mutable collection carrying recordings out of lifted transforms.
-RECORDING_COLLECTION = "bridge_recordings"
+from .guest import entering_linen_lifted_scope
+from .variables import (
+    EPSILON_COLLECTION,
+    RECORDING_COLLECTION,
+    names_params,
+    place_epsilons,
+    recorded,
+    with_recordings,
+)
 
 #: Keywords of `Module.apply` rather than of the model.
 _APPLY_KEYWORDS = ("rngs", "mutable", "capture_intermediates")
@@ -188,7 +188,7 @@ class LinenProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        return session.run_with_fallback(
+        return session.recorder.run_with_fallback(
             lambda in_params: self._apply(trainable, args, kwargs, session, in_params),
             _NeedsParams,
             lambda origin: origin.in_params,
@@ -205,16 +205,16 @@ class LinenProbe(ProbeBase):
         apply_kwargs = {k: kwargs[k] for k in _APPLY_KEYWORDS if k in kwargs}
         model_kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_KEYWORDS}
         user_mutable = apply_kwargs.pop("mutable", False)
-        epsilons, params = _place_epsilons(session, trainable)
+        epsilons, params = place_epsilons(session, trainable)
         variables = {**self.variables, "params": params}
         if epsilons:
             variables[EPSILON_COLLECTION] = epsilons
-        mutable = _with_recordings(user_mutable, in_params)
+        mutable = with_recordings(user_mutable, in_params)
         interceptor = _Interceptor(session, in_params)
         try:
             with (
                 guests.hosting("linen", interceptor.lifted_transform),
-                session.tapping(interceptor.tap),
+                session.taps.tapping(interceptor.tap),
                 nn.intercept_methods(interceptor),
             ):
                 outputs, state = self.module.apply(
@@ -237,64 +237,13 @@ class LinenProbe(ProbeBase):
                     "bridge.probe(..., vmap=True)."
                 ) from error
             raise
-        session.hand_over(lambda where: _recorded(state, where))
+        session.carrier.hand_over(lambda where: recorded(state, where))
         if user_mutable is False:
             return outputs, None
         ours = {EPSILON_COLLECTION, RECORDING_COLLECTION}
-        if in_params and not _names_params(user_mutable):
+        if in_params and not names_params(user_mutable):
             ours.add("params")
         return outputs, {k: v for k, v in state.items() if k not in ours}
-
-
-def _names_params(mutable: Any) -> bool:
-    return (
-        mutable is True
-        or mutable == "params"
-        or (isinstance(mutable, list | tuple) and "params" in mutable)
-    )
-
-
-def _with_recordings(mutable: Any, in_params: bool) -> Any:
-    """The user's `mutable`, plus the collections carrying recordings out."""
-    if mutable is True:
-        return True
-    ours = [RECORDING_COLLECTION, "params"] if in_params else [RECORDING_COLLECTION]
-    if mutable is False:
-        return ours
-    if isinstance(mutable, str):
-        return [mutable, *ours]
-    return [*mutable, *ours]
-
-
-def _place_epsilons(session: Session, params: Any) -> tuple[dict, Any]:
-    """The epsilons laid out by scope path, as `Module.perturb` reads them: in
-    the probe's own collection, or among the parameters inside `nn.scan`. A
-    `ToLinen`'s epsilon is the session's (`_Origin.in_session`)."""
-    collection: dict = {}
-    # A patch value for a site inside `nn.scan` rides with the parameters
-    # beside its epsilon, sliced per iteration as they are.
-    for carried in session.to_carry_in(
-        lambda site: not site.origin.in_session, lambda site: site.origin.in_params
-    ):
-        scope = carried.site.origin.scope
-        if carried.site.origin.in_params:
-            params = _inserted(params, scope, carried.name, carried.value)
-        else:
-            node = collection
-            for part in scope:
-                node = node.setdefault(part, {})
-            node[carried.name] = carried.value
-    return collection, params
-
-
-def _inserted(tree: Mapping, path: tuple[str, ...], key: str, value: Any) -> dict:
-    """A copy of `tree` with `value` at `path + (key,)`; the original is untouched."""
-    copy = dict(tree)
-    if not path:
-        copy[key] = value
-        return copy
-    copy[path[0]] = _inserted(tree.get(path[0], {}), path[1:], key, value)
-    return copy
 
 
 class _Frame:
@@ -347,12 +296,12 @@ class _Interceptor:
                 or (method.startswith("_") and method != "__call__")
             ):
                 # A root `nnx.bridge.ToLinen`'s NNX submodules are sites still.
-                return guests.call_linen_module(
-                    module, next_fun, call_args, call_kwargs
+                return guests.call_module(
+                    "linen", module, next_fun, call_args, call_kwargs
                 )
             return self._site(
-                lambda: guests.call_linen_module(
-                    module, next_fun, call_args, call_kwargs
+                lambda: guests.call_module(
+                    "linen", module, next_fun, call_args, call_kwargs
                 ),
                 call_args,
                 module,
@@ -368,7 +317,7 @@ class _Interceptor:
         scope as the module's own calls are (a value there belongs to the
         transform's trace); elsewhere the session's own."""
         if not self.stack or not self._lifted(self.stack[-1]):
-            return self.session.tap_here(name, value)
+            return self.session.taps.tap_here(name, value)
         frame = self.stack[-1]
         return self._site(lambda: value, (), frame.module, "__call__", frame, name)
 
@@ -387,7 +336,7 @@ class _Interceptor:
         return None
 
     def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
-        transform = guests.entering_linen_lifted_scope(parent.bodies, module, method)
+        transform = entering_linen_lifted_scope(parent.bodies, module, method)
         if transform is not None:
             self.transform = transform
 
@@ -400,11 +349,10 @@ class _Interceptor:
         carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
         in_params = not carried and self.in_params
         if not carried and not (in_params and module.is_mutable_collection("params")):
-            if session.discovering and not self.in_params:
-                raise _NeedsParams
-            if session.discovering or any(
-                site.origin is not None and site.origin.scope == path
-                for site in session.selected.values()
+            if not self.in_params:
+                session.recorder.fall_back()  # discovery: again, in `params`
+            if session.carrier.carries_out_any(
+                lambda site: site.origin is not None and site.origin.scope == path
             ):
                 raise BridgeValueError(
                     f"bridge cannot see through {self.transform} around "
@@ -415,7 +363,7 @@ class _Interceptor:
         # Neither a `ToLinen` nor an `apply` the model makes passes bridge's
         # collection on: their epsilon is the session's.
         in_session = not in_params and (
-            guests.is_to_linen(module) or id(frame.root) in self.nested
+            guests.wraps_guest("linen", module) or id(frame.root) in self.nested
         )
         call = session.enter(
             "/".join(path if tap is None else (*path, tap)),
@@ -427,7 +375,7 @@ class _Interceptor:
         )
         value = run()
         patch = None
-        if in_params and call.name in session.patched_with_values():
+        if in_params and call.name in session.carrier.patched_with_values():
             patch = module.scope.get_variable(
                 "params", carrier_name("patch", method, call.index, tap)
             )
@@ -449,24 +397,13 @@ class _Interceptor:
             record=not lifted,
             patch=patch,
         )
-        if lifted and (call.name in session.selected or session.discovering):
-            inputs = positional_arrays(call_args) if session.with_inputs else None
-            recording = session.to_carry_out(value)
+        carrier = session.carrier
+        if lifted and carrier.carries_out(call.name):
             key = carrier_name("recording", method, call.index, tap)
             module.scope.put_variable(
                 "params" if in_params else RECORDING_COLLECTION,
                 key,
-                (recording, inputs),
+                carrier.to_carry_out(value, call_args),
             )
-            session.defer(call.name, (in_params, path, key))
+            carrier.defer(call.name, (in_params, path, key))
         return value
-
-
-def _recorded(state: Mapping, where: tuple) -> tuple[Any, Any]:
-    """A value recorded inside a lifted transform, as it left it in `state`:
-    in the probe's collection, or among the parameters inside `nn.scan`."""
-    in_params, path, key = where
-    node = state["params" if in_params else RECORDING_COLLECTION]
-    for part in path:
-        node = node[part]
-    return node[key]

@@ -5,12 +5,13 @@ weights are read from the probe's split state by attribute path (BatchNorm's
 running statistics are `nnx.BatchStat` variables of the rest of the state).
 NNX is channel-last with `(in, out)` kernels, the canonical layout already;
 `LinearGeneral` kernels with head axes (attention projections) are flattened
-row-major. The new probe holds new state: the user's module is untouched.
+row-major. NNX's modules hold Linen's weights and hyperparameters under
+Linen's names, so Linen's converters read them. The new probe holds new
+state: the user's module is untouched.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -18,15 +19,15 @@ from flax import nnx
 
 from bridge.adapter_api import (
     Layer,
+    LayerKinds,
+    ParameterisedCall,
     Site,
-    dense_kernel,
-    flatten_trailing,
-    flattened,
     key_name,
+    placed,
     replace_leaves,
 )
 
-from ..linen.porting import hyperparameters
+from ..linen import porting as flax
 
 
 def _leaf_path(key_path: tuple) -> tuple[str, ...]:
@@ -47,124 +48,52 @@ def _by_module(state: Any) -> dict[str, dict[str, Any]]:
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     """Each call of a module holding `nnx.Param` variables itself, in call order."""
     params, rest = _by_module(probe.params), _by_module(probe.rest)
-    found = []
     # The root module is no site, but may own parameters (a bare nnx.Linear).
     root = nnx.merge(probe.graphdef, probe.params, probe.rest, copy=True)
-    for site in [Site("", "", None, 0, root, None), *sites]:
-        if site.module is None:
-            continue
-        own = params.get(site.path)
-        if not own and not isinstance(site.module, nnx.BatchNorm):
-            continue
-        layer = _layer(site, own or {}, rest.get(site.path, {}))
-        found.append(
-            dataclasses.replace(layer, hyperparameters=hyperparameters(layer, site))
+    return KINDS.layers(
+        ParameterisedCall(
+            site,
+            site.module,
+            params.get(site.path, {}),
+            ("params", *_parts(site.path)),
+            rest.get(site.path, {}),
+            ("rest", *_parts(site.path)),
         )
-    return found
-
-
-_NORM_KINDS = {
-    nnx.LayerNorm: "layernorm",
-    nnx.RMSNorm: "rmsnorm",
-    nnx.GroupNorm: "groupnorm",
-}
-
-
-def _layer(site: Site, own: dict, rest: dict) -> Layer:
-    module = site.module
-    lead = site.stacked  # iteration axes of an nnx.scan around the module
-    described = f"nnx.{type(module).__name__}"
-    at = ("params", *site.path.split("/")) if site.path else ("params",)
-    rest_at = ("rest", *at[1:])
-
-    def identity(names: dict) -> dict:
-        return {name: (path, lambda value: value) for name, path in names.items()}
-
-    if isinstance(module, nnx.Linear | nnx.LinearGeneral) and "kernel" in own:
-        general = isinstance(module, nnx.LinearGeneral)
-        inputs = len(module.in_features) if general else 1
-        outputs = len(module.out_features) if general else 1
-        weights = {
-            "kernel": dense_kernel(own["kernel"], inputs, lead),
-            "bias": flattened(own.get("bias"), lead),
-        }
-        return Layer(
-            site.name,
-            site.path,
-            "dense",
-            described,
-            weights,
-            to_common=flatten_trailing(outputs),
-            locations=identity({"kernel": (*at, "kernel"), "bias": (*at, "bias")}),
-        )
-    if isinstance(module, nnx.Conv):
-        return Layer(
-            site.name,
-            site.path,
-            "conv",
-            described,
-            {"kernel": own["kernel"], "bias": own.get("bias")},
-            locations=identity({"kernel": (*at, "kernel"), "bias": (*at, "bias")}),
-        )
-    if isinstance(module, nnx.LayerNorm | nnx.RMSNorm | nnx.GroupNorm):
-        kind = next(k for cls, k in _NORM_KINDS.items() if isinstance(module, cls))
-        names = ("scale",) if kind == "rmsnorm" else ("scale", "bias")
-        return Layer(
-            site.name,
-            site.path,
-            kind,
-            described,
-            {name: flattened(own.get(name), lead) for name in names},
-            locations=identity({name: (*at, name) for name in names}),
-        )
-    if isinstance(module, nnx.BatchNorm):
-        weights = {
-            "scale": flattened(own.get("scale"), lead),
-            "bias": flattened(own.get("bias"), lead),
-            "mean": flattened(rest.get("mean"), lead),
-            "var": flattened(rest.get("var"), lead),
-        }
-        locations = {
-            "scale": (*at, "scale"),
-            "bias": (*at, "bias"),
-            "mean": (*rest_at, "mean"),
-            "var": (*rest_at, "var"),
-        }
-        return Layer(
-            site.name,
-            site.path,
-            "batchnorm",
-            described,
-            weights,
-            locations=identity(locations),
-        )
-    if isinstance(module, nnx.Embed):
-        return Layer(
-            site.name,
-            site.path,
-            "embed",
-            described,
-            {"embedding": own["embedding"]},
-            locations=identity({"embedding": (*at, "embedding")}),
-        )
-    cls = type(module)  # a reporting subclass keeps the module and name
-    return Layer(
-        site.name,
-        site.path,
-        f"module:{cls.__module__}.{cls.__qualname__}",
-        described,
-        dict(own),
-        locations=identity({name: (*at, name) for name in own}),
+        for site in [Site("", "", None, 0, root, None), *sites]
+        if site.module is not None
     )
+
+
+def _parts(path: str) -> tuple[str, ...]:
+    return tuple(path.split("/")) if path else ()
+
+
+def _linear_general(call: ParameterisedCall):
+    module = call.module
+    return flax.dense(call, len(module.in_features), len(module.out_features))
+
+
+KINDS = LayerKinds(
+    {
+        nnx.Linear: flax.dense,
+        nnx.LinearGeneral: _linear_general,
+        nnx.Conv: flax.conv,
+        nnx.LayerNorm: flax.layer_norm,
+        nnx.RMSNorm: flax.rms_norm,
+        nnx.GroupNorm: flax.group_norm,
+        nnx.BatchNorm: flax.batch_norm,
+        nnx.Embed: flax.embed,
+    },
+    named="nnx.",
+    kept_without_weights=(nnx.BatchNorm,),
+)
 
 
 def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     """A new probe with the given canonical weights, in new state objects."""
     replacements: dict[str, dict] = {"params": {}, "rest": {}}
-    for layer, weights in updates:
-        for name, (path, convert) in layer.locations.items():
-            if weights.get(name) is not None:
-                replacements[path[0]][path[1:]] = convert(weights[name])
+    for _, (collection, *path), value in placed(updates):
+        replacements[collection][tuple(path)] = value
     params = replace_leaves(probe.params, replacements["params"], _leaf_path)
     rest = replace_leaves(probe.rest, replacements["rest"], _leaf_path)
     return type(probe)(probe.graphdef, params, rest, probe.vmap)

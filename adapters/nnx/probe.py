@@ -39,6 +39,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,6 +52,7 @@ from bridge.adapter_api import BridgeTypeError, ProbeBase, Session, current_sess
 from ..shared import guests, jax_internals
 from . import internals
 from . import transforms as nnx_run
+from .guest import to_nnx_class
 
 #: The probe's run of its copy, while it runs: a reporting method reports only
 #: calls of the modules of the copy running now (or of the NNX module an
@@ -159,7 +161,7 @@ class NnxProbe(ProbeBase):
         # Discovery first runs without markers; where it meets a module that
         # nnx.scan carries or broadcasts, it runs again with one on each.
         candidates: dict[tuple[str, str], int] = {}
-        return session.run_with_fallback(
+        return session.recorder.run_with_fallback(
             lambda markers: self._run_once(
                 trainable, args, kwargs, session, candidates, markers
             ),
@@ -177,7 +179,9 @@ class NnxProbe(ProbeBase):
         markers: bool,
     ) -> tuple[Any, Any]:
         model = nnx.merge(self.graphdef, trainable, self.rest, copy=True)
-        run = nnx_run.Run(_instrument(model), _RUN_CODE, candidates, markers)
+        # Scans around this frame (a user's jit or scan of the probe) are not
+        # the model's: the walks up the stack stop here.
+        run = nnx_run.Run(_instrument(model), sys._getframe(), candidates, markers)
         run.place_variables(session)
         # Graph nodes among the inputs (an `nnx.Rngs` for dropout) are the
         # user's too: the model may advance them, so it gets copies.
@@ -185,7 +189,7 @@ class NnxProbe(ProbeBase):
         token = _RUN.set(run)
         try:
             with (
-                session.tapping(functools.partial(run.tap, session)),
+                session.taps.tapping(functools.partial(run.tap, session)),
                 guests.hosting("nnx", run.innermost_transform),
             ):
                 outputs = model(*args, **kwargs)
@@ -194,16 +198,11 @@ class NnxProbe(ProbeBase):
             raise
         finally:
             _RUN.reset(token)
-        if session.discovering and not markers and candidates:
-            raise nnx_run.NeedsCarried
+        if not markers and candidates:  # noted by discovery's first pass only
+            session.recorder.fall_back()  # again, with a marker on each
         run.hand_over(session)
         state = nnx.state(model, nnx.Not(nnx.Param))
         return outputs, state if jax.tree.leaves(state) else None
-
-
-#: Where the probe's own call of the model is: `lax.scan`s around it are not
-#: the model's.
-_RUN_CODE = NnxProbe._run_once.__code__
 
 
 def _copy_graph_nodes(tree: Any) -> Any:
@@ -243,7 +242,7 @@ def _reporting_class(cls: type) -> type:
         return cls
     reporting = _REPORTING_CLASSES.get(cls)
     if reporting is None:
-        to_nnx = guests.to_nnx_class()
+        to_nnx = to_nnx_class()
         hides = to_nnx is not None and issubclass(cls, to_nnx)
         namespace = {
             name: _reporting_method(
@@ -313,7 +312,7 @@ def _hiding_bridge_attributes(method: Callable) -> Callable:
 
 class GuestRun:
     """The NNX modules an `nnx.bridge.ToLinen` builds during one of its calls,
-    inside a Linen model (see `bridge.adapters.shared.guests.call_linen_module`).
+    inside a Linen model (see `bridge.adapters.nnx.guest.call_to_linen`).
 
     Their submodules get reporting classes, named under the `ToLinen`'s path;
     each call's epsilon is the session's own. That is right where the calls

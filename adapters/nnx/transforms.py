@@ -13,39 +13,15 @@ back from the copy after the call. A transform that would not carry them (a
 module broadcast with `in_axes=None`, `graph=False` or `graph_updates=False`,
 `nnx.jit`, loops) raises an error naming it rather than drop or sum a site.
 
-A module that `nnx.scan` CARRIES (`nnx.StateAxes({...: nnx.Carry})`, as
-`nnx.RNN` scans its cell) keeps its parameters' full shape inside, and the
-scan's carry must keep its structure: nothing may be added there. Its sites
-work as Haiku's inside `hk.scan`: before the call the copy gets, per
-selected site, the whole epsilon (and patch value) `(length, ...)`, a
-recording buffer `(length, ...)` and an int32 step counter; inside, the
-counter picks the step's row (`length - 1 - step` with `reverse`), the
-recording is written with `.at[row].set` and the counter bumped; after the
-call the recording is read off the copy. `length` and `reverse` come from
-`lax.scan`'s frame (`bridge.adapters.shared.jax_internals.scan_frames`). Such a
-site holds every step, `(length, *value shape)`, in the order of `xs`; a
-patch value is given in that shape (its row is taken), a patch function
-sees one step's value, and `with_inputs=True` records each step's inputs.
-
-Carried and broadcast (`StateAxes({...: None})`, `in_axes=None`) look alike
-inside the body, and NNX silently drops a broadcast module's updates. So
-discovery never guesses: a call inside `nnx.scan` whose parameters keep
-their outer shapes (or that has none) is only noted on the first pass,
-changing nothing; if there was one, discovery runs again with a `(length,)`
-int32 marker on each such module. Inside, a marker the scan sliced to `()`
-belongs to a sliced module (the stacked route above); otherwise the body
-bumps it, and after the call a marker still holding the very array placed
-was dropped: the module was broadcast, and discovery raises. A carried
-module inside nested scans or inside another transform within the scan
-raises `NotImplementedError` naming it.
+A module that `nnx.scan` carries rather than slices is
+`bridge.adapters.nnx.carried`; bridge's variables on the copy are
+`bridge.adapters.nnx.variables`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -54,70 +30,27 @@ from bridge.adapter_api import (
     BridgeValueError,
     Session,
     Site,
-    SiteOrigin,
     add_epsilon,
     carrier_name,
-    differentiable_part,
-    is_carrier_name,
-    positional_arrays,
 )
 
 from ..shared import jax_internals
-from . import internals
+from . import carried, internals
+from .variables import PATH_ATTRIBUTE as PATH_ATTRIBUTE
+from .variables import Carried, Origin, Recording
+from .variables import is_bridge_attribute as is_bridge_attribute
 
 jax_internals.require_scan_frame("Flax NNX")
-
-#: The static attribute naming a module of the copy: it survives NNX's
-#: split and merge inside transforms, where the module is a new object.
-PATH_ATTRIBUTE = "_bridge_path"
 
 #: NNX transforms (their update-context tags) that carry a module's `Param`
 #: variables in and out, mapped or not, so they carry bridge's too.
 _CARRYING = {"scan": "nnx.scan", "vmap": "nnx.vmap", "remat": "nnx.remat"}
 
 
-class _BridgeVariable(nnx.Param):
-    """bridge's variables on the private copy. Subclasses of `nnx.Param`, so
-    they ride wherever the model's transforms send its parameters (a
-    `StateAxes({nnx.Param: 0, ...: None})` too); never in `grads` or `state`."""
-
-
-class _Carried(_BridgeVariable):
-    """A site's epsilon or patch value, stacked like the site: sliced per
-    iteration going in."""
-
-
-class _Recording(_BridgeVariable):
-    """A site's `(value, inputs)` recorded inside a transform: stacked coming out."""
-
-
 class NeedsCarried(Exception):
     """Discovery met a module inside `nnx.scan` whose parameters keep their
     full shape there (carried or broadcast, not sliced): it runs again with a
     marker on each such module, to tell which."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Origin(SiteOrigin):
-    """Where an NNX site lives: the module's path, and whether its calls run
-    inside an NNX transform of the model's own code (named in `transforms`).
-
-    For a module that `nnx.scan` carries, `scan` is `(length, reverse)`, and
-    `value` and `inputs` are the abstract value (floating leaves) and
-    positional arguments of one step: its stacked epsilon, recording and step
-    counter ride in the carry, shaped before the call.
-    """
-
-    path: str
-    transforms: tuple[str, ...] = ()
-    scan: tuple[int, bool] | None = None
-    value: Any = None
-    inputs: Any = None
-
-
-def is_bridge_attribute(name: str) -> bool:
-    """Whether an attribute of a module of the copy is bridge's own."""
-    return name == PATH_ATTRIBUTE or is_carrier_name(name)
 
 
 class Run:
@@ -144,7 +77,7 @@ class Run:
         markers: bool = False,
     ):
         self.modules = modules
-        self.stop = stop  # the code of the probe's call of the model
+        self.stop = stop  # the frame of the probe's own call of the model
         self.ids = {id(module): path for path, module in modules.items()}
         self.outer = internals.active_transforms()
         self.first_lifted: tuple[str, tuple[str, ...]] | None = None
@@ -159,25 +92,26 @@ class Run:
         if markers:
             for (path, key), length in self.candidates.items():
                 marker = jnp.zeros((length,), jnp.int32)
-                setattr(self.modules[path], key, _Carried(marker))
+                setattr(self.modules[path], key, Carried(marker))
                 self.placed[path, key] = marker
 
     def place_variables(self, session: Session) -> None:
-        """Put on its module what `Session.to_carry_in` gives for each selected
-        or patched site inside a transform: its epsilon and patch value,
+        """Put on its module what the carrier's `to_carry_in` gives for each
+        selected or patched site inside a transform: its epsilon and patch value,
         stacked like the site, and for a site inside a carrying `nnx.scan` its
         step counter and, if selected, its recording rows."""
 
         def inside_transform(site: Site) -> bool:
             return isinstance(site.origin, Origin) and bool(site.origin.transforms)
 
-        for carried in session.to_carry_in(inside_transform, inside_transform):
-            module = self.modules[carried.site.origin.path]
-            if carried.kind == "recording":
-                setattr(module, carried.name, _Recording(carried.value))
-                self.placed[carried.site.origin.path, carried.name] = carried.value
+        carrier = session.carrier
+        for placed in carrier.to_carry_in(inside_transform, inside_transform):
+            module = self.modules[placed.site.origin.path]
+            if placed.kind == "recording":
+                setattr(module, placed.name, Recording(placed.value))
+                self.placed[placed.site.origin.path, placed.name] = placed.value
             else:
-                setattr(module, carried.name, _Carried(carried.value))
+                setattr(module, placed.name, Carried(placed.value))
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
         """`bridge.tap` in the model's code: refused inside an NNX transform,
@@ -191,7 +125,7 @@ class Run:
                 "value outside the transform, or select the call of the module "
                 "that computes it."
             )
-        return session.tap_here(name, value)
+        return session.taps.tap_here(name, value)
 
     def transforms(self) -> tuple[str, ...]:
         """The NNX transforms of the model's own code running now."""
@@ -239,8 +173,8 @@ class Run:
         if self.first_lifted is None:
             self.first_lifted = (path, names)
         step_key = carrier_name("step", site_method, call.index)
-        if session.discovering and "nnx.scan" in names:
-            if not self.markers and self._keeps_shape(module, path):
+        if "nnx.scan" in names and session.recorder.learns_sites():
+            if not self.markers and carried.keeps_shape(module, self.modules[path]):
                 # Carried or broadcast: the second pass tells which. Nothing
                 # is set on the module, so the scan's carry keeps its structure.
                 (length, _), *_ = jax_internals.scan_frames(self.stop)
@@ -248,7 +182,8 @@ class Run:
                 return session.exit(call, method(module, *args, **kwargs))
             marker = vars(module).get(step_key)
             if marker is not None and jnp.ndim(internals.get_value(marker)):
-                return self._discover_carried(
+                return carried.discover(
+                    self,
                     module,
                     marker,
                     step_key,
@@ -259,12 +194,14 @@ class Run:
                     kwargs,
                     session,
                 )
-        elif not session.discovering and step_key in vars(module):
-            return self._run_carried(module, call, method, args, kwargs, session)
+        elif step_key in vars(module):
+            # A run placed its step counter (`to_carry_in`); discovery's
+            # markers are met above.
+            return carried.run_step(module, call, method, args, kwargs, session)
         value = method(module, *args, **kwargs)
-        carried = vars(module)
-        epsilon = carried.get(carrier_name("epsilon", site_method, call.index))
-        patch = carried.get(carrier_name("patch", site_method, call.index))
+        variables = vars(module)
+        epsilon = variables.get(carrier_name("epsilon", site_method, call.index))
+        patch = variables.get(carrier_name("patch", site_method, call.index))
 
         def perturb(value):
             return add_epsilon(value, internals.get_value(epsilon))
@@ -277,108 +214,10 @@ class Run:
             # this iteration's slice of the stacked patch
             patch=None if patch is None else internals.get_value(patch),
         )
-        if session.discovering or call.name in session.selected:
-            recording = session.to_carry_out(value)
-            inputs = positional_arrays(args) if session.with_inputs else None
+        if session.carrier.carries_out(call.name):
             key = carrier_name("recording", site_method, call.index)
-            setattr(module, key, _Recording((recording, inputs)))
-            session.defer(call.name, (path, key, names))
-        return value
-
-    def _keeps_shape(self, module: nnx.Module, path: str) -> bool:
-        """Whether the module's parameters inside the transform have the shapes
-        they have outside it (true of a module without any): not sliced."""
-        return _param_shapes(module) == _param_shapes(self.modules[path])
-
-    def _discover_carried(
-        self, module, marker, step_key, call, names, method, args, kwargs, session
-    ):
-        """Discovery of a call whose module nnx.scan did not slice: the site
-        holds every step, `(length, *value shape)`, as the scan's ys would."""
-        frames = jax_internals.scan_frames(self.stop)
-        depth = internals.depth("scan")
-        if names != ("nnx.scan",) or len(frames) != 1 or depth > 1:
-            inner = [n for n in names if n != "nnx.scan"]
-            where = (
-                f"inside {' inside '.join(reversed(inner))} inside nnx.scan"
-                if inner
-                else "inside nested scans (nnx.scan or lax.scan inside nnx.scan)"
-            )
-            raise BridgeNotImplementedError(
-                f"'{call.path}' keeps its parameters' full shape inside nnx.scan "
-                f"(the scan carries or broadcasts it) and is called {where}; "
-                "bridge gives the sites of a carried module directly inside one "
-                "nnx.scan only. Select sites outside it with `at=`."
-            )
-        length, reverse = frames[0]
-        # Dropped if the scan broadcasts the module.
-        internals.set_value(marker, internals.get_value(marker) + 1)
-        self.checks.append((call.path, step_key, names))  # in call order
-        value = method(module, *args, **kwargs)
-        call.origin = Origin(
-            call.path,
-            names,
-            (length, reverse),
-            session.arrays.abstract(differentiable_part(value)),
-            session.arrays.abstract(positional_arrays(args)),
-        )
-        value = session.exit(call, value, record=False)
-        session.restructure(
-            call.name,
-            jax.tree.map(
-                lambda v: jnp.broadcast_to(v, (length, *jnp.shape(v))),
-                jax.tree.map(
-                    lambda v: v if session.arrays.is_array(v) else None, value
-                ),
-            ),
-        )
-        return value
-
-    def _run_carried(self, module, call, method, args, kwargs, session):
-        """A selected (or patched) call whose module nnx.scan carries: its
-        epsilon, patch value and recording hold every step; the carried
-        counter picks the row."""
-        site = session.selected.get(call.name) or session.patched[call.name]
-        length, reverse = site.origin.scan
-        variables = vars(module)
-
-        def key(kind):
-            return carrier_name(kind, call.method, call.index)
-
-        counter = variables[key("step")]
-        step = internals.get_value(counter)
-        row = length - 1 - step if reverse else step
-        epsilon = variables.get(key("epsilon"))
-        patch = variables.get(key("patch"))
-
-        def perturb(value):
-            return add_epsilon(
-                value, jax.tree.map(lambda e: e[row], internals.get_value(epsilon))
-            )
-
-        value = method(module, *args, **kwargs)
-        rows = (  # this step's row of the stacked patch
-            None
-            if patch is None
-            else jax.tree.map(lambda p: p[row], internals.get_value(patch))
-        )
-        value = session.exit(
-            call,
-            value,
-            perturb if epsilon is not None else None,
-            record=False,
-            patch=rows,
-        )
-        internals.set_value(counter, step + 1)
-        if call.name not in session.selected:
-            return value
-        recording = variables[key("recording")]
-        values, inputs = internals.get_value(recording)
-        values = _set_row(values, row, differentiable_part(value))
-        if inputs is not None:
-            inputs = _set_row(inputs, row, positional_arrays(args))
-        internals.set_value(recording, (values, inputs))
-        session.defer(call.name, (call.path, key("recording"), ("nnx.scan",)))
+            setattr(module, key, Recording(session.carrier.to_carry_out(value, args)))
+            session.carrier.defer(call.name, (path, key, names))
         return value
 
     def hand_over(self, session: Session) -> None:
@@ -389,7 +228,7 @@ class Run:
                 is self.placed[path, key]
             ):
                 raise self._broadcast_error(path, names)
-        session.hand_over(self._recorded)
+        session.carrier.hand_over(self._recorded)
 
     def _recorded(self, where: tuple) -> tuple[Any, Any]:
         """A value recorded inside transforms, as it left them on the copy."""
@@ -431,19 +270,6 @@ class Run:
                 else "."
             )
         )
-
-
-def _param_shapes(module: nnx.Module) -> dict:
-    """The shapes of a module's parameters (its submodules' too), not bridge's."""
-    return {
-        path: jnp.shape(internals.get_value(variable))
-        for path, variable in nnx.iter_graph(module)
-        if isinstance(variable, nnx.Param) and not isinstance(variable, _BridgeVariable)
-    }
-
-
-def _set_row(rows: Any, row: Any, values: Any) -> Any:
-    return jax.tree.map(lambda r, v: r.at[row].set(v), rows, values)
 
 
 def transform_name(tag: Any) -> str:

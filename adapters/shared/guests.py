@@ -24,13 +24,23 @@ sum their gradients. Such a call is still listed as a site (with the shape of
 one iteration), but selecting or patching it raises, naming the transform.
 
 NNX modules cannot be intercepted: their calls are plain Python calls. Under
-`nnx.bridge.ToLinen` (Linen's interceptor sees the `ToLinen` call), the NNX
-module that `ToLinen` builds from the Linen variables is given reporting
-classes as the NNX adapter gives its copy (`call_linen_module`). Equinox
-modules are plain callables too, and the Equinox adapter reaches them by tree
-surgery on the model it is given: an Equinox module called inside another
-library's model is not a site, and selecting a path inside one that an NNX
-module holds raises saying so (`equinox_attributes`).
+`nnx.bridge.ToLinen`, a *wrapper* (a Linen module that builds an NNX module
+on each call), Linen's interceptor sees the `ToLinen` call and hands it to
+NNX's guest side (`call_module`), which gives the NNX module it builds the
+reporting classes the NNX adapter gives its copy. Equinox modules are plain
+callables too, reached by tree surgery on an Equinox model only: one called
+inside another library's model is not a site, and selecting a path inside
+one that an NNX module holds raises saying so (`check_not_inside`).
+
+This module is the framework and knows libraries only by name: the host
+(`hosting`), the report of a guest call (`observe`, `Guest`), the checks of
+the trace it runs in. Each library's guest side lives in its own package,
+registered in `_LIBRARIES` by `"module:attribute"` strings imported on first
+use, once the library is in `sys.modules`, as adapters are: Linen's
+interceptor in `bridge.adapters.linen.guest`, Haiku's in
+`bridge.adapters.haiku.guest`, NNX's side of `ToLinen` and `ToNNX` in
+`bridge.adapters.nnx.guest`. Library packages import this module, never the
+reverse.
 
 A host adapter opts in with `@hosted("library")` on the method that calls its
 model (or `with hosting(...)`): the trace that method runs in is the host's.
@@ -42,17 +52,12 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bridge.adapter_api import (
-    BodyTraces,
-    BridgeValueError,
-    Session,
-    current_session,
-    is_carrier_name,
-)
+from bridge.adapter_api import BodyTraces, BridgeValueError, Session, current_session
 
 try:
     # Telling whether a guest call runs in the host's trace needs JAX's trace
@@ -63,16 +68,79 @@ try:
 except ImportError:
     jax_internals = None
 
-#: The libraries whose module calls a guest interceptor can catch, by the
-#: module that must already be imported for a model to use them.
-_INTERCEPTABLE = {"linen": "flax.linen", "haiku": "haiku"}
 
-_LIBRARY_NAMES = {
-    "linen": "Flax Linen",
-    "nnx": "Flax NNX",
-    "haiku": "Haiku",
-    "equinox": "Equinox",
+# -- the libraries, by name --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestLibrary:
+    """A library as guests know it. Its guest side is named by
+    `"module:attribute"` strings, imported on first use: this module imports
+    no library package."""
+
+    #: The library's name in error messages.
+    title: str
+    #: The module every model using the library has imported: until it is in
+    #: `sys.modules`, nothing of the library's guest side is imported.
+    imported_as: str
+    #: `intercepting(host)`: a context manager that reports the library's
+    #: module calls made anywhere inside it.
+    intercepting: str | None = None
+    #: The library whose modules may wrap this library's: build a module of
+    #: it on each call and call it (`"linen"` for NNX's `nnx.bridge.ToLinen`).
+    wrapped_in: str | None = None
+    #: The wrapper class, looked up in `sys.modules` and never imported (a
+    #: model using it has imported it): telling a wrapper costs no import.
+    wrapper: str | None = None
+    #: `call_wrapper(host, wrapper, next_fun, call_args, call_kwargs)`: the
+    #: wrapper's call, with the modules it builds reporting their calls.
+    call_wrapper: str | None = None
+
+
+_LIBRARIES = {
+    "linen": GuestLibrary(
+        "Flax Linen",
+        "flax.linen",
+        intercepting="bridge.adapters.linen.guest:intercepting",
+    ),
+    "haiku": GuestLibrary(
+        "Haiku", "haiku", intercepting="bridge.adapters.haiku.guest:intercepting"
+    ),
+    "nnx": GuestLibrary(
+        "Flax NNX",
+        "flax.nnx",
+        wrapped_in="linen",
+        wrapper="flax.nnx.bridge.wrappers:ToLinen",
+        call_wrapper="bridge.adapters.nnx.guest:call_to_linen",
+    ),
+    # A host only: Equinox modules are plain callables, which nothing catches.
+    "equinox": GuestLibrary("Equinox", "equinox"),
 }
+
+
+def _imported(library: GuestLibrary) -> bool:
+    return sys.modules.get(library.imported_as) is not None
+
+
+@functools.cache
+def _load(where: str) -> Any:
+    """The attribute `"module:attribute"` names, its module imported."""
+    module_name, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _guest_side(where: str) -> Any:
+    """`_load(where)`, or `None` where the guest library's adapter refuses this
+    release of it (`unsupported`): its calls inside the host's model are then
+    no sites, never wrong ones, and the host's own sites are unaffected."""
+    try:
+        return _load(where)
+    except ImportError:
+        return None
+
+
+def _title(library: str) -> str:
+    return _LIBRARIES[library].title
 
 
 @dataclasses.dataclass
@@ -90,7 +158,7 @@ class Host:
             return None
         named = self.describe()
         where = f"{named} in" if named else f"{_trace_name(trace)} in"
-        return f"{where} the {_LIBRARY_NAMES[self.library]} model's own code"
+        return f"{where} the {_title(self.library)} model's own code"
 
 
 _HOST: contextvars.ContextVar[Host | None] = contextvars.ContextVar(
@@ -118,9 +186,11 @@ def hosting(
     token = _HOST.set(host)
     try:
         with contextlib.ExitStack() as stack:
-            for guest, module_name in _INTERCEPTABLE.items():
-                if guest != library and module_name in sys.modules:
-                    stack.enter_context(_GUEST_INTERCEPTORS[guest](host))
+            for name, guest in _LIBRARIES.items():
+                if name != library and guest.intercepting and _imported(guest):
+                    intercepting = _guest_side(guest.intercepting)
+                    if intercepting is not None:
+                        stack.enter_context(intercepting(host))
             yield host
     finally:
         _HOST.reset(token)
@@ -176,26 +246,24 @@ def observe(
     otherwise only counted; selecting or patching it raises.
     """
     entered = session.enter(path, method, module, args, record=blocked is None)
-    if (
-        blocked is not None
-        and not session.discovering
-        and (entered.name in session.selected or entered.name in session.patches)
+    if blocked is not None and (
+        entered.name in session.selected or entered.name in session.patches
     ):
         raise BridgeValueError(
-            f"Site {entered.name!r}, a {_LIBRARY_NAMES[library]} module called "
+            f"Site {entered.name!r}, a {_title(library)} module called "
             f"inside another library's model, is inside {blocked}: bridge "
             "cannot see through it there. Its value there belongs to the "
             "transform's own trace (one iteration's inside a scan, one "
             "example's inside a vmap): a recording cannot leave it, and an "
             "epsilon from outside would serve every iteration and sum their "
             "gradients. Select sites outside the transform with `at=`, or "
-            f"probe the {_LIBRARY_NAMES[library]} module on its own."
+            f"probe the {_title(library)} module on its own."
         )
     return session.exit(entered, call(), record=blocked is None)
 
 
 @dataclasses.dataclass
-class _Frame:
+class Frame:
     """One active guest call, as its library's guest interceptor sees it.
 
     `prefix` is the path of the other library's site the guest model was called
@@ -218,8 +286,13 @@ class _Frame:
     lift: str | None = None
 
 
-class _Guest:
-    """A guest interceptor: the frames of its library's active calls."""
+class Guest:
+    """A guest interceptor: the frames of its library's active calls.
+
+    A library's subclass (in its package's `guest` module) sets `library` and
+    reports each of its calls with `_observe`, or passes one that is no site
+    with `_pass`.
+    """
 
     library = ""
     #: Whether a guest model's first call is its root, made where its apply is
@@ -228,16 +301,16 @@ class _Guest:
 
     def __init__(self, host: Host):
         self.host = host
-        self.frames: list[_Frame] = []
+        self.frames: list[Frame] = []
 
-    def _frame(self, session: Session, root: Any = None) -> tuple[_Frame, bool]:
+    def _frame(self, session: Session, root: Any = None) -> tuple[Frame, bool]:
         """The frame of a new call, and whether it starts a guest model's apply
         (its library's first call inside another library's site)."""
         top = self.frames[-1] if self.frames else None
         if top is None or top.inner_depth != depth(session):
             trace = jax_internals.current_trace()
             return (
-                _Frame(
+                Frame(
                     enclosing_path(session),
                     depth(session),
                     trace,
@@ -249,10 +322,10 @@ class _Guest:
             )
         return dataclasses.replace(top, root=root, bodies=BodyTraces(session)), False
 
-    def _blocked(self, frame: _Frame, own_transform: str | None) -> str | None:
+    def _blocked(self, frame: Frame, own_transform: str | None) -> str | None:
         """The transform a guest call is inside, if any: the host's around the
         guest model's apply, or the guest model's own inside it."""
-        guest = _LIBRARY_NAMES[self.library]
+        guest = _title(self.library)
         trace = jax_internals.current_trace()
         around = frame.trace is not self.host.trace
         if around and (self.starts_at_apply or self.host.describe() is not None):
@@ -262,7 +335,7 @@ class _Guest:
         if around:
             # Haiku has no root module: the first call seen may already be
             # inside a transform of the Haiku function.
-            host = _LIBRARY_NAMES[self.host.library]
+            host = _title(self.host.library)
             return (
                 f"{_trace_name(trace)} in the {host} model's own code or the "
                 f"{guest} function's"
@@ -287,7 +360,7 @@ class _Guest:
         finally:
             self.frames.pop()
 
-    def _pass(self, frame: _Frame, run: Callable[[], Any]) -> Any:
+    def _pass(self, frame: Frame, run: Callable[[], Any]) -> Any:
         """A call that is no site, whose nested calls may be."""
         self.frames.append(frame)
         try:
@@ -296,227 +369,44 @@ class _Guest:
             self.frames.pop()
 
 
-class _LinenGuest(_Guest):
-    """Linen modules called inside another library's model (`nnx.bridge.ToNNX`
-    calls `module.apply`): sites named by scope path, as in the Linen adapter."""
-
-    library = "linen"
-
-    def __call__(self, next_fun, call_args, call_kwargs, context):
-        session = current_session()
-        if session is not self.host.session:
-            return next_fun(*call_args, **call_kwargs)
-        module, method = context.module, context.method_name
-        if module.is_initializing():  # the model's code building a Linen model
-            return next_fun(*call_args, **call_kwargs)
-        root = module.scope.root
-        frame, starts = self._frame(session, root)
-        if not starts and root is not self.frames[-1].root:
-            self._entering_lifted_scope(self.frames[-1], module, method)
-        run = functools.partial(
-            call_linen_module, module, next_fun, call_args, call_kwargs
-        )
-        if (
-            module.path == ()
-            or method == "setup"
-            or (method.startswith("_") and method != "__call__")
-        ):
-            return self._pass(frame, run)
-        lifted = root is not frame.apply_root
-        frame.inner_depth = depth(session) + 1
-        return self._observe(
-            frame,
-            joined(frame.prefix, "/".join(module.path)),
-            None if method == "__call__" else method,
-            module,
-            call_args,
-            run,
-            (frame.transform or "a Flax lifted transform") if lifted else None,
-        )
-
-    def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
-        """As the Linen adapter's interceptor (`entering_linen_lifted_scope`)."""
-        transform = entering_linen_lifted_scope(parent.bodies, module, method)
-        if transform is not None:
-            parent.transform = transform
+# -- wrappers: a module of one library that builds and calls another's ------------
 
 
-class _HaikuGuest(_Guest):
-    """Haiku modules called inside another library's model (an `hk.transform`ed
-    function's `apply`): sites named by `module_name`, as in the Haiku adapter."""
-
-    library = "haiku"
-    starts_at_apply = False
-
-    def __init__(self, host: Host):
-        super().__init__(host)
-        # `{depth: name}` of the `LiftingModule` (`hk.experimental.layer_stack`,
-        # `hk.lift`) last called at that depth: the calls inside it are named
-        # under it, as their parameters are (`__layer_stack_no_per_layer/linear`).
-        self.lifts: dict[int, str] = {}
-
-    def __call__(self, next_fun, call_args, call_kwargs, context):
-        session = current_session()
-        if (
-            session is not self.host.session
-            or not _is_haiku_site(context)
-            or _haiku_running_init()  # the model's code building a Haiku model
-        ):
-            return next_fun(*call_args, **call_kwargs)
-        if type(context.module).__name__ == "LiftingModule":
-            # Returns the lifted parameters, not an activation: not a site.
-            self.lifts[depth(session)] = context.module.module_name
-            return next_fun(*call_args, **call_kwargs)
-        frame, starts = self._frame(session)
-        if starts and jax_internals.current_trace() is self.host.trace:
-            self.lifts.pop(depth(session), None)
-        elif starts:
-            frame.lift = self.lifts.get(depth(session))
-        name = context.module.module_name
-        if frame.lift is not None:
-            name = joined(frame.lift, name)
-        lift = "hk.experimental.layer_stack (or hk.lift)" if frame.lift else None
-        frame.inner_depth = depth(session) + 1
-        method = context.method_name
-        return self._observe(
-            frame,
-            joined(frame.prefix, name),
-            None if method == "__call__" else method,
-            context.module,
-            call_args,
-            lambda: next_fun(*call_args, **call_kwargs),
-            lift,
-        )
+def _wrapped_by(library: str, module: Any) -> GuestLibrary | None:
+    """Where `module`, a module of `library`, is a wrapper: the library of the
+    module it builds and calls on each call (NNX for an `nnx.bridge.ToLinen`)."""
+    for guest in _LIBRARIES.values():
+        if guest.wrapped_in != library or not _imported(guest):
+            continue
+        module_name, _, attribute = guest.wrapper.partition(":")
+        wrapper = getattr(sys.modules.get(module_name), attribute, None)
+        if wrapper is not None and isinstance(module, wrapper):
+            return guest
+    return None
 
 
-def entering_linen_lifted_scope(
-    bodies: BodyTraces, module: Any, method: str
-) -> str | None:
-    """A Linen call in a new scope root (inside a lifted transform), whose
-    parent frame holds `bodies`. A lifted transform's own module (`ScanBlock`,
-    scope path `()`) is called before its body runs: it starts a new call of
-    the body, and its transform's name is returned. A body's first call
-    starts its trace, first or repeated (Flax traces a body more than once).
-    In `nn.scan(nn.remat(Block))` the scan's body is the own module of the
-    remat, `CheckpointBlock`, a base class of `ScanCheckpointBlock`: it is
-    traced again as any body is, not a new call."""
-    key = (module.path, module.name, method, type(module))
-    if module.path == () and not any(
-        started[0] == () and issubclass(started[3], type(module))
-        for started in bodies
-        if started[3] is not type(module)
-    ):
-        bodies.clear()
-        bodies.begin(key)
-        return linen_transform_name(module)
-    bodies.begin_or_again(key)
-    return linen_transform_name(module) if module.path == () else None
+def wraps_guest(library: str, module: Any) -> bool:
+    """Whether `module`, a module of `library`, builds a module of another
+    library and calls it (`nnx.bridge.ToLinen`)."""
+    return _wrapped_by(library, module) is not None
 
 
-def _haiku_running_init() -> bool:
-    import haiku as hk
+def call_module(
+    library: str, module: Any, next_fun: Callable, call_args: tuple, call_kwargs: dict
+) -> Any:
+    """Call `module`, a module of `library`, from an interceptor of its calls.
 
-    return hk.running_init()
-
-
-def _is_haiku_site(context: Any) -> bool:
-    """A module method call the Haiku adapter counts as a site."""
-    from ..haiku.probe import is_site
-
-    return is_site(context)
-
-
-@contextlib.contextmanager
-def _intercepting_linen(host: Host) -> Iterator[None]:
-    import flax.linen as nn
-
-    with nn.intercept_methods(_LinenGuest(host)):
-        yield
-
-
-@contextlib.contextmanager
-def _intercepting_haiku(host: Host) -> Iterator[None]:
-    import haiku as hk
-
-    with hk.intercept_methods(_HaikuGuest(host)):
-        yield
-
-
-_GUEST_INTERCEPTORS = {"linen": _intercepting_linen, "haiku": _intercepting_haiku}
-
-
-# -- NNX inside Linen: `nnx.bridge.ToLinen` ---------------------------------------
-
-
-def call_linen_module(module: Any, next_fun, call_args, call_kwargs) -> Any:
-    """Call a Linen module's method; for `nnx.bridge.ToLinen`, with the NNX
-    module it builds given reporting classes, so its submodules are sites
-    named under the `ToLinen`'s path (`ToLinen_0/linear`), as Linen keys
-    their parameters.
-
-    `ToLinen.__call__` builds a new NNX module from the Linen variables on
-    every call with `self.nnx_class(...)`; for the length of the call the
-    bound `ToLinen` (Linen's own clone for this apply, not the user's
-    module) builds it through a factory that instruments what it built.
+    A wrapper (`wraps_guest`) called while a host runs its model in this
+    session is called by the guest side of the library it wraps, which makes
+    the submodules of the module it builds sites under the wrapper's path.
     """
     host = _HOST.get()
-    session = current_session()
-    if (
-        not is_to_linen(module)
-        or host is None
-        or session is not host.session
-        or module.is_initializing()
-    ):
-        return next_fun(*call_args, **call_kwargs)
-    from flax import nnx
-
-    from ..nnx import probe as nnx_adapter
-
-    run = nnx_adapter.GuestRun(host, enclosing_path(session))
-    original = module.__dict__["nnx_class"]
-
-    def build(*args: Any, **kwargs: Any) -> Any:
-        built = original(*args, **kwargs)
-        # `ToLinen` loads every variable of its scope into the module it built,
-        # and warns about (and adds) those the module lacks: bridge's own, in
-        # `params` inside a Linen lifted transform. Give the module them.
-        for name, value in _bridge_variables(module).items():
-            setattr(built, name, nnx.Param(value))
-        return run.instrument(built)
-
-    object.__setattr__(module, "nnx_class", build)
-    try:
-        with nnx_adapter.running(run):
-            return next_fun(*call_args, **call_kwargs)
-    finally:
-        object.__setattr__(module, "nnx_class", original)
-
-
-def _bridge_variables(module: Any) -> dict[str, Any]:
-    """The Linen adapter's variables in a Linen module's scope, by name."""
-    return {
-        name: value
-        for collection in module.variables.values()
-        for name, value in collection.items()
-        if is_carrier_name(name)
-    }
-
-
-def _to_linen_class() -> type | None:
-    """`nnx.bridge.ToLinen`, where NNX was imported (a model must have)."""
-    wrappers = sys.modules.get("flax.nnx.bridge.wrappers")
-    return getattr(wrappers, "ToLinen", None)
-
-
-def is_to_linen(module: Any) -> bool:
-    to_linen = _to_linen_class()
-    return to_linen is not None and isinstance(module, to_linen)
-
-
-def to_nnx_class() -> type | None:
-    """`nnx.bridge.ToNNX`, where NNX was imported."""
-    wrappers = sys.modules.get("flax.nnx.bridge.wrappers")
-    return getattr(wrappers, "ToNNX", None)
+    if host is not None and current_session() is host.session:
+        guest = _wrapped_by(library, module)
+        if guest is not None:
+            call_wrapper = _load(guest.call_wrapper)
+            return call_wrapper(host, module, next_fun, call_args, call_kwargs)
+    return next_fun(*call_args, **call_kwargs)
 
 
 # -- Equinox modules held by another library's model ------------------------------
@@ -544,7 +434,7 @@ def check_not_inside(
             if pattern == path or pattern.startswith((f"{path}/", f"{path}.")):
                 raise BridgeValueError(
                     f"{pattern!r} names {path!r}, an Equinox module held by this "
-                    f"{_LIBRARY_NAMES[host]} model, or a path inside it: bridge "
+                    f"{_title(host)} model, or a path inside it: bridge "
                     "cannot see the calls of an Equinox module called from "
                     "another library's model. Equinox modules are plain "
                     "callables that no interceptor catches, and bridge reaches "
@@ -556,25 +446,6 @@ def check_not_inside(
 
 
 # -- naming transforms --------------------------------------------------------------
-
-
-_LINEN_TRANSFORMS = {
-    "Scan": "nn.scan",
-    "Vmap": "nn.vmap",
-    "Checkpoint": "nn.remat",
-    "Jit": "nn.jit",
-    "While_loop": "nn.while_loop",
-    "Map_variables": "nn.map_variables",
-}
-
-
-def linen_transform_name(module: Any) -> str:
-    """`ScanBlock` (the class `nn.scan(Block)` makes) -> `nn.scan`."""
-    name = type(module).__name__
-    for prefix, transform in _LINEN_TRANSFORMS.items():
-        if name.startswith(prefix):
-            return transform
-    return "a Flax lifted transform"
 
 
 def _trace_name(trace: Any) -> str:

@@ -169,13 +169,12 @@ def mapped_primitive(
 
 def scan_frames(stop: Any) -> list[tuple[int, bool]]:
     """`(length, reverse)` of each `lax.scan` running now, innermost first,
-    read from the Python call stack up to the frame running the code object
-    `stop` (the adapter's own call of the model: scans around the probe are
-    not the model's)."""
+    read from the Python call stack up to the frame `stop` (the adapter's own
+    call of the model: scans around the probe are not the model's)."""
     found: list[tuple[int, bool]] = []
     inferred = None  # `scan_nocarry`'s length, inferred, under `jax_scan3`
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not stop:
+    while frame is not None and frame is not stop:
         code = frame.f_code
         if code.co_name in (_SCAN, _SCAN_NOCARRY) and (
             os.path.abspath(code.co_filename) == _LOOPS_FILE

@@ -24,7 +24,6 @@ The new probe holds a deep copy of the module: the user's is never changed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,17 +37,18 @@ from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 from bridge.adapter_api import (
     AsGiven,
     BridgeAssertionError,
+    Converted,
     Layer,
+    LayerKinds,
+    ParameterisedCall,
     Site,
-    conv_hyperparameters,
+    Weight,
+    channel_first_kernel_axes,
     norm_hyperparameters,
+    placed,
+    torch_named_conv_hyperparameters,
+    weight_by_weight,
 )
-
-#: Where a canonical weight goes: the module's path, the tensor's name on it,
-#: the part of the tensor (`None`: all of it), and the conversion from the
-#: canonical layout to the tensor's.
-Location = tuple[str, str, Any, Callable[[np.ndarray], np.ndarray]]
-
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
@@ -78,25 +78,42 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     """Each call of a module owning parameters itself (or a BatchNorm), in call
     order; an `nn.MultiheadAttention` call gives four layers."""
     found = []
-    # The root module is no site, but may own parameters (a bare nn.Linear).
-    root = Site("", "", None, 0, probe.module, None)
-    for site in [root, *sites]:
-        module = site.module
-        if not isinstance(module, nn.Module):
-            continue
-        own = dict(module.named_parameters(recurse=False))
-        if not own and not isinstance(module, _BatchNorm):
-            continue
-        found.extend(_layers(site, module, own))
+    for call in filter(KINDS.keeps, _calls(probe, sites)):
+        if _fused_attention(call.module):
+            found.extend(_attention_layers(call))
+        else:
+            found.append(KINDS.layer(call))
     return found
 
 
-def _identity(value: np.ndarray) -> np.ndarray:
-    return value
+def _calls(probe: Any, sites: list[Site]):
+    """Each module's parameters, and its persistent floating-point buffers as
+    its statistics; a weight `name` goes back to `(path, name)`."""
+    # The root module is no site, but may own parameters (a bare nn.Linear).
+    for site in [Site("", "", None, 0, probe.module, None), *sites]:
+        module = site.module
+        if not isinstance(module, nn.Module):
+            continue
+        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        buffers = {
+            name: buffer
+            for name, buffer in module.named_buffers(recurse=False)
+            if name not in non_persistent and buffer.is_floating_point()
+        }
+        own = dict(module.named_parameters(recurse=False))
+        yield ParameterisedCall(site, module, own, (site.path,), buffers)
 
 
 def _transposed(value: np.ndarray) -> np.ndarray:
     return np.swapaxes(value, -1, -2)
+
+
+def _kernel(tensor: torch.Tensor) -> np.ndarray:
+    return _transposed(_array(tensor))
+
+
+def _flat(tensor: torch.Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else np.reshape(_array(tensor), (-1,))
 
 
 def _channel_last(value: Any) -> np.ndarray:
@@ -109,205 +126,156 @@ def _as_is(value: Any) -> np.ndarray:
     return _host(value)
 
 
-def _layers(site: Site, module: nn.Module, own: dict) -> list[Layer]:
-    described = f"nn.{type(module).__name__}"
-    path = site.path
-
-    def here(name: str, convert=_identity, part=None) -> Location:
-        return (path, name, part, convert)
-
-    def layer(kind, weights, locations, to_common=_as_is, **extra) -> Layer:
-        return Layer(
-            site.name,
-            path,
-            kind,
-            described,
-            weights,
-            to_common=to_common,
-            locations=locations,
-            hyperparameters=_hyperparameters(module),
-            **extra,
-        )
-
-    if isinstance(module, nn.MultiheadAttention):
-        if _fused_attention_supported(module):
-            return _attention_layers(site, module, described)
-    elif isinstance(module, nn.Linear):
-        return [
-            layer(
-                "dense",
-                {
-                    "kernel": _transposed(_array(module.weight)),
-                    "bias": _array(module.bias),
-                },
-                {"kernel": here("weight", _transposed), "bias": here("bias")},
-            )
-        ]
-    elif isinstance(module, _ConvNd) and not isinstance(module, _ConvTransposeNd):
-        n = module.weight.ndim - 2
-        to_hwio = (*range(2, n + 2), 1, 0)
-        to_oihw = (n + 1, n, *range(n))
-        return [
-            layer(
-                "conv",
-                {
-                    "kernel": np.transpose(_array(module.weight), to_hwio),
-                    "bias": _array(module.bias),
-                },
-                {
-                    "kernel": here("weight", lambda k: np.transpose(k, to_oihw)),
-                    "bias": here("bias"),
-                },
-                to_common=_channel_last,
-            )
-        ]
-    elif isinstance(module, _BatchNorm):
-        names = {"scale": "weight", "bias": "bias"}
-        names |= {"mean": "running_mean", "var": "running_var"}
-        return [
-            layer(
-                "batchnorm",
-                {
-                    ours: _flat(getattr(module, theirs))
-                    for ours, theirs in names.items()
-                },
-                {ours: here(theirs) for ours, theirs in names.items()},
-                to_common=_channel_last,
-            )
-        ]
-    elif isinstance(module, nn.GroupNorm):
-        return [
-            layer(
-                "groupnorm",
-                {"scale": _flat(module.weight), "bias": _flat(module.bias)},
-                {"scale": here("weight"), "bias": here("bias")},
-                to_common=_channel_last,
-            )
-        ]
-    elif isinstance(module, nn.LayerNorm):
-        return [
-            layer(
-                "layernorm",
-                {"scale": _flat(module.weight), "bias": _flat(module.bias)},
-                {"scale": here("weight"), "bias": here("bias")},
-            )
-        ]
-    elif isinstance(module, getattr(nn, "RMSNorm", ())):
-        return [
-            layer(
-                "rmsnorm",
-                {"scale": _flat(module.weight)},
-                {"scale": here("weight")},
-            )
-        ]
-    elif isinstance(module, nn.Embedding):
-        return [
-            layer(
-                "embed",
-                {"embedding": _array(module.weight)},
-                {"embedding": here("weight")},
-            )
-        ]
-    # Anything else moves only into a module of the same class, tensor by
-    # tensor: its own parameters and persistent floating-point buffers (and an
-    # unsupported attention's output projection, which it never calls).
-    tensors = dict(own)
-    non_persistent = getattr(module, "_non_persistent_buffers_set", set())
-    for name, buffer in module.named_buffers(recurse=False):
-        if name not in non_persistent and buffer.is_floating_point():
-            tensors[name] = buffer
-    if isinstance(module, nn.MultiheadAttention):
-        for name, tensor in module.out_proj.named_parameters():
-            tensors[f"out_proj.{name}"] = tensor
-    cls = type(module)
-    return [
-        layer(
-            f"module:{cls.__module__}.{cls.__qualname__}",
-            {name: _array(tensor) for name, tensor in tensors.items()},
-            {name: here(name) for name in tensors},
-            select=jax.tree.leaves,
-        )
-    ]
+# -- the converters: hyperparameters in canonical names and conventions
+# (`bridge._hyperparameters`); a BatchNorm's `momentum` is the weight of the
+# running average kept, `1 - momentum` in PyTorch's terms (which weighs the
+# batch).
 
 
-def _hyperparameters(module: nn.Module) -> dict[str, Any]:
-    """What `transfer` does not move, in canonical names and conventions
-    (`bridge._hyperparameters`): a BatchNorm's `momentum` is the weight of the running
-    average kept, `1 - momentum` in PyTorch's terms (which weighs the batch)."""
-    if isinstance(module, nn.Linear):
-        return {"use_bias": module.bias is not None}
-    if isinstance(module, _ConvNd) and not isinstance(module, _ConvTransposeNd):
-        return conv_hyperparameters(
-            window=module.kernel_size,
-            strides=module.stride,
-            padding=module.padding,
-            padding_mode=module.padding_mode,
-            dilation=module.dilation,
-            groups=module.groups,
-            use_bias=module.bias is not None,
-        )
-    affine = {
-        "use_scale": getattr(module, "weight", None) is not None,
-        "use_bias": getattr(module, "bias", None) is not None,
+def _linear(call: ParameterisedCall) -> Converted:
+    weights = {
+        "kernel": call.weight("weight", _kernel, _transposed),
+        "bias": call.weight("bias", _array),
     }
-    if isinstance(module, _BatchNorm):
-        momentum = (
-            AsGiven(None, "a cumulative average, momentum=None")
-            if module.momentum is None
-            else 1.0 - float(module.momentum)
+    return Converted("dense", weights, {"use_bias": call.module.bias is not None})
+
+
+def _conv(call: ParameterisedCall) -> Converted:
+    module = call.module
+    to_hwio, to_oihw = channel_first_kernel_axes(module.weight.ndim - 2)
+    kernel = call.weight(
+        "weight",
+        lambda k: np.transpose(_array(k), to_hwio),
+        lambda k: np.transpose(k, to_oihw),
+    )
+    return Converted(
+        "conv",
+        {"kernel": kernel, "bias": call.weight("bias", _array)},
+        torch_named_conv_hyperparameters(module, module.bias is not None),
+        to_common=_channel_last,
+    )
+
+
+def _norm(call: ParameterisedCall, kind: str, epsilon: Any = None, **more):
+    """A norm's flattened `weight` (the scale), `bias` (but an RMSNorm's) and
+    a BatchNorm's running statistics; BatchNorm and GroupNorm normalise
+    channel-first values."""
+    module = call.module
+    weights = {"scale": call.weight("weight", _flat)}
+    affine = {"use_scale": module.weight is not None}
+    if kind != "rmsnorm":
+        weights["bias"] = call.weight("bias", _flat)
+        affine["use_bias"] = module.bias is not None
+    if kind == "batchnorm":
+        weights["mean"] = call.weight("running_mean", _flat, statistic=True)
+        weights["var"] = call.weight("running_var", _flat, statistic=True)
+    epsilon = module.eps if epsilon is None else epsilon
+    return Converted(
+        kind,
+        weights,
+        norm_hyperparameters(epsilon, **affine, **more),
+        _channel_last if kind in ("batchnorm", "groupnorm") else None,
+    )
+
+
+def _batch_norm(call: ParameterisedCall) -> Converted:
+    momentum = call.module.momentum
+    kept = (
+        AsGiven(None, "a cumulative average, momentum=None")
+        if momentum is None
+        else 1.0 - float(momentum)
+    )
+    return _norm(call, "batchnorm", momentum=kept)
+
+
+def _group_norm(call: ParameterisedCall) -> Converted:
+    return _norm(call, "groupnorm", num_groups=int(call.module.num_groups))
+
+
+def _layer_norm(call: ParameterisedCall) -> Converted:
+    return _norm(call, "layernorm")
+
+
+def _rms_norm(call: ParameterisedCall) -> Converted:
+    module = call.module
+    epsilon = module.eps
+    if epsilon is None:  # the machine epsilon of the input's dtype
+        epsilon = (
+            torch.finfo(module.weight.dtype).eps
+            if module.weight is not None
+            else AsGiven(None, "the machine epsilon of the input's dtype")
         )
-        return norm_hyperparameters(module.eps, **affine, momentum=momentum)
-    if isinstance(module, nn.GroupNorm):
-        return norm_hyperparameters(
-            module.eps, **affine, num_groups=int(module.num_groups)
-        )
-    if isinstance(module, nn.LayerNorm):
-        return norm_hyperparameters(module.eps, **affine)
-    if isinstance(module, getattr(nn, "RMSNorm", ())):
-        epsilon = module.eps
-        if epsilon is None:  # the machine epsilon of the input's dtype
-            epsilon = (
-                torch.finfo(module.weight.dtype).eps
-                if module.weight is not None
-                else AsGiven(None, "the machine epsilon of the input's dtype")
-            )
-        return norm_hyperparameters(epsilon, affine["use_scale"])
-    return {}
+    return _norm(call, "rmsnorm", epsilon)
 
 
-def _attention_hyperparameters(module: nn.MultiheadAttention, role: str) -> dict:
-    if role == "out":
-        return {"use_bias": module.out_proj.bias is not None}
-    return {"use_bias": module.in_proj_bias is not None}
+def _embedding(call: ParameterisedCall) -> Converted:
+    return Converted("embed", {"embedding": call.weight("weight", _array)})
 
 
-def _flat(tensor: torch.Tensor | None) -> np.ndarray | None:
-    return None if tensor is None else np.reshape(_array(tensor), (-1,))
+def _tensor_by_tensor(call: ParameterisedCall) -> Converted:
+    """Anything else moves only into a module of the same class, tensor by
+    tensor: its own parameters and persistent floating-point buffers (and an
+    unsupported attention's output projection, which it never calls)."""
+    weights = {name: call.weight(name, _array) for name in call.own}
+    for name in call.statistics:
+        weights[name] = call.weight(name, _array, statistic=True)
+    if isinstance(call.module, nn.MultiheadAttention):
+        for name, tensor in call.module.out_proj.named_parameters():
+            name = f"out_proj.{name}"
+            weights[name] = Weight(_array(tensor), (*call.at, name))
+    return weight_by_weight(call, weights)
 
 
-def _fused_attention_supported(module: nn.MultiheadAttention) -> bool:
-    """Options of `nn.MultiheadAttention` without a counterpart in the JAX
-    attention modules make it a `module:` layer."""
-    return module.bias_k is None and module.bias_v is None and not module.add_zero_attn
+KINDS = LayerKinds(
+    {
+        nn.Linear: _linear,
+        _ConvNd: _conv,
+        _ConvTransposeNd: _tensor_by_tensor,  # its kernel is (in, out, *window)
+        _BatchNorm: _batch_norm,
+        nn.GroupNorm: _group_norm,
+        nn.LayerNorm: _layer_norm,
+        **({nn.RMSNorm: _rms_norm} if hasattr(nn, "RMSNorm") else {}),
+        nn.Embedding: _embedding,
+        nn.Module: _tensor_by_tensor,
+    },
+    named="nn.",
+    to_common=lambda call: _as_is,
+    kept_without_weights=(_BatchNorm,),
+)
 
 
-def _attention_layers(
-    site: Site, module: nn.MultiheadAttention, described: str
-) -> list[Layer]:
+# -- nn.MultiheadAttention ------------------------------------------------------
+
+
+def _fused_attention(module: nn.Module) -> bool:
+    """An `nn.MultiheadAttention` without options lacking a counterpart in
+    the JAX attention modules (which make it a `module:` layer)."""
+    return (
+        isinstance(module, nn.MultiheadAttention)
+        and module.bias_k is None
+        and module.bias_v is None
+        and not module.add_zero_attn
+    )
+
+
+def _attention_layers(call: ParameterisedCall) -> list[Layer]:
     """Query, key, value (no site of their own) and the output projection."""
+    module, site = call.module, call.site
+    described = KINDS.described(module)
     path, size = site.path, module.embed_dim
     prefix = f"{path}." if path else ""
     bias = module.in_proj_bias
+    use_bias = {"use_bias": bias is not None}
     found = []
     for number, role in enumerate(("query", "key", "value")):
         rows = slice(number * size, (number + 1) * size)
         if module._qkv_same_embed_dim:
             weight = module.in_proj_weight[rows]
-            kernel_at = (path, "in_proj_weight", rows, _transposed)
+            kernel_at = (path, "in_proj_weight", rows)
         else:
             name = f"{role[0]}_proj_weight"
             weight = getattr(module, name)
-            kernel_at = (path, name, None, _transposed)
+            kernel_at = (path, name)
         found.append(
             Layer(
                 "",
@@ -315,15 +283,15 @@ def _attention_layers(
                 "dense",
                 f"{described}, its {role} projection",
                 {
-                    "kernel": _transposed(_array(weight)),
+                    "kernel": _kernel(weight),
                     "bias": None if bias is None else _array(bias[rows]),
                 },
                 to_common=_as_is,
                 locations={
-                    "kernel": kernel_at,
-                    "bias": (path, "in_proj_bias", rows, _identity),
+                    "kernel": (kernel_at, _transposed),
+                    "bias": ((path, "in_proj_bias", rows), _unchanged),
                 },
-                hyperparameters=_attention_hyperparameters(module, role),
+                hyperparameters=use_bias,
             )
         )
     out = module.out_proj
@@ -345,17 +313,21 @@ def _attention_layers(
             out_path,
             "dense",
             f"{described}, its output projection",
-            {"kernel": _transposed(_array(out.weight)), "bias": _array(out.bias)},
+            {"kernel": _kernel(out.weight), "bias": _array(out.bias)},
             to_common=batch_major,
             select=first_output,
             locations={
-                "kernel": (out_path, "weight", None, _transposed),
-                "bias": (out_path, "bias", None, _identity),
+                "kernel": ((out_path, "weight"), _transposed),
+                "bias": ((out_path, "bias"), _unchanged),
             },
-            hyperparameters=_attention_hyperparameters(module, "out"),
+            hyperparameters={"use_bias": out.bias is not None},
         )
     )
     return found
+
+
+def _unchanged(value: Any) -> Any:
+    return value
 
 
 def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
@@ -363,16 +335,12 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     weights written in (cast to each tensor's dtype, on its device)."""
     module = copy.deepcopy(probe.module)
     with torch.no_grad():
-        for layer, weights in updates:
-            for name, (path, attribute, part, convert) in layer.locations.items():
-                value = weights.get(name)
-                if value is None:
-                    continue
-                owner = module.get_submodule(path) if path else module
-                tensor = _named_tensor(owner, attribute)
-                target = tensor if part is None else tensor[part]
-                new = _to_torch(convert(_as_numpy(value)))
-                target.copy_(new.reshape(target.shape).to(target.dtype))
+        for _, (path, attribute, *rows), value in placed(updates):
+            owner = module.get_submodule(path) if path else module
+            tensor = _named_tensor(owner, attribute)
+            target = tensor[rows[0]] if rows else tensor
+            new = _to_torch(_as_numpy(value))
+            target.copy_(new.reshape(target.shape).to(target.dtype))
     return type(probe)(module)
 
 

@@ -29,7 +29,8 @@ mechanism is the epsilon trick in PyTorch's own terms:
   tensors (`FakeTensorMode`): shapes without FLOPs. A model that fake tensors
   cannot run (data-dependent shapes, an operator without a meta kernel) is
   discovered by a real forward pass instead, with the RNG state restored.
-  Discovery is kept per input signature (`_signature`) and reused.
+  Discovery is kept in bridge's discovery cache under the call's signature
+  (`discovery.signature`), for as long as the probe lives.
 
 Every forward pass runs with autograd enabled and the parameters'
 `requires_grad` as the user set them, in discovery and in `apply` too: fused
@@ -37,16 +38,18 @@ inference fast paths (`nn.TransformerEncoderLayer`, `nn.MultiheadAttention`
 in `eval()` without grad) skip their submodules, and the sites must not
 change between discovery and the real run.
 
-Torch tensors as the core's arrays are `_torch_arrays`; the catch is
-`_torch_catch`; PyTorch's private internals are `_torch_internals`.
+`TorchProbe` is a `ProbeBase`: the checks, selection, patches, the
+discovery cache and the result in call order are the core's, as for the JAX
+libraries; it overrides the framework's steps (`_prepare_inputs`,
+`_prepare_patch`, `_discovery_key`, `_discover_afresh`, `_abstract_loss`,
+`_forward`, `_differentiate`). Torch tensors as the core's arrays are
+`arrays`; the catch is `session`; the fake-tensor discovery is `discovery`;
+PyTorch's private internals are `internals`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import threading
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -58,35 +61,27 @@ from bridge.adapter_api import (
     BridgeTypeError,
     BridgeValueError,
     Call,
-    ForwardResult,
+    CallPlan,
+    Discovery,
+    DiscoveryOwner,
+    ProbeBase,
     ProbeResult,
-    Site,
     check_loss,
-    check_loss_fn,
-    check_patch_kind,
-    check_selection,
     current_session,
-    in_order,
-    resolve_patches,
-    select,
 )
 
 from . import internals
-from .arrays import (
-    TORCH_ARRAYS,
-    Spec,
-    TensorLeaf,
-    detached,
-    to_torch,
-)
+from .arrays import TORCH_ARRAYS, Spec, detached, to_torch
+from .discovery import FakeOutputs, check_loss_is_a_tensor, restored_rng, signature
 from .session import TorchSession
 
 
-class TorchProbe:
+class TorchProbe(ProbeBase):
     """A `torch.nn.Module` under probe. Results are detached torch tensors."""
 
     _porting = "bridge.adapters.torch.porting"
-    vmap = False
+    _arrays = TORCH_ARRAYS
+    runs_in_jax = False
 
     def __init__(self, module: torch.nn.Module, *variables: Any, vmap: bool = False):
         if vmap:
@@ -102,58 +97,79 @@ class TorchProbe:
                 "more argument(s)."
             )
         self.module = module
-        self._discovered: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
+        # The discoveries hold the model's submodules (each site's `module`),
+        # and with them its weights: they are dropped with the probe.
+        self._discovery_owner = DiscoveryOwner(self)
 
     def __repr__(self) -> str:
         return f"TorchProbe({type(self.module).__name__})"
 
-    # -- the protocol ------------------------------------------------------------
+    # -- the framework's steps of `ProbeBase` ------------------------------------
 
-    def sites(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        args, kwargs = self._check_inputs(args, kwargs)
-        discovered, _ = self._discover(args, kwargs)
-        return {s.name: s.value_struct for s in discovered if s.differentiable}
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The inputs as detached torch tensors (a probe returns no gradient
+        for them, nor adds to their `.grad`); refuses JAX tracers, before any
+        work."""
+        return detached(to_torch(tuple(args))), detached(to_torch(dict(kwargs)))
 
-    def apply(
-        self,
-        *args: Any,
-        at: Any = None,
-        patch: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> ForwardResult:
-        args, kwargs, chosen, patches, _ = self._prepare(at, patch, args, kwargs)
-        outputs, session, _, buffers = self._run(
-            args, kwargs, chosen, patches, with_inputs=False
-        )
-        return ForwardResult(
-            detached(outputs),
-            in_order(session.activations, chosen),
-            _state(buffers),
-        )
+    def _prepare_patch(self, patch: Mapping[str, Any]) -> Mapping[str, Any]:
+        return to_torch(patch)
 
-    def value_and_grad(
+    def _discovery_key(self, args: tuple, kwargs: dict) -> tuple | None:
+        """The call's `signature`, under this probe's owner: on fake tensors a
+        discovery costs about as much Python time as a real forward pass."""
+        found = signature(self.module, (args, kwargs))
+        return None if found is None else (self._discovery_owner, found)
+
+    def _discover_afresh(
+        self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
+    ) -> tuple[Discovery, None]:
+        """The sites and the outputs' structure from one forward pass on fake
+        tensors, or, where fake tensors cannot run the model, a real one. The
+        global RNG is left as it was, so a dropout mask is the one a plain call
+        draws. The loss is checked on the outputs kept (`_abstract_loss`)."""
+        module = self.module
+        try:
+            with internals.fake_mode() as mode, restored_rng(module):
+                fake = jax.tree.map(
+                    lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
+                    (args, kwargs),
+                )
+                state = _live_state(module, mode.from_tensor, mode.from_tensor)
+                return self._discover_with(*state, *fake), None
+        except Exception:  # noqa: BLE001 - fake tensors cannot run every model
+            pass
+        with restored_rng(module):
+            return self._discover_with(*_live_state(module), args, kwargs), None
+
+    def _discover_with(self, params, buffers, args, kwargs) -> Discovery:
+        session = TorchSession()
+        with torch.enable_grad():
+            outputs = self._call_shell(session, params, buffers, args, kwargs)
+        return Discovery(tuple(session.discovered()), FakeOutputs(Spec.of(outputs)))
+
+    def _abstract_loss(self, outputs: FakeOutputs, loss_fn: Callable) -> Any:
+        return outputs.abstract_loss(loss_fn)
+
+    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
+        outputs, session, _, buffers = self._run_model(plan, with_inputs=False)
+        return detached(outputs), session.activations, _state(buffers)
+
+    def _differentiate(
         self,
         loss_fn: Callable[[Any], Any],
-        *args: Any,
-        at: Any = None,
-        has_aux: bool = False,
-        patch: Mapping[str, Any] | None = None,
-        with_inputs: bool = False,
-        **kwargs: Any,
+        plan: CallPlan,
+        has_aux: bool,
+        with_inputs: bool,
     ) -> ProbeResult:
-        check_loss_fn(loss_fn)
-        args, kwargs, chosen, patches, loss_struct = self._prepare(
-            at, patch, args, kwargs, loss_fn
-        )
-        if loss_struct is not _UNCHECKED:
-            check_loss(loss_struct, has_aux)
-        outputs, session, params, buffers = self._run(
-            args, kwargs, chosen, patches, with_inputs, catch=True
+        """One real forward pass, and one `torch.autograd.grad` for both
+        gradient sets."""
+        outputs, session, params, buffers = self._run_model(
+            plan, with_inputs, catch=True
         )
         with torch.enable_grad():
             loss_out = loss_fn(outputs)
-        _check_loss_is_a_tensor(loss_out)
+        check_loss_is_a_tensor(loss_out)
         check_loss(TORCH_ARRAYS.abstract(loss_out), has_aux)
         loss, aux = loss_out if has_aux else (loss_out, None)
         trainable = {n: p for n, p in params.items() if p.requires_grad}
@@ -168,126 +184,39 @@ class TorchProbe:
             name: torch.zeros_like(p) if g is None else g
             for (name, p), g in zip(trainable.items(), found, strict=True)
         }
-        activation_grads = session.activation_grads()
         return ProbeResult(
             loss=loss.detach(),
             aux=detached(aux),
             grads=grads,
-            activations=in_order(session.activations, chosen),
-            activation_grads=in_order(activation_grads, chosen),
+            activations=session.activations,
+            activation_grads=session.activation_grads(),
             state=_state(buffers),
-            inputs=in_order(session.inputs, chosen) if with_inputs else None,
+            inputs=session.inputs,
         )
 
     # -- the machinery -----------------------------------------------------------
 
-    def _prepare(self, at, patch, args, kwargs, loss_fn=None) -> tuple:
-        """The checks before any work, and what the run needs: `(args, kwargs,
-        chosen sites, patches, abstract loss)`."""
-        check_selection(at)
-        check_patch_kind(patch)
-        args, kwargs = self._check_inputs(args, kwargs)
-        discovered, loss_struct = self._discover(args, kwargs, loss_fn)
-        chosen = select(at, discovered)
-        patches = resolve_patches(to_torch(patch), discovered, TORCH_ARRAYS)
-        return args, kwargs, chosen, patches, loss_struct
-
-    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The inputs as detached torch tensors (a probe returns no gradient
-        for them, nor adds to their `.grad`); refuses JAX tracers, before any
-        work."""
-        return detached(to_torch(tuple(args))), detached(to_torch(dict(kwargs)))
-
-    def _discover(
-        self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
-    ) -> tuple[list[Site], Any]:
-        """Every site of one forward pass, on fake tensors: no FLOPs.
-
-        Also returns the abstract loss when `loss_fn` is given (`_UNCHECKED`
-        where fake tensors cannot run it: the real loss is checked instead).
-        Discovery is reused for later calls with the same signature (see
-        `_signature`): on fake tensors it costs about as much Python time as a
-        real forward pass.
-        """
-        args, kwargs = to_torch(args), to_torch(kwargs)
-        key = _signature(self.module, (args, kwargs))
-        with self._lock:
-            found = self._discovered.get(key) if key is not None else None
-            if found is not None:
-                self._discovered.move_to_end(key)
-        if found is None:
-            found = (*self._discover_afresh(args, kwargs), {})
-            if key is not None:
-                with self._lock:
-                    self._discovered[key] = found
-                    while len(self._discovered) > _DISCOVERIES_KEPT:
-                        self._discovered.popitem(last=False)
-        sites, outputs, losses = found
-        if loss_fn is None:
-            return sites, None
-        # The same loss function on the same outputs: checked already. A weak
-        # reference tells a new function from a dead one whose id was reused.
-        known = losses.get(id(loss_fn))
-        if known is not None and known[0]() is loss_fn:
-            return sites, known[1]
-        struct = _abstract_loss(outputs, loss_fn)
-        with contextlib.suppress(TypeError), self._lock:  # TypeError: no weakref
-            losses[id(loss_fn)] = (weakref.ref(loss_fn), struct)
-            while len(losses) > _DISCOVERIES_KEPT:
-                del losses[next(iter(losses))]
-        return sites, struct
-
-    def _discover_afresh(self, args: tuple, kwargs: dict) -> tuple[list, Spec]:
-        """`(sites, the outputs' spec)` from one forward pass on fake tensors,
-        or, where fake tensors cannot run the model, a real one. The global RNG
-        is left as it was, so a dropout mask is the one a plain call draws."""
-        module = self.module
-        try:
-            with internals.fake_mode() as mode, _restored_rng(module):
-                fake = jax.tree.map(
-                    lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x,
-                    (args, kwargs),
-                )
-                state = _live_state(module, mode.from_tensor, mode.from_tensor)
-                return self._discover_with(*state, *fake)
-        except Exception:  # noqa: BLE001 - fake tensors cannot run every model
-            pass
-        with _restored_rng(module):
-            return self._discover_with(*_live_state(module), args, kwargs)
-
-    def _discover_with(self, params, buffers, args, kwargs) -> tuple[list, Spec]:
-        session = TorchSession()
-        with torch.enable_grad():
-            outputs = self._call(session, params, buffers, args, kwargs)
-        return session.discovered(), Spec.of(outputs)
-
-    def _run(
-        self,
-        args: tuple,
-        kwargs: dict,
-        chosen: list[Site],
-        patches: dict,
-        with_inputs: bool,
-        catch: bool = False,
+    def _run_model(
+        self, plan: CallPlan, with_inputs: bool, catch: bool = False
     ) -> tuple[Any, TorchSession, dict, dict]:
         """One real forward pass: `(outputs, session, parameters, buffers)`;
         with `catch`, the selected sites' gradients are caught (`_Catch`)."""
-        selected = {site.name: site for site in chosen}
+        selected = {site.name: site for site in plan.chosen}
         params, buffers = _live_state(self.module)
         session = TorchSession(
             selected,
             # The session's "epsilons": which sites `TorchSession.perturb`
             # catches (their gradients, no epsilon is added).
             {name: site.struct for name, site in selected.items()} if catch else {},
-            patches,
+            plan.patches,
             with_inputs,
             device=next((p.device for p in params.values()), None),
         )
         with torch.enable_grad():
-            outputs = self._call(session, params, buffers, args, kwargs)
+            outputs = self._call_shell(session, params, buffers, plan.args, plan.kwargs)
         return outputs, session, params, buffers
 
-    def _call(self, session, params, buffers, args, kwargs) -> Any:
+    def _call_shell(self, session, params, buffers, args, kwargs) -> Any:
         """Call the model on `params` and `buffers`, every submodule call
         reported to `session`.
 
@@ -360,80 +289,10 @@ def _hooked(
             handle.remove()
 
 
-@contextlib.contextmanager
-def _restored_rng(module: torch.nn.Module | None) -> Iterator[None]:
-    """The global RNG state (CPU, and the model's CUDA devices) as it was."""
-    parameters = [] if module is None else module.parameters()
-    devices = sorted(
-        {p.device.index or 0 for p in parameters if p.device.type == "cuda"}
-    )
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-def _check_loss_is_a_tensor(loss_out: Any) -> None:
-    loss = loss_out[0] if isinstance(loss_out, tuple | list) else loss_out
-    if not isinstance(loss, torch.Tensor):
-        raise BridgeTypeError(
-            "`loss_fn` receives the PyTorch model's outputs as torch tensors and "
-            f"must return a scalar torch tensor; it returned a {type(loss).__name__}. "
-            "Compute the loss with torch operations, e.g. "
-            "`lambda y: ((y - target) ** 2).mean()` with a torch `target`."
-        )
-
-
 def _state(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The buffers after the call, keyed like `named_buffers()`; `None` where the
     model has none."""
     return {name: b.detach() for name, b in buffers.items()} or None
-
-
-#: Discoveries a probe keeps (most recently used first), one per signature.
-_DISCOVERIES_KEPT = 16
-
-#: The loss could not be evaluated on fake tensors: it is checked when real.
-_UNCHECKED = object()
-
-
-def _signature(module: torch.nn.Module, inputs: Any) -> tuple | None:
-    """What the sites of a call depend on: the inputs' structure, shapes,
-    dtypes and devices (and any other input, where hashable), which modules the
-    model holds and their training flags, the parameters' and buffers' shapes
-    and `requires_grad`. `None` (no reuse) for an unhashable input. A change of
-    a module's attributes that alters its calls (say `norm_first`) is not
-    seen: make a new probe after one."""
-    leaves, treedef = internals.pytree.tree_flatten(inputs)
-    described = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            described.append(TensorLeaf.of(leaf))
-            continue
-        try:
-            hash(leaf)
-        except TypeError:
-            return None
-        described.append((type(leaf), leaf))
-    return (
-        str(treedef),
-        tuple(described),
-        tuple((id(m), m.training) for m in module.modules()),
-        tuple(
-            (id(p), tuple(p.shape), p.dtype, p.requires_grad)
-            for p in module.parameters()
-        ),
-        tuple((id(b), tuple(b.shape), b.dtype) for b in module.buffers()),
-    )
-
-
-def _abstract_loss(outputs: Spec, loss_fn: Callable) -> Any:
-    """The loss's abstract value, from `loss_fn` on fake outputs: no FLOPs."""
-    try:
-        with internals.fake_mode() as mode, _restored_rng(None):
-            loss_out = loss_fn(outputs.fake(mode))
-    except Exception:  # noqa: BLE001 - checked on the real loss instead
-        return _UNCHECKED
-    _check_loss_is_a_tensor(loss_out)
-    return TORCH_ARRAYS.abstract(loss_out)
 
 
 def probe(module: Any, *variables: Any, vmap: bool = False) -> TorchProbe:

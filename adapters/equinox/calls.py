@@ -1,0 +1,116 @@
+"""A wrapper's call, reported to the probe's session from where it runs.
+
+At the probe's own trace the call is an ordinary site. Inside the model's own
+`jax.vmap`s its value is handed out to the probe's trace whole
+(`bridge.adapters.equinox.transforms.lift`); inside `lax.scan` or
+`jax.checkpoint` it goes through the tree (`bridge.adapters.equinox.scan`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from bridge.adapter_api import BridgeValueError, Session, current_session
+
+from . import scan, transforms
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The probe's run of the model, as its wrappers see it."""
+
+    session: Session
+    base_trace: Any  # the trace the probe runs the model in
+
+
+CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "bridge_equinox", default=None
+)
+
+
+def observed_call(
+    site: Any,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """`function(*args, **kwargs)`, the call of a wrapper `site` (its
+    `module`'s `method`), reported to the probe's session from where it runs:
+    the probe's trace, the model's own vmaps, or a scan or checkpoint."""
+    path = site.path
+    context = CONTEXT.get()
+    session = current_session()
+    if context is None or session is not context.session:
+        return function(*args, **kwargs)
+    depth = transforms.mapped_depth(context.base_trace)
+    if depth is None:
+        return scan.call_in_transform(
+            context, site, method, module, function, args, kwargs
+        )
+    if depth == 0:
+        call = session.enter(path, method, module, args)
+        return _report(session, call, function(*args, **kwargs))
+
+    entered = []
+    origin = transforms.mapped_origin(args, depth)
+
+    def enter(full_args: tuple) -> tuple:
+        entered.append(session.enter(path, method, module, full_args, origin))
+        return full_args
+
+    if session.with_inputs:
+        # Inputs are recorded at the probe's trace too, mapped axes first.
+        transforms.lift(args, depth, enter)
+    else:
+        enter(())
+    (call,) = entered
+    value = function(*args, **kwargs)
+    if not session.recorder.needs_value(call.name):
+        # Nothing to list, record or change: bookkeeping only, and no cost.
+        return session.exit(call, value)
+    return transforms.lift(value, depth, lambda full: _report(session, call, full))
+
+
+def _report(session: Session, call: Any, value: Any) -> Any:
+    """`session.exit`, leaving out any `eqx.nn.State` in the value (not an
+    activation: a stateful layer returns `(x, state)`, and the site is `(x, None)`)."""
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, eqx.nn.State)
+
+    leaves, treedef = jax.tree.flatten(value, is_leaf=is_state)
+    if not any(is_state(leaf) for leaf in leaves):
+        return session.exit(call, value)
+    reported = [None if is_state(leaf) else leaf for leaf in leaves]
+    returned = session.exit(call, jax.tree.unflatten(treedef, reported))
+    returned_leaves = treedef.flatten_up_to(returned)
+    merged = [
+        leaf if is_state(leaf) else new
+        for leaf, new in zip(leaves, returned_leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, merged)
+
+
+def tap(context: Context, name: str, value: Any) -> Any:
+    """`bridge.tap` in the model's code: a site at the probe's trace, handed
+    out of the model's own vmaps; refused inside other transforms."""
+    session = context.session
+    depth = transforms.mapped_depth(context.base_trace)
+    if depth is None:
+        where = transforms.describe(transforms.transforms(context.base_trace))
+        raise BridgeValueError(
+            f"bridge.tap({name!r}) is inside {where}, where bridge cannot see a "
+            "tap: move the tap out of the transform, or mark the value by "
+            "wrapping its computation in an eqx.Module (a module call is a site)."
+        )
+    if depth == 0:
+        return session.taps.tap_here(name, value)
+    return transforms.lift(value, depth, lambda full: session.taps.tap_here(name, full))

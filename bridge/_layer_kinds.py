@@ -1,0 +1,193 @@
+"""The porting modules' layer kinds: one table of converters per library.
+
+A library's porting module declares its kinds once,
+`LayerKinds({nn.Dense: dense, nn.Conv: conv, ...}, named="nn.")`: each
+converter reads one call of a parameterised module (`ParameterisedCall`) into
+its kind and canonical weights (`Converted`, see `bridge._porting`'s table).
+The table is looked up along the module's class MRO, so a subclass converts
+as its nearest listed base, and a class listed with `None` has no kind
+whatever its bases. A module without a kind, or whose converter returns
+`None` (a Linen `Dense` without a kernel), is of kind `module:<class>`
+(`weight_by_weight`). Building each `Layer`, and listing where each given
+weight goes back (`placed`, for `with_weights`), are done here for all
+libraries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from ._porting import Layer, flattened
+from ._sites import Site
+
+
+def _unchanged(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One canonical weight: its value (`None` where the module has none),
+    where it goes back (library-private), and `back`, its conversion from the
+    canonical layout to the library's."""
+
+    value: Any
+    where: Any
+    back: Callable[[Any], Any] = _unchanged
+
+
+@dataclasses.dataclass(frozen=True)
+class Converted:
+    """What a converter reads off one call: the `Layer` fields that depend on
+    the module's kind. `to_common` and `select` left `None` are the table's
+    and `Layer`'s defaults."""
+
+    kind: str
+    weights: Mapping[str, Weight]
+    hyperparameters: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    to_common: Callable[[Any], Any] | None = None
+    select: Callable[[Any], list] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterisedCall:
+    """One call of a module that owns weights, as a converter reads it.
+
+    Attributes:
+      site: the call's site (the root module's has the name and path `""`).
+      module: the module called.
+      own: the weights it holds itself, by the library's names.
+      at: where they go back: a weight `name` to `(*at, name)`.
+      statistics: what it keeps besides, by name (Flax's running statistics,
+        PyTorch's buffers), going back to `(*statistics_at, name)` (`at` when
+        `None`).
+      probe: the probe, for what a library's converters read off it.
+    """
+
+    site: Site
+    module: Any
+    own: Mapping[str, Any]
+    at: tuple
+    statistics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    statistics_at: tuple | None = None
+    probe: Any = None
+
+    def weight(
+        self,
+        name: str,
+        read: Callable[[Any], Any] = _unchanged,
+        back: Callable[[Any], Any] = _unchanged,
+        *,
+        statistic: bool = False,
+    ) -> Weight:
+        """The weight `name` (of `statistics` with `statistic=True`),
+        converted to the canonical layout by `read` and back by `back`."""
+        arrays, at = self.own, self.at
+        if statistic:
+            arrays, at = self.statistics, self.statistics_at or self.at
+        value = arrays.get(name)
+        return Weight(None if value is None else read(value), (*at, name), back)
+
+    def flat(self, name: str, *, statistic: bool = False) -> Weight:
+        """A vector weight (a scale, a bias, a statistic), flattened behind
+        the iteration axes of a scanned layer."""
+        return self.weight(
+            name, lambda value: flattened(value, self.site.stacked), statistic=statistic
+        )
+
+
+Converter = Callable[[ParameterisedCall], Converted | None]
+
+
+def _module_kind(module: Any) -> str:
+    cls = type(module)  # a reporting subclass keeps the module and name
+    return f"module:{cls.__module__}.{cls.__qualname__}"
+
+
+def weight_by_weight(
+    call: ParameterisedCall, weights: Mapping[str, Weight] | None = None
+) -> Converted:
+    """A `module:<class>` layer: `weights` (its own weights as they are by
+    default), moved only into a module of the same class."""
+    if weights is None:
+        weights = {name: call.weight(name) for name in call.own}
+    return Converted(_module_kind(call.module), weights)
+
+
+class LayerKinds:
+    """A library's converters, `{module class: converter or None}`.
+
+    Args:
+      converters: the table, looked up along a module's class MRO.
+      named: the prefix of a module's class in messages (`"nn."`).
+      to_common: `to_common(call)`, the activation layout of a layer whose
+        converter sets none (identity by default).
+      kept_without_weights: classes that are layers even when they own no
+        weights (a BatchNorm without scale and bias has running statistics).
+    """
+
+    def __init__(
+        self,
+        converters: Mapping[type, Converter | None],
+        *,
+        named: str,
+        to_common: Callable[[ParameterisedCall], Callable[[Any], Any]] | None = None,
+        kept_without_weights: tuple[type, ...] = (),
+    ):
+        self.converters = dict(converters)
+        self.named = named
+        self.to_common = to_common
+        self.kept_without_weights = kept_without_weights
+
+    def converter(self, module: Any) -> Converter | None:
+        for cls in type(module).__mro__:
+            if cls in self.converters:
+                return self.converters[cls]
+        return None
+
+    def described(self, module: Any) -> str:
+        return f"{self.named}{type(module).__name__}"
+
+    def keeps(self, call: ParameterisedCall) -> bool:
+        """Whether the call is of a parameterised module."""
+        return bool(call.own) or isinstance(call.module, self.kept_without_weights)
+
+    def layers(self, calls: Iterable[ParameterisedCall]) -> list[Layer]:
+        """A `Layer` of each call of a parameterised module, in order."""
+        return [self.layer(call) for call in calls if self.keeps(call)]
+
+    def layer(self, call: ParameterisedCall) -> Layer:
+        converter = self.converter(call.module)
+        converted = converter(call) if converter is not None else None
+        if converted is None:
+            converted = weight_by_weight(call)
+        to_common = converted.to_common
+        if to_common is None and self.to_common is not None:
+            to_common = self.to_common(call)
+        layouts = {"to_common": to_common, "select": converted.select}
+        return Layer(
+            call.site.name,
+            call.site.path,
+            converted.kind,
+            self.described(call.module),
+            {name: weight.value for name, weight in converted.weights.items()},
+            locations={
+                name: (weight.where, weight.back)
+                for name, weight in converted.weights.items()
+            },
+            hyperparameters=dict(converted.hyperparameters),
+            **{name: value for name, value in layouts.items() if value is not None},
+        )
+
+
+def placed(
+    updates: Iterable[tuple[Layer, Mapping]],
+) -> Iterator[tuple[Layer, Any, Any]]:
+    """`(layer, where, value)` of each weight given to `with_weights` for a
+    layer that `LayerKinds` built, converted back to the library's layout."""
+    for layer, weights in updates:
+        for name, (where, back) in layer.locations.items():
+            if weights.get(name) is not None:
+                yield layer, where, back(weights[name])

@@ -1,0 +1,334 @@
+"""What a session does at each call: the one part that differs between a
+discovery and a run, chosen once when the session is made.
+
+`DiscoveryRecorder` lists every call as a `Site` with the abstract shape of
+its value and changes nothing; `RunRecorder` patches the selected and patched
+sites, adds their epsilons and records their values. An adapter never asks
+which one it has: it asks the question it needs answered (`learns_sites`,
+`needs_value`, and the carrier's `carries_out`), and each recorder answers
+for its pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from ._naming import Call
+from ._sites import Site, SiteOrigin, differentiable_part, patch_misfit
+
+if TYPE_CHECKING:
+    from ._session import Session
+
+
+class Recorder(abc.ABC):
+    """The per-pass part of a `Session` (`session.recorder`)."""
+
+    #: `{site: value}` and `{site: positional inputs}` recorded so far.
+    activations: dict[str, Any]
+    inputs: dict[str, tuple]
+
+    @abc.abstractmethod
+    def entered(self, call: Call, args: tuple, record: bool) -> None:
+        """A call starts (see `Session.enter`)."""
+
+    @abc.abstractmethod
+    def exited(
+        self,
+        call: Call,
+        value: Any,
+        perturb: Callable[[Any], Any] | None,
+        record: bool,
+        patch: Any,
+    ) -> Any:
+        """A call returned `value`: the value the model goes on with (see
+        `Session.exit`)."""
+
+    @abc.abstractmethod
+    def learns_sites(self) -> bool:
+        """Whether this pass learns what each site is (its shapes, its origin),
+        rather than acting on sites already known: true at discovery, which
+        is also the model's first trace on these inputs."""
+
+    @abc.abstractmethod
+    def needs_value(self, name: str) -> bool:
+        """Whether this pass needs site `name`'s value where the session runs:
+        at discovery every site's (its shape), in a run a selected or patched
+        site's (to record or change it)."""
+
+    @abc.abstractmethod
+    def keeps(self, name: str) -> bool:
+        """Whether this pass keeps something of site `name`'s value: at
+        discovery every site's shape, in a run a selected site's recording."""
+
+    @abc.abstractmethod
+    def keeps_any(self, where: Callable[[Site], bool]) -> bool:
+        """Whether this pass keeps the value of any site where `where(site)`:
+        at discovery any site may be there (none is known yet)."""
+
+    @abc.abstractmethod
+    def kept_part(self, value: Any) -> Any:
+        """What this pass keeps of a value: the whole value at discovery (its
+        structure is the site's), the floating leaves in a run."""
+
+    @abc.abstractmethod
+    def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
+        """Site `name`'s value (and inputs) as it left a lifted transform,
+        stacked over iterations or layers: at discovery it reshapes the site,
+        in a run it is recorded."""
+
+    @abc.abstractmethod
+    def holds_iterations(self, name: str, value: Any, length: int) -> None:
+        """Site `name`, inside a scan, holds every iteration of `value`: at
+        discovery its shape becomes `(length, ...)`; a run knows it."""
+
+    @abc.abstractmethod
+    def run_with_fallback(
+        self,
+        run: Callable[[bool], Any],
+        fallback: type[Exception],
+        needs_fallback: Callable[[SiteOrigin], bool],
+    ) -> Any:
+        """Run the model the cheap way, or the way its lifted transforms need.
+
+        An adapter whose library hides some sites from its usual route (Linen
+        scans carry only `params`, Haiku's plain transforms refuse state)
+        calls `run(False)`. Discovery that meets such a site (`fall_back`) is
+        done again with `run(True)`, forgetting the calls of the first
+        attempt. A run takes the fallback route only where a selected or
+        patched site's origin `needs_fallback`.
+        """
+
+    @abc.abstractmethod
+    def fall_back(self) -> None:
+        """The call reached now is a site only the fallback route of
+        `run_with_fallback` reaches: discovery raises its `fallback` to start
+        again on that route; a run, whose route was chosen from the sites'
+        origins, goes on."""
+
+    @abc.abstractmethod
+    def discovered(self) -> list[Site]:
+        """The sites found, in call-entry order (none in a run)."""
+
+    @abc.abstractmethod
+    def checkpoint(self) -> Any: ...
+
+    @abc.abstractmethod
+    def restore(self, checkpoint: Any) -> None: ...
+
+
+class DiscoveryRecorder(Recorder):
+    """Discovery: every call becomes a `Site` with the abstract shape of its
+    value; nothing is changed or recorded."""
+
+    def __init__(self, session: Session):
+        self._session = session
+        self._arrays = session.arrays
+        self._sites: list[Site | None] = []
+        self.activations = {}
+        self.inputs = {}
+        # The exception that starts discovery again on the fallback route,
+        # while the first attempt of `run_with_fallback` runs.
+        self._fallback: type[Exception] | None = None
+
+    def entered(self, call: Call, args: tuple, record: bool) -> None:
+        call.slot = len(self._sites)
+        self._sites.append(None)
+
+    def exited(self, call, value, perturb, record, patch):
+        self._sites[call.slot] = Site(
+            call.name,
+            call.path,
+            call.method,
+            call.index,
+            call.module,
+            self._arrays.abstract(value),
+            call.origin,
+        )
+        return value
+
+    def learns_sites(self) -> bool:
+        return True
+
+    def needs_value(self, name: str) -> bool:
+        return True
+
+    def keeps(self, name: str) -> bool:
+        return True
+
+    def keeps_any(self, where: Callable[[Site], bool]) -> bool:
+        return True
+
+    def kept_part(self, value: Any) -> Any:
+        return value
+
+    def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
+        self._restructure(name, value)
+
+    def holds_iterations(self, name: str, value: Any, length: int) -> None:
+        # Broadcast, not zeros: a value varying across shard_map's devices
+        # stays varying, and so do its epsilon and recorder.
+        is_array = self._arrays.is_array
+        self._restructure(
+            name,
+            jax.tree.map(
+                lambda v: (
+                    jnp.broadcast_to(v, (length, *jnp.shape(v)))
+                    if is_array(v)
+                    else None
+                ),
+                value,
+            ),
+        )
+
+    def run_with_fallback(self, run, fallback, needs_fallback):
+        start = self._session.checkpoint()
+        previous, self._fallback = self._fallback, fallback
+        try:
+            try:
+                return run(False)
+            finally:
+                self._fallback = previous
+        except fallback:
+            self._session.restore(start)
+            return run(True)
+
+    def fall_back(self) -> None:
+        if self._fallback is not None:
+            raise self._fallback
+
+    def discovered(self) -> list[Site]:
+        return [site for site in self._sites if site is not None]
+
+    def checkpoint(self) -> int:
+        return len(self._sites)
+
+    def restore(self, checkpoint: int) -> None:
+        del self._sites[checkpoint:]
+
+    def _restructure(self, name: str, value: Any) -> None:
+        """The site's value is `value`, as it leaves a lifted transform
+        (stacked over a scan's iterations), not as seen inside it."""
+        struct = self._arrays.abstract(value)
+        for slot, site in enumerate(self._sites):
+            if site is not None and site.name == name:
+                added = _ndim(struct) - _ndim(site.struct)
+                self._sites[slot] = dataclasses.replace(
+                    site, struct=struct, stacked=site.stacked + added
+                )
+
+
+class RunRecorder(Recorder):
+    """A run: the selected sites are recorded and, where the session has an
+    epsilon for them, perturbed; patched sites take their patch."""
+
+    def __init__(self, session: Session):
+        self._selected = session.selected
+        self._epsilons = session.epsilons
+        self._patches = session.patches
+        self._patched = session.patched
+        self._with_inputs = session.with_inputs
+        self._batch_axis = session.batch_axis
+        self._arrays = session.arrays
+        self.activations = {}
+        self.inputs = {}
+
+    def entered(self, call: Call, args: tuple, record: bool) -> None:
+        if record and self._with_inputs and call.name in self._selected:
+            self.inputs[call.name] = self._arrays.positional(args)
+
+    def exited(self, call, value, perturb, record, patch):
+        if patch is None:
+            patch = self._patches.get(call.name)
+        if patch is not None:
+            value = self._apply_patch(call.name, patch, value)
+        if call.name in self._selected:
+            epsilon = self._epsilons.get(call.name)
+            if epsilon is not None:
+                if perturb is None:
+                    value = self._arrays.add_epsilon(value, epsilon)
+                else:
+                    value = perturb(value)
+            if record:
+                self.activations[call.name] = self._arrays.recorded(value)
+        return value
+
+    def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:
+        """A selected site's value (and inputs), recorded by the adapter."""
+        self.activations[name] = self._arrays.recorded(value)
+        if inputs is not None and self._with_inputs:
+            self.inputs[name] = self._arrays.positional(inputs)
+
+    def learns_sites(self) -> bool:
+        return False
+
+    def needs_value(self, name: str) -> bool:
+        return name in self._selected or name in self._patches
+
+    def keeps(self, name: str) -> bool:
+        return name in self._selected
+
+    def keeps_any(self, where: Callable[[Site], bool]) -> bool:
+        return any(where(site) for site in self._selected.values())
+
+    def kept_part(self, value: Any) -> Any:
+        return differentiable_part(value)
+
+    def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
+        self.record(name, value, inputs)
+
+    def holds_iterations(self, name: str, value: Any, length: int) -> None:
+        pass
+
+    def run_with_fallback(self, run, fallback, needs_fallback):
+        return run(
+            any(
+                site.origin is not None and needs_fallback(site.origin)
+                for site in [*self._selected.values(), *self._patched.values()]
+            )
+        )
+
+    def fall_back(self) -> None:
+        pass
+
+    def discovered(self) -> list[Site]:
+        return []
+
+    def checkpoint(self) -> None:
+        return None
+
+    def restore(self, checkpoint: None) -> None:
+        pass
+
+    def _apply_patch(self, name: str, patch: Any, value: Any) -> Any:
+        if not callable(patch):
+            new = patch
+        elif self._batch_axis is None:
+            new = patch(value)
+        else:
+            # Under the probe's vmap each example sees only itself; the contract
+            # gives a patch function the whole batch: gather it, patch it, and
+            # keep this example's row.
+            axis = self._batch_axis
+            whole = jax.tree.map(lambda v: jax.lax.all_gather(v, axis), value)
+            index = jax.lax.axis_index(axis)
+            new = jax.tree.map(lambda v: v[index], patch(whole))
+        expected = self._arrays.abstract(value)
+        if not self._arrays.fits(expected, new):
+            raise patch_misfit(
+                name,
+                self._arrays.shapes_and_dtypes(expected),
+                self._arrays.shapes_and_dtypes(new),
+                function=callable(patch),
+            )
+        return new
+
+
+def _ndim(struct: Any) -> int:
+    leaves = [leaf for leaf in jax.tree.leaves(struct) if leaf is not None]
+    return len(leaves[0].shape) if leaves else 0
