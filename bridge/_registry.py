@@ -26,7 +26,8 @@ _SUPPORTED = (
     "with an eqx.nn.State; "
     "Haiku: bridge.probe(hk.transform(f), params), or "
     "bridge.probe(hk.transform_with_state(f), params, state); "
-    "PyTorch: bridge.probe(module) with a torch.nn.Module"
+    "PyTorch: bridge.probe(module) with a torch.nn.Module; "
+    "Hugging Face: bridge.probe(model) with a Flax or PyTorch model object"
 )
 
 
@@ -135,10 +136,35 @@ def _misuse_hint(model: Any) -> str:
             f" `model` is the method {getattr(model, '__name__', '?')} of a "
             f"{type(owner).__qualname__}: pass the model itself, not its method."
         )
+    wrapped = _wrapped_model(model)
+    if wrapped:
+        return wrapped
     if callable(model):
         return (
             " `model` is a plain function: a Haiku function must be transformed "
             "first, bridge.probe(hk.transform(f), params)."
+        )
+    return ""
+
+
+def _wrapped_model(model: Any) -> str:
+    """For an object that holds a model bridge can probe in one of its
+    attributes (a trainer, a hub's wrapper), which attribute to pass."""
+    try:
+        fields = vars(model)
+    except TypeError:  # no `__dict__`
+        return ""
+    for name, value in fields.items():
+        if isinstance(value, type) or not any(a.matches(value) for a in _ADAPTERS):
+            continue
+        # A private field behind a public property (`_module` -> `module`).
+        public = name.lstrip("_")
+        shown = public if name != public and hasattr(type(model), public) else name
+        variables = ", {'params': model.params}" if "params" in dir(model) else ""
+        return (
+            f" `model` is a {type(model).__qualname__} that holds the model in "
+            f"its attribute {shown!r}: pass that, bridge.probe(model.{shown}"
+            f"{variables}) (with the variables its library needs)."
         )
     return ""
 
@@ -157,6 +183,12 @@ def _instance_of(module_name: str, *class_names: str) -> Callable[[Any], bool]:
 
 register_adapter(
     _instance_of("flax.linen", "Module"), "bridge.adapters.linen:probe", name="linen"
+)
+# A Hugging Face Flax model object: its Linen `module` with its `params`.
+register_adapter(
+    _instance_of("transformers.modeling_flax_utils", "FlaxPreTrainedModel"),
+    "bridge.adapters.linen.hub:probe",
+    name="transformers-flax",
 )
 register_adapter(
     _instance_of("flax.nnx", "Module"), "bridge.adapters.nnx:probe", name="nnx"

@@ -634,3 +634,27 @@ def test_a_stacked_patch_value_inside_nn_scan_gives_each_iteration_its_row(
             directional,
             rtol=1e-4,
         )
+
+
+class _Trainer:
+    """A wrapper of the kind users hand over by mistake: the model and its
+    parameters in attributes, a `__call__` of its own."""
+
+    def __init__(self, net: nn.Module, params: Any):
+        self.net = net
+        self.params = params
+
+    def __call__(self, x):
+        return self.net.apply({"params": self.params}, x)
+
+
+def test_a_wrapper_holding_a_model_names_the_attribute_to_pass():
+    net = nn.Dense(2)
+    params = net.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    with pytest.raises(
+        TypeError,
+        match=r"_Trainer that holds the model in its attribute 'net': pass that, "
+        r"bridge\.probe\(model\.net, \{'params': model\.params\}\)",
+    ) as info:
+        bridge.probe(_Trainer(net, params))
+    assert isinstance(info.value, bridge.BridgeError)

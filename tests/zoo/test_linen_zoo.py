@@ -433,3 +433,53 @@ def test_the_tied_lm_head_gets_the_gradient_of_the_loss_at_the_logits(name, mode
     np.testing.assert_allclose(
         res.activation_grads["lm_head"], want, rtol=1e-4, atol=1e-8
     )
+
+
+# -- the model object itself ------------------------------------------------------
+
+
+@pytest.mark.xdist_group("zoo-linen-gpt2")
+def test_a_hugging_face_flax_model_object_is_probed_as_its_module_and_params():
+    """`bridge.probe(model)` with the `FlaxGPT2LMHeadModel` itself: the
+    module's sites, and the numbers of the object's own call (no bridge)."""
+    model = _gpt2()
+    ids, mask, positions = _token_inputs()
+    loss_fn = _next_token_loss(ids, mask)
+
+    def own_loss(params):
+        out = model(ids, attention_mask=mask, position_ids=positions, params=params)
+        return loss_fn(out)
+
+    probe = bridge.probe(model)
+    res = jax.jit(lambda p: p.value_and_grad(loss_fn, ids, mask, positions))(probe)
+    expected_loss, expected_grads = jax.value_and_grad(own_loss)(model.params)
+    np.testing.assert_allclose(res.loss, expected_loss, rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(
+            a, b, rtol=1e-4, atol=1e-5 * float(np.abs(b).max())
+        ),
+        res.grads,
+        expected_grads,
+    )
+    by_hand = bridge.probe(model.module, {"params": model.params})
+    # (a dict leaving `jax.jit` has its keys sorted)
+    assert sorted(res.activations) == sorted(by_hand.sites(ids, mask, positions))
+    # Variables given beside the object are the ones used.
+    shifted = jax.tree.map(lambda p: p * 0.5, model.params)
+    forward = bridge.probe(model, {"params": shifted}).apply(ids, mask, positions)
+    np.testing.assert_allclose(
+        forward.outputs.logits,
+        model(ids, attention_mask=mask, position_ids=positions, params=shifted).logits,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_a_model_object_without_parameters_says_what_to_pass():
+    config = _gpt2().config
+    model = transformers.FlaxGPT2LMHeadModel(config, _do_init=False)
+    with pytest.raises(
+        ValueError, match=r"holds no parameters .*bridge\.probe\(model, \{'params'"
+    ) as info:
+        bridge.probe(model)
+    assert isinstance(info.value, bridge.BridgeError)
