@@ -18,12 +18,14 @@ from ._errors import BridgeTypeError, BridgeValueError
 from ._hyperparameters import differing_hyperparameters
 from ._porting import (
     Layer,
+    described_tie,
     inputs_for,
     label,
-    pair,
+    pair_calls,
     parameterised_layers,
     porting_module,
     second_inputs,
+    untied,
 )
 from ._report import ComparisonReport, PairComparison
 from ._sites import split_arrays
@@ -49,6 +51,13 @@ def compare(
     channel-first; attention head axes flattened; PyTorch's sequence-first
     attention batch-first), and measures their differences. A PyTorch model
     runs eagerly in PyTorch, the JAX model under `jax.jit`.
+
+    A value that broadcasts to the other side's shape (PyTorch's position
+    embedding `(1, seq, d)` against Flax's `(batch, seq, d)`) is compared
+    broadcast, the other side's gradient summed over the broadcast axes. A
+    tied layer (`report.tied`) is not paired; where the counts differ only by
+    repeated calls of a module on one side, those calls are left unpaired
+    (`report.unpaired`) rather than refused.
 
     `report.first_divergence` is the first pair in call order whose
     activations differ beyond tolerance — a forward bug shows there, while
@@ -85,9 +94,13 @@ def compare(
     porting_module(probe_a, "probe_a")
     porting_module(probe_b, "probe_b")
     args_b, kwargs_b = second_inputs(args, kwargs, args_b, kwargs_b)
-    layers_a = parameterised_layers(probe_a, "probe_a", args, kwargs)[1]
-    layers_b = parameterised_layers(probe_b, "probe_b", args_b, kwargs_b)[1]
-    paired = pair(layers_a, layers_b, ("probe_a", "probe_b"))
+    layers_a, tied_a = untied(parameterised_layers(probe_a, "probe_a", args, kwargs)[1])
+    layers_b, tied_b = untied(
+        parameterised_layers(probe_b, "probe_b", args_b, kwargs_b)[1]
+    )
+    paired, unpaired = pair_calls(layers_a, layers_b, ("probe_a", "probe_b"))
+    tied = [described_tie(la, "probe_a") for la in tied_a]
+    tied += [described_tie(la, "probe_b") for la in tied_b]
     for layer_a, layer_b in paired:
         if layer_a.kind != layer_b.kind:
             raise BridgeValueError(
@@ -112,7 +125,15 @@ def compare(
         for layer_a, layer_b in pairs
     ]
     return ComparisonReport(
-        rows, float(result_a.loss), float(result_b.loss), rtol, atol
+        rows,
+        float(result_a.loss),
+        float(result_b.loss),
+        rtol,
+        atol,
+        tied=tuple(tied),
+        unpaired=tuple(
+            f"{label(layer)} ({layer.described}) of {name}" for name, layer in unpaired
+        ),
     )
 
 
@@ -180,6 +201,9 @@ def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
     values_b = _common(layer_b, result_b.activations[layer_b.site])
     grads_a = _common(layer_a, result_a.activation_grads[layer_a.site])
     grads_b = _common(layer_b, result_b.activation_grads[layer_b.site])
+    values_a, values_b, grads_a, grads_b = _broadcast(
+        values_a, values_b, grads_a, grads_b
+    )
     shapes_a = [np.shape(v) for v in values_a]
     shapes_b = [np.shape(v) for v in values_b]
     if shapes_a != shapes_b:
@@ -209,6 +233,41 @@ def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
         grad_ok,
         hyperparameters,
     )
+
+
+def _broadcast(values_a, values_b, grads_a, grads_b):
+    """Where one side's value broadcasts to the other's shape (PyTorch's
+    position embedding `(1, seq, d)` against Flax's per-row `(batch, seq,
+    d)`), the value broadcast and the other side's gradient summed over the
+    broadcast axes: the gradient a broadcast value receives is that sum."""
+    if len(values_a) != len(values_b) or len(grads_a) != len(values_a):
+        return values_a, values_b, grads_a, grads_b
+    values_a, values_b, grads_a, grads_b = map(
+        list, (values_a, values_b, grads_a, grads_b)
+    )
+    for n, (a, b) in enumerate(zip(values_a, values_b, strict=True)):
+        if a.shape == b.shape:
+            continue
+        if _broadcasts(a.shape, b.shape):
+            values_a[n] = np.broadcast_to(a, b.shape)
+            grads_b[n] = _summed_to(grads_b[n], a.shape)
+        elif _broadcasts(b.shape, a.shape):
+            values_b[n] = np.broadcast_to(b, a.shape)
+            grads_a[n] = _summed_to(grads_a[n], b.shape)
+    return values_a, values_b, grads_a, grads_b
+
+
+def _broadcasts(small: tuple, large: tuple) -> bool:
+    """`small` broadcasts to `large` with the same rank (a batch axis of 1)."""
+    return len(small) == len(large) and all(
+        s in (1, big) for s, big in zip(small, large, strict=True)
+    )
+
+
+def _summed_to(grad: np.ndarray, shape: tuple) -> np.ndarray:
+    pairs = enumerate(zip(shape, grad.shape, strict=True))
+    axes = tuple(n for n, (s, g) in pairs if s != g)
+    return np.sum(grad, axis=axes, keepdims=True)
 
 
 def _common(layer: Layer, value: Any) -> list[np.ndarray]:

@@ -1,13 +1,15 @@
 """The porting modules' layer kinds: one table of converters per library.
 
-A library's porting module declares its kinds once,
-`LayerKinds({nn.Dense: dense, nn.Conv: conv, ...}, named="nn.")`: each
-converter reads one call of a parameterised module (`ParameterisedCall`) into
-its kind and canonical weights (`Converted`, see `bridge._porting`'s table).
-The table is looked up along the module's class MRO, so a subclass converts
-as its nearest listed base, and a class listed with `None` has no kind
-whatever its bases. A module without a kind, or whose converter returns
-`None` (a Linen `Dense` without a kernel), is of kind `module:<class>`
+A library's porting module declares its kinds once, `LayerKinds({nn.Dense:
+dense, nn.Conv: conv, ...}, named="nn.")`: each converter reads one call of a
+parameterised module (`ParameterisedCall`) into its kind and canonical weights
+(`Converted`, see `bridge._porting`'s table). The table is looked up along the
+module's class MRO, so a subclass converts as its nearest listed base, and a
+class listed with `None` has no kind whatever its bases. A class may be listed
+by its qualified name, `"transformers.pytorch_utils.Conv1D"`: matched by name
+along the MRO, it never needs its library imported (an adapter must not import
+transformers). A module without a kind, or whose converter returns `None` (a
+Linen `Dense` without a kernel), is of kind `module:<class>`
 (`weight_by_weight`). Building each `Layer`, and listing where each given
 weight goes back (`placed`, for `with_weights`), are done here for all
 libraries.
@@ -120,7 +122,8 @@ class LayerKinds:
     """A library's converters, `{module class: converter or None}`.
 
     Args:
-      converters: the table, looked up along a module's class MRO.
+      converters: the table, looked up along a module's class MRO; a key may
+        be a class's `"module.QualifiedName"` instead of the class.
       named: the prefix of a module's class in messages (`"nn."`).
       to_common: `to_common(call)`, the activation layout of a layer whose
         converter sets none (identity by default).
@@ -130,7 +133,7 @@ class LayerKinds:
 
     def __init__(
         self,
-        converters: Mapping[type, Converter | None],
+        converters: Mapping[type | str, Converter | None],
         *,
         named: str,
         to_common: Callable[[ParameterisedCall], Callable[[Any], Any]] | None = None,
@@ -141,14 +144,24 @@ class LayerKinds:
         self.to_common = to_common
         self.kept_without_weights = kept_without_weights
 
-    def converter(self, module: Any) -> Converter | None:
+    def _listed(self, module: Any) -> tuple[bool, Converter | None]:
+        """`(listed by name, converter)` of the nearest listed class."""
         for cls in type(module).__mro__:
             if cls in self.converters:
-                return self.converters[cls]
-        return None
+                return False, self.converters[cls]
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            if name in self.converters:
+                return True, self.converters[name]
+        return False, None
+
+    def converter(self, module: Any) -> Converter | None:
+        return self._listed(module)[1]
 
     def described(self, module: Any) -> str:
-        return f"{self.named}{type(module).__name__}"
+        cls = type(module)
+        if self._listed(module)[0]:  # another library's class: its full name
+            return f"{cls.__module__}.{cls.__qualname__}"
+        return f"{self.named}{cls.__name__}"
 
     def keeps(self, call: ParameterisedCall) -> bool:
         """Whether the call is of a parameterised module."""

@@ -64,6 +64,10 @@ class Layer:
         canonical names and conventions (`epsilon`, `momentum` as the weight
         of the running average kept, a convolution's explicit per-side
         `padding`, ...), for `compare` to list where a pair differs.
+      tied: the path of the module whose weights these are, `""` when they
+        are the layer's own (a tied LM head holds the embedding's tensor; the
+        other library's tied head may own nothing): such a layer is not
+        paired, and `compare` reports it.
     """
 
     site: str
@@ -75,6 +79,7 @@ class Layer:
     select: Callable[[Any], list] = lambda value: jax.tree.leaves(value)
     locations: Any = None
     hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tied: str = ""
 
 
 #: The libraries `transfer` and `compare` know, for error messages.
@@ -103,6 +108,16 @@ def parameterised_layers(probe: Any, argument: str, args: tuple, kwargs: dict):
     args, kwargs = probe._prepare_inputs(*inputs_for(probe, args, kwargs))
     discovered, _ = probe._discover(args, kwargs)
     return library, library.layers(probe, discovered)
+
+
+def untied(layers: Sequence[Layer]) -> tuple[list[Layer], list[Layer]]:
+    """`(layers owning their weights, tied layers)`: a tied head is not paired
+    (the other library's may be no layer at all), only reported."""
+    return [la for la in layers if not la.tied], [la for la in layers if la.tied]
+
+
+def described_tie(layer: Layer, name: str) -> str:
+    return f"{label(layer)} ({layer.described}) of {name}, tied to {layer.tied!r}"
 
 
 def first_calls(layers: Sequence[Layer]) -> list[Layer]:
@@ -144,6 +159,46 @@ def pair(
             "models have the same layers, called in the same order on these inputs."
         )
     return list(zip(layers_a, layers_b, strict=True))
+
+
+def pair_calls(
+    layers_a: Sequence[Layer], layers_b: Sequence[Layer], names: tuple[str, str]
+) -> tuple[list[tuple[Layer, Layer]], list[tuple[str, Layer]]]:
+    """`(pairs, [(name, layer) of each call left unpaired])`: `pair`, but where
+    the counts differ only by repeated calls of a module on one side (a Flax
+    model computing a value it never uses), those calls are left unpaired
+    rather than refused. Equal counts pair in order, as `pair` does."""
+    if len(layers_a) != len(layers_b):
+        aligned = _aligned(layers_a, layers_b, names)
+        if aligned is not None:
+            return aligned
+    return pair(layers_a, layers_b, names), []
+
+
+def _aligned(layers_a, layers_b, names):
+    """Pairs in order, skipping a side's repeated call (of a module it called
+    already) where the other side's next call is a first one; `None` when a
+    first call is left without a partner, for `pair` to explain."""
+    seen: tuple[set, set] = (set(), set())
+    pairs, unpaired, i, j = [], [], 0, 0
+    while i < len(layers_a) or j < len(layers_b):
+        a = layers_a[i] if i < len(layers_a) else None
+        b = layers_b[j] if j < len(layers_b) else None
+        again_a = a is not None and a.path in seen[0]
+        again_b = b is not None and b.path in seen[1]
+        if a is not None and b is not None and again_a == again_b:
+            pairs.append((a, b))
+            seen[0].add(a.path), seen[1].add(b.path)
+            i, j = i + 1, j + 1
+        elif again_a and not again_b:
+            unpaired.append((names[0], a))
+            i += 1
+        elif again_b and not again_a:
+            unpaired.append((names[1], b))
+            j += 1
+        else:  # a first call without a partner
+            return None
+    return pairs, unpaired
 
 
 def label(layer: Layer) -> str:
@@ -212,6 +267,9 @@ def transfer(
     (Equinox `(out, in)` and `OIHW` kernels, attention kernels with and
     without head axes, Haiku's moving averages, ...).
 
+    A tied layer (PyTorch's `lm_head` holding the embedding's tensor) is not
+    paired: its owner's weights move, and a tied destination keeps sharing.
+
     Only weights move: hyperparameters (a LayerNorm's epsilon, a padding
     mode) are the porter's to match, and `bridge.compare` finds where they do
     not. Neither probe nor model is changed; the result is a new probe of the
@@ -250,9 +308,11 @@ def transfer(
     target, target_layers = parameterised_layers(
         dst_probe, "dst_probe", args_b, kwargs_b
     )
+    # A tied layer moves nothing of its own: its owner's weights move, and a
+    # tied destination shares the tensor written to its owner.
     pairs = pair(
-        first_calls(source_layers),
-        first_calls(target_layers),
+        first_calls(untied(source_layers)[0]),
+        first_calls(untied(target_layers)[0]),
         ("the source (src_probe)", "the destination (dst_probe)"),
     )
     updates = []

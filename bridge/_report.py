@@ -72,6 +72,11 @@ class ComparisonReport:
       rtol, atol: the tolerances used.
       first_divergence: where the models part (see `bridge.compare`), or `None`
         when every pair agrees.
+      tied: each layer left out of the pairing because its weights are
+        another module's (a tied LM head: PyTorch's `lm_head` holds the
+        embedding's tensor; a Flax tied head owns no parameters at all).
+      unpaired: each repeated call of a module on one side only (a Flax
+        model computing a value it never uses), left without a partner.
     """
 
     rows: list[PairComparison]
@@ -79,6 +84,8 @@ class ComparisonReport:
     loss_b: float
     rtol: float
     atol: float
+    tied: tuple[str, ...] = ()
+    unpaired: tuple[str, ...] = ()
 
     @property
     def agree(self) -> bool:
@@ -180,7 +187,9 @@ class ComparisonReport:
             f"loss A {self.loss_a:.6g}, loss B {self.loss_b:.6g}; "
             f"rtol={self.rtol:g}, atol={self.atol:g}; {summary}"
         )
-        return "\n".join([header, *table])
+        notes = [f"tied, not paired: {layer}" for layer in self.tied]
+        notes += [f"unpaired extra call: {layer}" for layer in self.unpaired]
+        return "\n".join([header, *table, *notes])
 
     def plot(self, path: str | os.PathLike | None = None) -> Any:
         """Draw the report and save it to `path` (any format matplotlib

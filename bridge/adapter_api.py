@@ -136,13 +136,16 @@ breaks it breaks a tested API, not an adapter's private import:
   `is_carrier_name`, `add_epsilon`, `abstract`, `is_array`,
   `differentiable_part`, `merge_differentiable`, `zeros_like_struct`,
   `without_axis`;
-- porting (`transfer`/`compare`): `Layer`; the table of a library's layer
-  kinds, `LayerKinds` (`{module class: converter}`, looked up along the
-  class's MRO), whose converters read a `ParameterisedCall` into `Converted`
-  canonical `Weight`s, `weight_by_weight` (the `module:<class>` kind) and
-  `placed` (what `with_weights` writes, and where); the canonical-layout
-  helpers `dense_kernel`, `channel_first_kernel_axes`, `flatten_trailing`,
-  `flattened`, `replace_leaves`, and the hyperparameter readers `as_float`,
+- porting (`transfer`/`compare`): `Layer` (with `tied`, the path of the module
+  whose tensors a tied layer holds, left unpaired); the table of a library's
+  layer kinds, `LayerKinds` (`{module class: converter}`, looked up along the
+  class's MRO; a key may be a class's qualified name, so that another library's
+  class is listed without importing it), whose converters read a
+  `ParameterisedCall` into `Converted` canonical `Weight`s, `weight_by_weight`
+  (the `module:<class>` kind) and `placed` (what `with_weights` writes, and
+  where); the canonical-layout helpers `dense_kernel`,
+  `channel_first_kernel_axes`, `flatten_trailing`, `flattened`,
+  `replace_leaves`, and the hyperparameter readers `as_float`,
   `conv_hyperparameters`, `torch_named_conv_hyperparameters`,
   `conv_padding_mode`, `norm_hyperparameters`, `AsGiven`;
 - versions: `unsupported(distribution, adapter, missing)`, the error for a

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +79,26 @@ def observed_call(
         # Nothing to list, record or change: bookkeeping only, and no cost.
         return session.exit(call, value)
     return transforms.lift(value, depth, lambda full: _report(session, call, full))
+
+
+#: The wrappers `jax.jit` and `eqx.filter_jit` return, told by the public
+#: behaviour of both rather than by their private class names.
+_JITS = (type(jax.jit(lambda x: x)), type(eqx.filter_jit(lambda x: x)))
+
+
+def unjitted(module: Any, name: str) -> Callable:
+    """`module.name` bound, without the `jax.jit` or `eqx.filter_jit` that
+    wraps the method itself (`@eqx.filter_jit def __call__`, as Equinox's
+    examples write a model): traced inline, its calls run at the trace of
+    their caller, where their values can be handed out; jitted, they would
+    run in a jaxpr trace of their own, which no value leaves. A jit only
+    groups operations for the compiler, with the same values: the probe
+    compiles the whole call under the user's `jax.jit` anyway. A jit called
+    elsewhere in the model's code stays, its sites refused where selected."""
+    method = inspect.getattr_static(type(module), name, None)
+    if isinstance(method, _JITS) and callable(getattr(method, "__wrapped__", None)):
+        return functools.partial(method.__wrapped__, module)
+    return getattr(module, name)
 
 
 def _report(session: Session, call: Any, value: Any) -> Any:

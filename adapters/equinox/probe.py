@@ -145,11 +145,13 @@ class EquinoxProbe(ProbeBase):
         )
         try:
             with tapping:
+                # A root `__call__` under `eqx.filter_jit` is traced inline.
+                call = calls.unjitted(model, "__call__")
                 if self.state is None:
-                    return model(*args, **kwargs), None
+                    return call(*args, **kwargs), None
                 # `State.set` invalidates the State it was called on: hand the
                 # model a copy, so the user's state stays usable.
-                result = model(*args, _clone(self.state), **kwargs)
+                result = call(*args, _clone(self.state), **kwargs)
         except (TypeError, ValueError) as error:
             # Only the model's first trace on these inputs, discovery's, meets
             # a shape error of the user's own.
@@ -298,7 +300,8 @@ class _ModuleSite(eqx.Module):
     token: _Token | None = eqx.field(static=True, default=None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return calls.observed_call(self, None, self.module, self.module, args, kwargs)
+        function = calls.unjitted(self.module, "__call__")
+        return calls.observed_call(self, None, self.module, function, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for names the wrapper lacks: forward to the module.
@@ -315,8 +318,10 @@ class _ModuleSite(eqx.Module):
         if not callable(attribute) or name in field_names or name == "is_stateful":
             return attribute
 
+        function = calls.unjitted(self.module, name)
+
         def method(*args: Any, **kwargs: Any) -> Any:
-            return calls.observed_call(self, name, self.module, attribute, args, kwargs)
+            return calls.observed_call(self, name, self.module, function, args, kwargs)
 
         return method
 

@@ -20,8 +20,9 @@ model (`call_in_transform`). Inputs that are not floating-point travel as
 float32 numbers that a cotangent carries exactly (`_as_floats`). A call inside
 a transform this cannot express (`lax.cond`, `while_loop`, a `jax.jit` inside
 the model, a `vmap` inside the scan, a layer closed over by the scan body
-rather than scanned over) raises an error naming it where it is selected or
-patched: a site is never silently missing or summed over iterations.
+rather than scanned over) is listed, and raises an error naming it where it
+is selected or patched (`bridge.adapters.equinox.refused`): a site is never
+silently missing or summed over iterations, nor does it block the others.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import jax_internals as internals
+from . import refused
 from .transforms import CHECKPOINT, SCAN, describe, transforms
 
 
@@ -234,30 +236,17 @@ def call_in_transform(
     where = describe(enclosing)
     site_path = site.path if method is None else f"{site.path}.{method}"
     unsupported = [t for t in enclosing if t not in (SCAN, CHECKPOINT)]
-    if unsupported:
-        detail = (
-            "a jax.vmap of the model's own code inside a scan or checkpoint (an "
-            "epsilon in the tree cannot vary along the mapped axis; eqx.nn.MLP "
-            "with scan=True maps its activation so: use scan=False)"
-            if "vmap" in unsupported
-            else f"{describe((unsupported[0],))}"
-        )
-        raise BridgeValueError(
-            f"bridge cannot see through {detail}: site {site_path!r} is called "
-            f"inside {where}. bridge sees through jax.lax.scan over stacked layers "
-            "and jax.checkpoint; move the call out of the transform, or unroll it."
-        )
-    if enclosing.count(SCAN) > 1:
-        raise BridgeValueError(
-            f"bridge cannot see through nested jax.lax.scan: site {site_path!r} is "
-            f"called inside {where}. Scan over one stack of layers at a time."
+    if unsupported or enclosing.count(SCAN) > 1:
+        # Listed, and refused only where selected or patched (`refused`).
+        count = _count(site) if enclosing.count(SCAN) == 1 else None
+        origin = InTransform(None, enclosing, _why(site_path, enclosing, unsupported))
+        whole = refused.whole_axes(enclosing, count)
+        return refused.unreachable(
+            session, site, method, module, function, args, kwargs, origin, whole
         )
     count = None
     if SCAN in enclosing:
-        count = iterations(site)
-        sliced = _SLICED.get()
-        if not count and sliced and sliced[0] is internals.current_trace():
-            count = sliced[1]
+        count = _count(site)
         if not count:
             blocked = (
                 f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
@@ -268,7 +257,7 @@ def call_in_transform(
                 "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
                 "unroll the loop."
             )
-            return _unreachable(
+            return refused.unreachable(
                 session,
                 site,
                 method,
@@ -319,6 +308,39 @@ def call_in_transform(
     )
     floats = jax.tree.map(jnp.add, floats, leaves.epsilon)
     return merge_differentiable(value, floats)
+
+
+def _count(site: Any) -> int | None:
+    """The iterations of the scan slicing this call (see `_SLICED`)."""
+    count = iterations(site)
+    sliced = _SLICED.get()
+    if not count and sliced and sliced[0] is internals.current_trace():
+        count = sliced[1]
+    return count
+
+
+def _why(site_path: str, enclosing: tuple[str, ...], unsupported: list) -> str:
+    """Why a call inside `enclosing` cannot be a site."""
+    where = describe(enclosing)
+    if not unsupported:
+        return (
+            f"bridge cannot see through nested jax.lax.scan: site {site_path!r} "
+            f"is called inside {where}. Scan over one stack of layers at a time, "
+            "or select other sites with `at=`."
+        )
+    detail = (
+        "a jax.vmap of the model's own code inside a scan or checkpoint (an "
+        "epsilon in the tree cannot vary along the mapped axis; eqx.nn.MLP "
+        "with scan=True maps its activation so: use scan=False)"
+        if "vmap" in unsupported
+        else describe((unsupported[0],))
+    )
+    return (
+        f"bridge cannot see through {detail}: site {site_path!r} is called "
+        f"inside {where}. bridge sees through jax.lax.scan over stacked layers "
+        "and jax.checkpoint; select other sites with `at=`, move the call out "
+        "of the transform, or unroll it."
+    )
 
 
 def _exit(session: Session, call: Any, value: Any, patch: Any) -> Any:
@@ -385,17 +407,6 @@ def _from_floats(encoding: _Encoding, x: Any) -> Any:
     if encoding.key_impl is not None:
         x = jax.random.wrap_key_data(x, impl=encoding.key_impl)
     return x
-
-
-def _unreachable(session, site, method, module, function, args, kwargs, origin):
-    """A call that cannot be a site: listed by discovery (which selects and
-    patches nothing), refused where it is selected or patched, and otherwise
-    run as it is."""
-    call = session.enter(site.path, method, module, args, origin=origin, record=False)
-    if call.name in session.selected or call.name in session.patches:
-        raise BridgeValueError(origin.blocked)
-    value = function(*args, **kwargs)
-    return session.exit(call, value, perturb=lambda v: v, record=False)
 
 
 def _leaves_with_state(value: Any) -> list:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from bridge.adapter_api import (
     Converted,
@@ -92,6 +93,22 @@ def dense(call: ParameterisedCall, inputs: int = 1, outputs: int = 1):
     )
 
 
+def _conv1d(call: ParameterisedCall):
+    """transformers' `FlaxConv1D` (GPT-2): a Dense whose kernel is `(out, in)`."""
+    if "kernel" not in call.own:
+        return None
+    kernel = call.weight("kernel", _transposed, _transposed)
+    return Converted(
+        "dense",
+        {"kernel": kernel, "bias": call.flat("bias")},
+        {"use_bias": bool(call.module.use_bias)},
+    )
+
+
+def _transposed(kernel: Any) -> Any:
+    return jnp.swapaxes(kernel, -1, -2)
+
+
 def _dense_general(call: ParameterisedCall):
     return dense(call, _count(call.module.axis), _count(call.module.features))
 
@@ -164,6 +181,8 @@ KINDS = LayerKinds(
         nn.GroupNorm: group_norm,
         nn.BatchNorm: batch_norm,
         nn.Embed: embed,
+        # By name: the adapter must not import transformers.
+        "transformers.models.gpt2.modeling_flax_gpt2.FlaxConv1D": _conv1d,
     },
     named="nn.",
 )

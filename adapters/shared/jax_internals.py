@@ -9,7 +9,8 @@ directly) but neither the current trace nor its parent. So this module reads:
 
 - `jax._src.core.trace_ctx.trace`, the trace now running, and a trace's
   `parent_trace` (JAX's "stackless" core, jax 0.4.36 onwards);
-- `jax._src.interpreters.batching.BatchTrace`, the trace of a `jax.vmap`;
+- `jax._src.interpreters.batching.BatchTrace`, the trace of a `jax.vmap`,
+  and its `axis_data.size` (the size a site refused inside one is listed with);
 - a tracing trace's `frame.debug_info.traced_for`, JAX's name of the transform
   it traces (`scan`, `checkpoint / remat`), read with a fallback: it names
   transforms in errors and recognises `lax.scan` and `jax.checkpoint`;
@@ -113,6 +114,12 @@ def current_trace() -> Any:
 
 def is_vmap(trace: Any) -> bool:
     return isinstance(trace, _batching.BatchTrace)
+
+
+def vmap_size(trace: Any) -> int | None:
+    """The size of the axis a `jax.vmap`'s trace maps (`None`: unknown)."""
+    size = getattr(getattr(trace, "axis_data", None), "size", None)
+    return size if isinstance(size, int) else None
 
 
 def parent(trace: Any) -> Any:

@@ -24,6 +24,7 @@ The new probe holds a deep copy of the module: the user's is never changed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import jax
@@ -76,14 +77,30 @@ def _array(tensor: torch.Tensor | None) -> np.ndarray | None:
 
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     """Each call of a module owning parameters itself (or a BatchNorm), in call
-    order; an `nn.MultiheadAttention` call gives four layers."""
-    found = []
+    order; an `nn.MultiheadAttention` call gives four layers. A module holding
+    only tensors of a module called before it is `tied` to that module."""
+    found, owners = [], {}
     for call in filter(KINDS.keeps, _calls(probe, sites)):
         if _fused_attention(call.module):
             found.extend(_attention_layers(call))
-        else:
-            found.append(KINDS.layer(call))
+            continue
+        layer = KINDS.layer(call)
+        tied = _tied_to(call, owners)
+        found.append(dataclasses.replace(layer, tied=tied) if tied else layer)
     return found
+
+
+def _tied_to(call: ParameterisedCall, owners: dict[int, str]) -> str:
+    """The path of the module first called with every tensor this one owns
+    (a tied LM head holds the embedding's `weight` itself), else `""`; the
+    tensors of an untied module are recorded as its own."""
+    tensors = [id(tensor) for tensor in call.own.values()]
+    path = call.site.path
+    if tensors and all(owners.get(t, path) != path for t in tensors):
+        return owners[tensors[0]]
+    for tensor in tensors:
+        owners.setdefault(tensor, path)
+    return ""
 
 
 def _calls(probe: Any, sites: list[Site]):
@@ -135,6 +152,15 @@ def _as_is(value: Any) -> np.ndarray:
 def _linear(call: ParameterisedCall) -> Converted:
     weights = {
         "kernel": call.weight("weight", _kernel, _transposed),
+        "bias": call.weight("bias", _array),
+    }
+    return Converted("dense", weights, {"use_bias": call.module.bias is not None})
+
+
+def _conv1d(call: ParameterisedCall) -> Converted:
+    """transformers' `Conv1D`: a Linear whose `weight` is `(in, out)` already."""
+    weights = {
+        "kernel": call.weight("weight", _array),
         "bias": call.weight("bias", _array),
     }
     return Converted("dense", weights, {"use_bias": call.module.bias is not None})
@@ -236,6 +262,8 @@ KINDS = LayerKinds(
         nn.LayerNorm: _layer_norm,
         **({nn.RMSNorm: _rms_norm} if hasattr(nn, "RMSNorm") else {}),
         nn.Embedding: _embedding,
+        # By name: the adapter must work, and import fast, without transformers.
+        "transformers.pytorch_utils.Conv1D": _conv1d,
         nn.Module: _tensor_by_tensor,
     },
     named="nn.",

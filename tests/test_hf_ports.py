@@ -1,0 +1,229 @@
+"""Porting Hugging Face models between their PyTorch and Flax twins.
+
+GPT-2 from a tiny config (no download): transformers' `Conv1D` (a Linear
+with an `(in, out)` weight) and its `FlaxConv1D` (`(out, in)`), a tied LM
+head (a layer in PyTorch holding the embedding's tensor, no layer in Flax),
+and a position embedding PyTorch computes once for the batch, `(1, seq, d)`,
+where the Flax model is given per-row positions, `(batch, seq, d)`. The
+references are independent of bridge: Hugging Face's own converter for the
+weights, the two models' own outputs for the numbers.
+"""
+
+from __future__ import annotations
+
+import flax.linen as linen
+import jax
+import numpy as np
+import pytest
+
+import bridge
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.gpt2.modeling_flax_gpt2")
+from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: E402
+from transformers import (  # noqa: E402
+    FlaxGPT2LMHeadModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
+from transformers.modeling_flax_pytorch_utils import (  # noqa: E402
+    convert_pytorch_state_dict_to_flax,
+)
+
+BATCH, SEQ, VOCAB = 2, 6, 50
+# float32 on any CPU: the libraries sum in different orders.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _allow_rank_promotion():
+    """Transformers' Flax code broadcasts by rank promotion (`FlaxConv1D` adds a
+    `(features,)` bias to `(batch, seq, features)`), which the suite's
+    `jax_numpy_rank_promotion="raise"` refuses."""
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+def _loss(outputs):
+    # Plain arithmetic: the same function serves torch tensors and JAX arrays;
+    # a sum keeps the activation gradients well above `ATOL`.
+    return (outputs.logits**2).sum()
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """`(torch model, Flax model with random weights, HF-converted params,
+    torch ids, Flax inputs)`."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4
+    )
+    torch_model = GPT2LMHeadModel(config).eval()
+    # A module fixture is set up before the function-scoped one allowing it.
+    with jax.numpy_rank_promotion("allow"):
+        flax_model = FlaxGPT2LMHeadModel(config, seed=1)
+        converted = convert_pytorch_state_dict_to_flax(
+            torch_model.state_dict(), flax_model
+        )
+    ids = np.random.default_rng(0).integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    # The Flax module takes (input_ids, attention_mask, position_ids); the
+    # torch model computes its positions itself, once for the whole batch.
+    flax_inputs = (ids, np.ones_like(ids), np.broadcast_to(np.arange(SEQ), ids.shape))
+    return torch_model, flax_model, converted, torch.tensor(ids), flax_inputs
+
+
+def _flax_probe(flax_model, params):
+    return bridge.probe(flax_model.module, {"params": params})
+
+
+def _without_head(converted):
+    """HF's converter also writes the tied head's kernel, which the Flax model
+    does not hold (it reads the embedding)."""
+    flat = flatten_dict(converted)
+    assert flat.pop(("lm_head", "kernel")).shape == (32, VOCAB)
+    return unflatten_dict(flat)
+
+
+def test_gpt2_torch_to_flax_gives_hf_converters_params(gpt2):
+    torch_model, flax_model, converted, ids, flax_inputs = gpt2
+    ported = bridge.transfer(
+        bridge.probe(torch_model),
+        _flax_probe(flax_model, flax_model.params),
+        ids,
+        args_b=flax_inputs,
+    )
+    got = flatten_dict(dict(ported.variables["params"]))
+    want = flatten_dict(_without_head(converted))
+    assert set(got) == set(want)
+    for key in want:  # moved and transposed, never computed: exactly equal
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+
+
+def test_gpt2_flax_to_torch_keeps_the_head_tied(gpt2):
+    torch_model, flax_model, converted, ids, flax_inputs = gpt2
+    torch.manual_seed(1)
+    fresh = GPT2LMHeadModel(torch_model.config).eval()
+    ported = bridge.transfer(
+        _flax_probe(flax_model, _without_head(converted)),
+        bridge.probe(fresh),
+        *flax_inputs,
+        args_b=(ids,),
+    ).module
+    assert ported.lm_head.weight is ported.transformer.wte.weight
+    for name, tensor in torch_model.state_dict().items():
+        np.testing.assert_array_equal(
+            ported.state_dict()[name].numpy(), tensor.numpy(), err_msg=name
+        )
+
+
+def test_gpt2_compare_of_the_converted_pair_agrees(gpt2):
+    torch_model, flax_model, converted, ids, flax_inputs = gpt2
+    params = _without_head(converted)
+    # The references: both models' own logits agree.
+    with torch.no_grad():
+        torch_logits = torch_model(ids).logits.numpy()
+    flax_logits = flax_model(*flax_inputs, params=params).logits
+    np.testing.assert_allclose(flax_logits, torch_logits, rtol=RTOL, atol=1e-5)
+
+    report = bridge.compare(
+        bridge.probe(torch_model),
+        _flax_probe(flax_model, params),
+        _loss,
+        ids,
+        args_b=flax_inputs,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert report.first_divergence is None, str(report)
+    assert len(report.rows) == 15  # 2 embeddings, 2 x 6 per block, ln_f
+    assert [row.kind for row in report.rows[:2]] == ["embed", "embed"]
+    assert report.rows[3].kind == "dense"  # Conv1D / FlaxConv1D
+    # The position embedding: (1, 6, 32) in torch, compared broadcast.
+    assert report.rows[1].site_a == "transformer.wpe"
+    assert report.rows[1].shape == (BATCH, SEQ, 32)
+    assert len(report.tied) == 1 and "'lm_head'" in report.tied[0]
+    assert "transformer.wte" in report.tied[0]
+    assert report.unpaired == ()
+    assert "tied, not paired: site 'lm_head'" in str(report)
+    np.testing.assert_allclose(report.loss_a, report.loss_b, rtol=RTOL)
+
+
+def test_gpt2_compare_names_a_planted_bug(gpt2):
+    torch_model, flax_model, converted, ids, flax_inputs = gpt2
+    flat = flatten_dict(_without_head(converted))
+    key = ("transformer", "h", "1", "mlp", "c_fc", "kernel")
+    flat[key] = flat[key].at[3, 5].add(0.5)
+    report = bridge.compare(
+        bridge.probe(torch_model),
+        _flax_probe(flax_model, unflatten_dict(flat)),
+        _loss,
+        ids,
+        args_b=flax_inputs,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    first = report.first_divergence
+    assert first is not None and not first.activations_agree
+    assert (first.site_a, first.site_b) == (
+        "transformer.h.1.mlp.c_fc",
+        "transformer/h/1/mlp/c_fc",
+    )
+
+
+# -- a dead call: the Flax model calls a layer once more than PyTorch -----------
+
+
+class _DeadCall(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        first = linen.Dense(8, name="first")
+        hidden = first(x)
+        first(2.0 * x)  # computed, never used
+        return linen.Dense(3, name="second")(jax.nn.relu(hidden))
+
+
+def _torch_twin():
+    torch.manual_seed(2)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
+
+
+def test_an_extra_call_on_one_side_is_reported_not_refused():
+    x = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
+    model = _DeadCall()
+    flax_probe = bridge.probe(model, model.init(jax.random.key(0), x))
+    torch_model = _torch_twin()
+    ported = bridge.transfer(bridge.probe(torch_model), flax_probe, x)
+    with torch.no_grad():
+        want = torch_model(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(ported.apply(x).outputs, want, rtol=RTOL, atol=ATOL)
+
+    def loss(outputs):
+        return (outputs**2).mean()
+
+    report = bridge.compare(
+        bridge.probe(torch_model), ported, loss, x, rtol=RTOL, atol=ATOL
+    )
+    assert [(row.site_a, row.site_b) for row in report.rows] == [
+        ("0", "first"),
+        ("2", "second"),
+    ]
+    assert report.first_divergence is None, str(report)
+    assert len(report.unpaired) == 1 and "'first#1'" in report.unpaired[0]
+    assert "of probe_b" in report.unpaired[0]
+    assert "unpaired extra call: site 'first#1'" in str(report)
+
+
+def test_counts_differing_by_a_first_call_still_raise():
+    x = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
+    torch_model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    model = _DeadCall()
+    with pytest.raises(bridge.BridgeError, match="same number"):
+        bridge.compare(
+            bridge.probe(torch_model),
+            bridge.probe(model, model.init(jax.random.key(0), x)),
+            lambda outputs: (outputs**2).mean(),
+            x,
+        )
