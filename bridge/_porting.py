@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
+from ._pairing import paired_in_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +134,10 @@ def first_calls(layers: Sequence[Layer]) -> list[Layer]:
 def pair(
     layers_a: Sequence[Layer], layers_b: Sequence[Layer], names: tuple[str, str]
 ) -> list[tuple[Layer, Layer]]:
-    """Pair two lists of layers in order; raise when the counts differ, naming
-    the first pair whose kinds differ or else the first layer left over."""
+    """Pair two lists of layers in order (within a parent module's calls by
+    kind, shapes and names where the two orders differ: `bridge._pairing`);
+    raise when the counts differ, naming the first pair whose kinds differ or
+    else the first layer left over."""
     if len(layers_a) != len(layers_b):
         mismatch = next(
             (
@@ -158,7 +161,7 @@ def pair(
             f"{len(layers_b)} ({_listed(layers_b)}). {mismatch} Check that both "
             "models have the same layers, called in the same order on these inputs."
         )
-    return list(zip(layers_a, layers_b, strict=True))
+    return paired_in_groups(layers_a, layers_b, names)
 
 
 def pair_calls(

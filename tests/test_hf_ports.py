@@ -227,3 +227,166 @@ def test_counts_differing_by_a_first_call_still_raise():
             lambda outputs: (outputs**2).mean(),
             x,
         )
+
+
+# -- BERT: the embeddings' children called in different orders ------------------
+#
+# PyTorch's `BertEmbeddings` calls the token-type table before the position
+# table, Flax's the other way round: pairing in call order would raise, or,
+# where both tables have one shape, swap them silently.
+
+
+def _bert(type_vocab_size):
+    """`(torch model, Flax model, HF-converted params, torch ids, Flax inputs)`."""
+    from transformers import BertConfig, BertModel, FlaxBertModel
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        type_vocab_size=type_vocab_size,
+    )
+    torch.manual_seed(3)
+    torch_model = BertModel(config).eval()
+    with jax.numpy_rank_promotion("allow"):
+        flax_model = FlaxBertModel(config, seed=4)
+        converted = convert_pytorch_state_dict_to_flax(
+            torch_model.state_dict(), flax_model
+        )
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    types = rng.integers(0, type_vocab_size, (BATCH, SEQ)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(SEQ), ids.shape)
+    torch_inputs = (torch.tensor(ids), torch.ones(BATCH, SEQ), torch.tensor(types))
+    flax_inputs = (ids, np.ones_like(ids), types, positions)
+    return torch_model, flax_model, converted, torch_inputs, flax_inputs
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return _bert(type_vocab_size=2)
+
+
+@pytest.fixture(scope="module")
+def bert_tied_shapes():
+    # Position and token-type tables both (16, 32): only their names tell.
+    return _bert(type_vocab_size=16)
+
+
+# A sum of squares of a LayerNorm's output is about constant, its gradient
+# noise: a fixed weighting keeps the activation gradients well above `ATOL`.
+_WEIGHTS = np.random.default_rng(6).normal(size=(BATCH, SEQ, 32)).astype(np.float32)
+_bert_loss = (
+    lambda outputs: (outputs.last_hidden_state * torch.tensor(_WEIGHTS)).sum(),
+    lambda outputs: (outputs.last_hidden_state * _WEIGHTS).sum(),
+)
+
+
+@pytest.mark.parametrize("fixture", ["bert", "bert_tied_shapes"])
+def test_bert_torch_to_flax_gives_hf_converters_params(fixture, request):
+    torch_model, flax_model, converted, torch_inputs, flax_inputs = (
+        request.getfixturevalue(fixture)
+    )
+    ported = bridge.transfer(
+        bridge.probe(torch_model),
+        _flax_probe(flax_model, flax_model.params),
+        *torch_inputs,
+        args_b=flax_inputs,
+    )
+    got = flatten_dict(dict(ported.variables["params"]))
+    want = flatten_dict(converted)
+    assert set(got) == set(want)
+    for key in want:  # a swap of the two (16, 32) tables would fail here
+        np.testing.assert_array_equal(
+            np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key)
+        )
+
+
+@pytest.mark.parametrize("fixture", ["bert", "bert_tied_shapes"])
+def test_bert_compare_of_the_converted_pair_agrees(fixture, request):
+    torch_model, flax_model, converted, torch_inputs, flax_inputs = (
+        request.getfixturevalue(fixture)
+    )
+    with torch.no_grad():
+        torch_out = torch_model(*torch_inputs).last_hidden_state.numpy()
+    flax_out = flax_model(*flax_inputs, params=converted).last_hidden_state
+    np.testing.assert_allclose(flax_out, torch_out, rtol=RTOL, atol=ATOL)
+
+    report = bridge.compare(
+        bridge.probe(torch_model),
+        _flax_probe(flax_model, converted),
+        _bert_loss,
+        *torch_inputs,
+        args_b=flax_inputs,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert report.first_divergence is None, str(report)
+    assert len(report.rows) == 21  # 3 embeddings + LayerNorm, 2 x 8, pooler
+    assert [(row.site_a, row.site_b) for row in report.rows[1:3]] == [
+        ("embeddings.token_type_embeddings", "embeddings/token_type_embeddings"),
+        ("embeddings.position_embeddings", "embeddings/position_embeddings"),
+    ]
+    np.testing.assert_allclose(report.loss_a, report.loss_b, rtol=RTOL)
+
+
+def test_bert_compare_names_a_planted_bug(bert):
+    torch_model, flax_model, converted, torch_inputs, flax_inputs = bert
+    flat = flatten_dict(converted)
+    key = ("embeddings", "token_type_embeddings", "embedding")
+    flat[key] = flat[key].at[1, 5].add(0.5)
+    report = bridge.compare(
+        bridge.probe(torch_model),
+        _flax_probe(flax_model, unflatten_dict(flat)),
+        _bert_loss,
+        *torch_inputs,
+        args_b=flax_inputs,
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    first = report.first_divergence
+    assert first is not None and not first.activations_agree
+    assert (first.site_a, first.site_b) == (
+        "embeddings.token_type_embeddings",
+        "embeddings/token_type_embeddings",
+    )
+
+
+def test_a_tie_no_name_settles_raises_naming_the_sites():
+    # Three tables under one parent, the odd-sized one called last in PyTorch
+    # and first in Flax, named differently on each side: the two (4, 8)
+    # tables are told apart by neither shape nor name.
+    class Torch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Embedding(4, 8)
+            self.second = torch.nn.Embedding(4, 8)
+            self.third = torch.nn.Embedding(6, 8)
+
+        def forward(self, ids):
+            return self.first(ids) + self.second(ids) + self.third(ids)
+
+    class Flax(linen.Module):
+        @linen.compact
+        def __call__(self, ids):
+            wide = linen.Embed(6, 8, name="c")(ids)
+            return (
+                wide
+                + linen.Embed(4, 8, name="a")(ids)
+                + linen.Embed(4, 8, name="b")(ids)
+            )
+
+    ids = np.zeros((2, 3), np.int32)
+    model = Flax()
+    with pytest.raises(ValueError, match="same kind and shapes") as e:
+        bridge.transfer(
+            bridge.probe(Torch()),
+            bridge.probe(model, model.init(jax.random.key(0), ids)),
+            ids,
+        )
+    assert isinstance(e.value, bridge.BridgeError)
+    assert "'first', 'second'" in str(e.value) and "'a', 'b'" in str(e.value)
+    assert "configs in which their shapes differ" in str(e.value)
