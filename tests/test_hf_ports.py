@@ -149,26 +149,41 @@ def test_gpt2_compare_of_the_converted_pair_agrees(gpt2):
     np.testing.assert_allclose(report.loss_a, report.loss_b, rtol=RTOL)
 
 
-def test_gpt2_compare_names_a_planted_bug(gpt2):
-    torch_model, flax_model, converted, ids, flax_inputs = gpt2
-    flat = flatten_dict(_without_head(converted))
-    key = ("transformer", "h", "1", "mlp", "c_fc", "kernel")
-    flat[key] = flat[key].at[3, 5].add(0.5)
+def _first_divergence_with_a_bug(
+    torch_model, flax_model, params, key, index, loss_fn, torch_inputs, flax_inputs
+):
+    """`compare`'s first divergence once `params[key][index]` of the Flax
+    model is off by 0.5 (a bug planted in a correct port)."""
+    flat = flatten_dict(params)
+    flat[key] = flat[key].at[index].add(0.5)
     report = bridge.compare(
         bridge.probe(torch_model),
         _flax_probe(flax_model, unflatten_dict(flat)),
-        _loss,
-        ids,
+        loss_fn,
+        *torch_inputs,
         args_b=flax_inputs,
         rtol=RTOL,
         atol=ATOL,
     )
     first = report.first_divergence
     assert first is not None and not first.activations_agree
-    assert (first.site_a, first.site_b) == (
-        "transformer.h.1.mlp.c_fc",
-        "transformer/h/1/mlp/c_fc",
+    return first.site_a, first.site_b
+
+
+def test_gpt2_compare_names_a_planted_bug(gpt2):
+    torch_model, flax_model, converted, ids, flax_inputs = gpt2
+    key = ("transformer", "h", "1", "mlp", "c_fc", "kernel")
+    named = _first_divergence_with_a_bug(
+        torch_model,
+        flax_model,
+        _without_head(converted),
+        key,
+        (3, 5),
+        _loss,
+        (ids,),
+        flax_inputs,
     )
+    assert named == ("transformer.h.1.mlp.c_fc", "transformer/h/1/mlp/c_fc")
 
 
 # -- a dead call: the Flax model calls a layer once more than PyTorch -----------
@@ -335,21 +350,18 @@ def test_bert_compare_of_the_converted_pair_agrees(fixture, request):
 
 def test_bert_compare_names_a_planted_bug(bert):
     torch_model, flax_model, converted, torch_inputs, flax_inputs = bert
-    flat = flatten_dict(converted)
     key = ("embeddings", "token_type_embeddings", "embedding")
-    flat[key] = flat[key].at[1, 5].add(0.5)
-    report = bridge.compare(
-        bridge.probe(torch_model),
-        _flax_probe(flax_model, unflatten_dict(flat)),
+    named = _first_divergence_with_a_bug(
+        torch_model,
+        flax_model,
+        converted,
+        key,
+        (1, 5),
         _bert_loss,
-        *torch_inputs,
-        args_b=flax_inputs,
-        rtol=RTOL,
-        atol=ATOL,
+        torch_inputs,
+        flax_inputs,
     )
-    first = report.first_divergence
-    assert first is not None and not first.activations_agree
-    assert (first.site_a, first.site_b) == (
+    assert named == (
         "embeddings.token_type_embeddings",
         "embeddings/token_type_embeddings",
     )
