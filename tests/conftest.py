@@ -17,6 +17,17 @@ def _build(builder):
 
 
 @pytest.fixture
+def allow_rank_promotion():
+    """Transformers' Flax code broadcasts by rank promotion (`FlaxConv1D` adds a
+    `(features,)` bias to `(batch, seq, features)`), which the suite's
+    `jax_numpy_rank_promotion="raise"` refuses."""
+    import jax
+
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+@pytest.fixture
 def case(request):
     """A conformance case, built once per session: probing never mutates it."""
     return _build(request.param)

@@ -36,13 +36,8 @@ BATCH, SEQ, VOCAB = 2, 6, 50
 RTOL, ATOL = 1e-4, 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _allow_rank_promotion():
-    """Transformers' Flax code broadcasts by rank promotion (`FlaxConv1D` adds a
-    `(features,)` bias to `(batch, seq, features)`), which the suite's
-    `jax_numpy_rank_promotion="raise"` refuses."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
+#: Transformers' Flax code broadcasts by rank promotion (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("allow_rank_promotion")
 
 
 def _loss(outputs):

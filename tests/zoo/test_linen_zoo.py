@@ -44,13 +44,8 @@ transformers = pytest.importorskip("transformers")
 BATCH, SEQ, VOCAB, LABELS = 2, 8, 100, 3
 
 
-@pytest.fixture(autouse=True)
-def _allow_rank_promotion():
-    """Transformers' Flax code broadcasts by rank promotion (`FlaxConv1D` adds a
-    `(features,)` bias to `(batch, seq, features)`), which the suite's
-    `jax_numpy_rank_promotion="raise"` refuses."""
-    with jax.numpy_rank_promotion("allow"):
-        yield
+#: Transformers' Flax code broadcasts by rank promotion (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("allow_rank_promotion")
 
 
 # -- the models ----------------------------------------------------------------
