@@ -52,9 +52,9 @@ def compare(
     attention batch-first), and measures their differences. A PyTorch model
     runs eagerly in PyTorch, the JAX model under `jax.jit`.
 
-    A value that broadcasts to the other side's shape (PyTorch's position
-    embedding `(1, seq, d)` against Flax's `(batch, seq, d)`) is compared
-    broadcast, the other side's gradient summed over the broadcast axes. A
+    A value that broadcasts to the other side's shape by NumPy's rules
+    (PyTorch's position embedding `(1, seq, d)` or `(seq, d)` against Flax's
+    `(batch, seq, d)`) is compared broadcast, the other side's gradient summed over the broadcast axes. A
     tied layer (`report.tied`) is not paired; where the counts differ only by
     repeated calls of a module on one side, those calls are left unpaired
     (`report.unpaired`) rather than refused.
@@ -258,13 +258,18 @@ def _broadcast(values_a, values_b, grads_a, grads_b):
 
 
 def _broadcasts(small: tuple, large: tuple) -> bool:
-    """`small` broadcasts to `large` with the same rank (a batch axis of 1)."""
-    return len(small) == len(large) and all(
-        s in (1, big) for s, big in zip(small, large, strict=True)
+    """`small` broadcasts to `large` by NumPy's rules: axes of 1 (a batch
+    axis of 1), or leading axes missing (`(seq, d)` against `(batch, seq,
+    d)`)."""
+    extra = len(large) - len(small)
+    return extra >= 0 and all(
+        s in (1, big) for s, big in zip(small, large[extra:], strict=True)
     )
 
 
 def _summed_to(grad: np.ndarray, shape: tuple) -> np.ndarray:
+    """`grad` summed over the axes a value of `shape` was broadcast along."""
+    grad = np.sum(grad, axis=tuple(range(grad.ndim - len(shape))))
     pairs = enumerate(zip(shape, grad.shape, strict=True))
     axes = tuple(n for n, (s, g) in pairs if s != g)
     return np.sum(grad, axis=axes, keepdims=True)

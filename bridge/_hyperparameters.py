@@ -103,12 +103,15 @@ def conv_padding(
     stride 1, Flax's `"CIRCULAR"`/`"REFLECT"` (the pads of `"SAME"`, see
     `conv_padding_mode`) and `"CAUSAL"`, an int, one int per axis, or pairs.
     `"SAME"` at a larger stride pads by the input's size, which the sites do not
-    keep: it is reported `AsGiven`."""
+    keep: it is reported `AsGiven`, but for a window of 1, which `"SAME"`
+    never pads at any stride (a ResNet's strided 1x1 shortcut)."""
     count = len(window)
     dilated = [(k - 1) * d + 1 for k, d in zip(window, dilation, strict=True)]
     if isinstance(padding, str):
         name = padding.upper()
-        if name == "VALID":
+        if name == "VALID" or (
+            name in ("SAME", "SAME_LOWER") and all(k == 1 for k in dilated)
+        ):
             return ((0, 0),) * count
         same = name in ("SAME", "SAME_LOWER") and all(s == 1 for s in strides)
         if same or name in ("CIRCULAR", "REFLECT"):

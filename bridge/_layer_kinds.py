@@ -9,7 +9,7 @@ class listed with `None` has no kind whatever its bases. A class may be listed
 by its qualified name, `"transformers.pytorch_utils.Conv1D"`: matched by name
 along the MRO, it never needs its library imported (an adapter must not import
 transformers). A module without a kind, or whose converter returns `None` (a
-Linen `Dense` without a kernel), is of kind `module:<class>`
+Linen `Dense` without a kernel), is of kind `weights:<its weights' names>`
 (`weight_by_weight`). Building each `Layer`, and listing where each given
 weight goes back (`placed`, for `with_weights`), are done here for all
 libraries.
@@ -103,19 +103,39 @@ class ParameterisedCall:
 Converter = Callable[[ParameterisedCall], Converted | None]
 
 
-def _module_kind(module: Any) -> str:
+def weights_kind(names: Iterable[str]) -> str:
+    """The kind of a module bridge knows no layout of: its weights' names,
+    `weights:cls_token,position_embeddings`."""
+    return "weights:" + ",".join(sorted(names))
+
+
+def class_kind(module: Any) -> str:
+    """The kind of a library's module whose layout bridge knows but cannot
+    convert (a transposed convolution's `(in, out, *window)` kernel)."""
     cls = type(module)  # a reporting subclass keeps the module and name
     return f"module:{cls.__module__}.{cls.__qualname__}"
 
 
 def weight_by_weight(
-    call: ParameterisedCall, weights: Mapping[str, Weight] | None = None
+    call: ParameterisedCall,
+    weights: Mapping[str, Weight] | None = None,
+    *,
+    same_class: bool = False,
 ) -> Converted:
-    """A `module:<class>` layer: `weights` (its own weights as they are by
-    default), moved only into a module of the same class."""
+    """A layer of a module bridge has no converter for: `weights` (its own
+    weights as they are by default), moved unchanged, by name.
+
+    A module of the model's own (a ViT embeddings module's `cls_token`, a
+    model's own RMSNorm class) pairs with any module whose weights have the
+    same names and shapes: the rule of Hugging Face's own PyTorch-to-Flax
+    converter for such weights. A library's module listed as having no kind
+    (`same_class=True`) pairs only with a module of its own class: its
+    layout is known to differ from the other libraries'.
+    """
     if weights is None:
         weights = {name: call.weight(name) for name in call.own}
-    return Converted(_module_kind(call.module), weights)
+    kind = class_kind(call.module) if same_class else weights_kind(weights)
+    return Converted(kind, weights)
 
 
 class LayerKinds:
@@ -125,6 +145,8 @@ class LayerKinds:
       converters: the table, looked up along a module's class MRO; a key may
         be a class's `"module.QualifiedName"` instead of the class.
       named: the prefix of a module's class in messages (`"nn."`).
+      home: the library's package (`"flax."`): a class from elsewhere (a
+        model's own) is named in full in messages.
       to_common: `to_common(call)`, the activation layout of a layer whose
         converter sets none (identity by default).
       kept_without_weights: classes that are layers even when they own no
@@ -136,32 +158,37 @@ class LayerKinds:
         converters: Mapping[type | str, Converter | None],
         *,
         named: str,
+        home: str,
         to_common: Callable[[ParameterisedCall], Callable[[Any], Any]] | None = None,
         kept_without_weights: tuple[type, ...] = (),
     ):
         self.converters = dict(converters)
         self.named = named
+        self.home = home
         self.to_common = to_common
         self.kept_without_weights = kept_without_weights
 
-    def _listed(self, module: Any) -> tuple[bool, Converter | None]:
-        """`(listed by name, converter)` of the nearest listed class."""
+    def _listed(self, module: Any) -> tuple[bool, bool, Converter | None]:
+        """`(listed, listed by name, converter)` of the nearest listed class."""
         for cls in type(module).__mro__:
             if cls in self.converters:
-                return False, self.converters[cls]
+                return True, False, self.converters[cls]
             name = f"{cls.__module__}.{cls.__qualname__}"
             if name in self.converters:
-                return True, self.converters[name]
-        return False, None
+                return True, True, self.converters[name]
+        return False, False, None
 
     def converter(self, module: Any) -> Converter | None:
-        return self._listed(module)[1]
+        return self._listed(module)[2]
 
     def described(self, module: Any) -> str:
+        """`nn.Dense` for the library's own class, the qualified name of any
+        other (a model's own, or another library's listed by name)."""
         cls = type(module)
-        if self._listed(module)[0]:  # another library's class: its full name
-            return f"{cls.__module__}.{cls.__qualname__}"
-        return f"{self.named}{cls.__name__}"
+        listed, by_name, _ = self._listed(module)
+        if cls.__module__.startswith(self.home) and not by_name:
+            return f"{self.named}{cls.__name__}"
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     def keeps(self, call: ParameterisedCall) -> bool:
         """Whether the call is of a parameterised module."""
@@ -172,10 +199,10 @@ class LayerKinds:
         return [self.layer(call) for call in calls if self.keeps(call)]
 
     def layer(self, call: ParameterisedCall) -> Layer:
-        converter = self.converter(call.module)
+        listed, _, converter = self._listed(call.module)
         converted = converter(call) if converter is not None else None
-        if converted is None:
-            converted = weight_by_weight(call)
+        if converted is None:  # a library's class listed without a kind
+            converted = weight_by_weight(call, same_class=listed)
         to_common = converted.to_common
         if to_common is None and self.to_common is not None:
             to_common = self.to_common(call)

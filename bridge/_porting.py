@@ -23,9 +23,11 @@ The canonical layout is channel-last and `(in, out)`:
 | `embed` | `embedding` `(vocabulary, features)` |
 
 A scanned layer's weights keep their leading iteration axes (`Site.stacked`).
-A weight the module does not have (no bias) is `None`. Anything else is of
-kind `module:<class>`: it is moved only between two modules of the same class,
-weight by weight.
+A weight the module does not have (no bias) is `None`. Anything else (a ViT
+embeddings module's own `cls_token` and position table, a model's own RMSNorm
+class) is of kind `weights:<names>`: it pairs with a module whose weights have
+the same names and shapes, and they move unchanged, by name, as Hugging Face's
+converter moves them.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class Layer:
       site: the site name of the call (`path`, `path#1`, ...).
       path: the module's path.
       kind: `dense`, `conv`, `layernorm`, `rmsnorm`, `groupnorm`, `batchnorm`,
-        `embed`, or `module:<class>`.
+        `embed`, or `weights:<names>` (`bridge._layer_kinds.weights_kind`).
       described: the module's class as its library names it (`nn.Dense`).
       weights: `{name: array or None}` in the canonical layout.
       to_common: maps one activation leaf to the common layout (channel-last,

@@ -142,7 +142,7 @@ breaks it breaks a tested API, not an adapter's private import:
   class's MRO; a key may be a class's qualified name, so that another library's
   class is listed without importing it), whose converters read a
   `ParameterisedCall` into `Converted` canonical `Weight`s, `weight_by_weight`
-  (the `module:<class>` kind) and `placed` (what `with_weights` writes, and
+  (the `weights:<names>` kind) and `placed` (what `with_weights` writes, and
   where); the canonical-layout helpers `dense_kernel`,
   `channel_first_kernel_axes`, `flatten_trailing`, `flattened`,
   `replace_leaves`, and the hyperparameter readers `as_float`,

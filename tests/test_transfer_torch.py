@@ -561,9 +561,9 @@ def test_torch_to_torch_moves_custom_modules_and_the_root_parameters():
     )
     _, found = parameterised_layers(bridge.probe(source), "src_probe", (x,), {})
     assert [(layer.site, layer.kind) for layer in found] == [
-        ("", f"module:{__name__}.RootOwned"),
+        ("", "weights:bias"),
         ("linear", "dense"),
-        ("scaled", f"module:{__name__}.Scaled"),
+        ("scaled", "weights:scale,shift"),
     ]
     assert set(found[2].weights) == {"scale", "shift"}
 

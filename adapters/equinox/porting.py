@@ -254,6 +254,7 @@ KINDS = LayerKinds(
         eqx.nn.StatefulLayer: _stateful,
     },
     named="eqx.nn.",
+    home="equinox.",
     kept_without_weights=(eqx.nn.BatchNorm,),
 )
 

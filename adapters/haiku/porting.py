@@ -158,6 +158,7 @@ KINDS = LayerKinds(
         hk.Embed: _embed,
     },
     named="hk.",
+    home="haiku.",
     to_common=_channel_layout,
     kept_without_weights=(hk.BatchNorm,),
 )

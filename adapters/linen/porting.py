@@ -28,6 +28,7 @@ from bridge.adapter_api import (
     conv_padding_mode,
     dense_kernel,
     flatten_trailing,
+    flattened,
     key_name,
     norm_hyperparameters,
     placed,
@@ -49,6 +50,7 @@ def _node(tree: Mapping, path: tuple[str, ...]) -> Mapping | None:
 
 class _Root:
     scope = ()
+    given = False
 
 
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
@@ -60,7 +62,9 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 
 def _calls(variables: Mapping, sites: list[Site]):
     for site in sites:
-        if site.module is None or site.origin is None:
+        # A call inside an `apply` the model makes (a tied head) holds the
+        # model's arguments, none of the probe's variables.
+        if site.module is None or site.origin is None or site.origin.given:
             continue
         scope = tuple(site.origin.scope)
         params = _node(variables.get("params", {}), scope) or {}
@@ -162,6 +166,26 @@ def group_norm(call: ParameterisedCall) -> Converted:
     return _norm(call, "groupnorm", num_groups=groups)
 
 
+def _hf_rms_norm(call: ParameterisedCall, offset: float = 0.0) -> Converted:
+    """transformers' Flax RMSNorms: `weight` the scale (Gemma's scale is
+    `1 + weight`), the config's `rms_norm_eps` (T5's `eps`) the epsilon."""
+    module = call.module
+    config = getattr(module, "config", None)
+    epsilon = getattr(config, "rms_norm_eps", getattr(module, "eps", None))
+    scale = call.weight(
+        "weight",
+        lambda w: flattened(w, call.site.stacked) + offset,
+        lambda scale: scale - offset,
+    )
+    return Converted(
+        "rmsnorm", {"scale": scale}, norm_hyperparameters(epsilon, use_scale=True)
+    )
+
+
+def _hf_gemma_rms_norm(call: ParameterisedCall) -> Converted:
+    return _hf_rms_norm(call, offset=1.0)
+
+
 def batch_norm(call: ParameterisedCall) -> Converted:
     return _norm(call, "batchnorm", momentum=as_float(call.module.momentum))
 
@@ -183,8 +207,18 @@ KINDS = LayerKinds(
         nn.Embed: embed,
         # By name: the adapter must not import transformers.
         "transformers.models.gpt2.modeling_flax_gpt2.FlaxConv1D": _conv1d,
+        **{
+            f"transformers.models.{family}.modeling_flax_{family}.{name}": converter
+            for family, name, converter in [
+                ("llama", "FlaxLlamaRMSNorm", _hf_rms_norm),
+                ("mistral", "FlaxMistralRMSNorm", _hf_rms_norm),
+                ("t5", "FlaxT5LayerNorm", _hf_rms_norm),
+                ("gemma", "FlaxGemmaRMSNorm", _hf_gemma_rms_norm),
+            ]
+        },
     },
     named="nn.",
+    home="flax.linen",
 )
 
 

@@ -73,12 +73,17 @@ class _Origin(SiteOrigin):
 
     `tap`: the name of a `bridge.tap` inside a lifted transform, whose
     variables live in the scope of the module that calls it.
+
+    `given`: the call is inside an `apply` the model makes itself, whose
+    variables are the model's own arguments (a tied head's kernel, the
+    embedding's transpose), not the probe's.
     """
 
     scope: tuple[str, ...]
     in_params: bool = False
     in_session: bool = False
     tap: str | None = None
+    given: bool = False
 
 
 def _is_nested_apply(module: Any) -> bool:
@@ -362,15 +367,14 @@ class _Interceptor:
                 )
         # Neither a `ToLinen` nor an `apply` the model makes passes bridge's
         # collection on: their epsilon is the session's.
-        in_session = not in_params and (
-            guests.wraps_guest("linen", module) or id(frame.root) in self.nested
-        )
+        given = id(frame.root) in self.nested
+        in_session = not in_params and (guests.wraps_guest("linen", module) or given)
         call = session.enter(
             "/".join(path if tap is None else (*path, tap)),
             None if method == "__call__" else method,
             module if tap is None else None,
             call_args,
-            origin=_Origin(path, in_params, in_session, tap),
+            origin=_Origin(path, in_params, in_session, tap, given),
             record=not lifted,
         )
         value = run()

@@ -85,6 +85,7 @@ KINDS = LayerKinds(
         nnx.Embed: flax.embed,
     },
     named="nnx.",
+    home="flax.nnx",
     kept_without_weights=(nnx.BatchNorm,),
 )
 

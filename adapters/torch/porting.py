@@ -234,14 +234,50 @@ def _rms_norm(call: ParameterisedCall) -> Converted:
     return _norm(call, "rmsnorm", epsilon)
 
 
+def _hf_rms_norm(call: ParameterisedCall, offset: float = 0.0) -> Converted:
+    """A transformers model's own RMSNorm: `weight` the scale (Gemma's scale
+    is `1 + weight`), `variance_epsilon` (Gemma's `eps`) the epsilon."""
+    module = call.module
+    epsilon = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    scale = call.weight(
+        "weight", lambda w: _flat(w) + offset, lambda scale: scale - offset
+    )
+    return Converted(
+        "rmsnorm", {"scale": scale}, norm_hyperparameters(epsilon, use_scale=True)
+    )
+
+
+def _hf_gemma_rms_norm(call: ParameterisedCall) -> Converted:
+    return _hf_rms_norm(call, offset=1.0)
+
+
+#: transformers' RMSNorm classes, by name (the adapter must not import
+#: transformers): `x * rsqrt(mean(x**2) + eps) * weight`, Gemma's `* (1 + weight)`.
+_HF_RMS_NORMS = {
+    f"transformers.models.{family}.modeling_{family}.{name}": converter
+    for family, name, converter in [
+        ("llama", "LlamaRMSNorm", _hf_rms_norm),
+        ("mistral", "MistralRMSNorm", _hf_rms_norm),
+        ("mixtral", "MixtralRMSNorm", _hf_rms_norm),
+        ("qwen2", "Qwen2RMSNorm", _hf_rms_norm),
+        ("qwen3", "Qwen3RMSNorm", _hf_rms_norm),
+        ("phi3", "Phi3RMSNorm", _hf_rms_norm),
+        ("t5", "T5LayerNorm", _hf_rms_norm),
+        ("gemma", "GemmaRMSNorm", _hf_gemma_rms_norm),
+        ("gemma2", "Gemma2RMSNorm", _hf_gemma_rms_norm),
+    ]
+}
+
+
 def _embedding(call: ParameterisedCall) -> Converted:
     return Converted("embed", {"embedding": call.weight("weight", _array)})
 
 
 def _tensor_by_tensor(call: ParameterisedCall) -> Converted:
-    """Anything else moves only into a module of the same class, tensor by
-    tensor: its own parameters and persistent floating-point buffers (and an
-    unsupported attention's output projection, which it never calls)."""
+    """Anything else moves tensor by tensor, by name: its own parameters and
+    persistent floating-point buffers. A transposed convolution and an
+    attention bridge cannot split (with its output projection, which it never
+    calls) move only into a module of their own class."""
     weights = {name: call.weight(name, _array) for name in call.own}
     for name in call.statistics:
         weights[name] = call.weight(name, _array, statistic=True)
@@ -249,7 +285,8 @@ def _tensor_by_tensor(call: ParameterisedCall) -> Converted:
         for name, tensor in call.module.out_proj.named_parameters():
             name = f"out_proj.{name}"
             weights[name] = Weight(_array(tensor), (*call.at, name))
-    return weight_by_weight(call, weights)
+    layout = (_ConvTransposeNd, nn.MultiheadAttention)
+    return weight_by_weight(call, weights, same_class=isinstance(call.module, layout))
 
 
 KINDS = LayerKinds(
@@ -264,9 +301,11 @@ KINDS = LayerKinds(
         nn.Embedding: _embedding,
         # By name: the adapter must work, and import fast, without transformers.
         "transformers.pytorch_utils.Conv1D": _conv1d,
+        **_HF_RMS_NORMS,
         nn.Module: _tensor_by_tensor,
     },
     named="nn.",
+    home="torch.",
     to_common=lambda call: _as_is,
     kept_without_weights=(_BatchNorm,),
 )
