@@ -22,6 +22,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.gpt2.modeling_flax_gpt2")
 from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: E402
+from hf_pairs import (  # noqa: E402
+    ATOL,
+    BATCH,
+    RTOL,
+    SEQ,
+    VOCAB,
+    assert_flat_equal,
+    first_divergence_with_a_bug,
+    flax_probe,
+    weighted_sum,
+)
 from transformers import (  # noqa: E402
     FlaxGPT2LMHeadModel,
     GPT2Config,
@@ -30,11 +41,6 @@ from transformers import (  # noqa: E402
 from transformers.modeling_flax_pytorch_utils import (  # noqa: E402
     convert_pytorch_state_dict_to_flax,
 )
-
-BATCH, SEQ, VOCAB = 2, 6, 50
-# float32 on any CPU: the libraries sum in different orders.
-RTOL, ATOL = 1e-4, 1e-5
-
 
 #: Transformers' Flax code broadcasts by rank promotion (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("allow_rank_promotion")
@@ -68,10 +74,6 @@ def gpt2():
     return torch_model, flax_model, converted, torch.tensor(ids), flax_inputs
 
 
-def _flax_probe(flax_model, params):
-    return bridge.probe(flax_model.module, {"params": params})
-
-
 def _without_head(converted):
     """HF's converter also writes the tied head's kernel, which the Flax model
     does not hold (it reads the embedding)."""
@@ -84,15 +86,11 @@ def test_gpt2_torch_to_flax_gives_hf_converters_params(gpt2):
     torch_model, flax_model, converted, ids, flax_inputs = gpt2
     ported = bridge.transfer(
         bridge.probe(torch_model),
-        _flax_probe(flax_model, flax_model.params),
+        flax_probe(flax_model, flax_model.params),
         ids,
         args_b=flax_inputs,
     )
-    got = flatten_dict(dict(ported.variables["params"]))
-    want = flatten_dict(_without_head(converted))
-    assert set(got) == set(want)
-    for key in want:  # moved and transposed, never computed: exactly equal
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+    assert_flat_equal(ported.variables["params"], _without_head(converted))
 
 
 def test_gpt2_flax_to_torch_keeps_the_head_tied(gpt2):
@@ -100,7 +98,7 @@ def test_gpt2_flax_to_torch_keeps_the_head_tied(gpt2):
     torch.manual_seed(1)
     fresh = GPT2LMHeadModel(torch_model.config).eval()
     ported = bridge.transfer(
-        _flax_probe(flax_model, _without_head(converted)),
+        flax_probe(flax_model, _without_head(converted)),
         bridge.probe(fresh),
         *flax_inputs,
         args_b=(ids,),
@@ -123,7 +121,7 @@ def test_gpt2_compare_of_the_converted_pair_agrees(gpt2):
 
     report = bridge.compare(
         bridge.probe(torch_model),
-        _flax_probe(flax_model, params),
+        flax_probe(flax_model, params),
         _loss,
         ids,
         args_b=flax_inputs,
@@ -144,31 +142,10 @@ def test_gpt2_compare_of_the_converted_pair_agrees(gpt2):
     np.testing.assert_allclose(report.loss_a, report.loss_b, rtol=RTOL)
 
 
-def _first_divergence_with_a_bug(
-    torch_model, flax_model, params, key, index, loss_fn, torch_inputs, flax_inputs
-):
-    """`compare`'s first divergence once `params[key][index]` of the Flax
-    model is off by 0.5 (a bug planted in a correct port)."""
-    flat = flatten_dict(params)
-    flat[key] = flat[key].at[index].add(0.5)
-    report = bridge.compare(
-        bridge.probe(torch_model),
-        _flax_probe(flax_model, unflatten_dict(flat)),
-        loss_fn,
-        *torch_inputs,
-        args_b=flax_inputs,
-        rtol=RTOL,
-        atol=ATOL,
-    )
-    first = report.first_divergence
-    assert first is not None and not first.activations_agree
-    return first.site_a, first.site_b
-
-
 def test_gpt2_compare_names_a_planted_bug(gpt2):
     torch_model, flax_model, converted, ids, flax_inputs = gpt2
     key = ("transformer", "h", "1", "mlp", "c_fc", "kernel")
-    named = _first_divergence_with_a_bug(
+    named = first_divergence_with_a_bug(
         torch_model,
         flax_model,
         _without_head(converted),
@@ -286,12 +263,8 @@ def bert_tied_shapes():
     return _bert(type_vocab_size=16)
 
 
-# A sum of squares of a LayerNorm's output is about constant, its gradient
-# noise: a fixed weighting keeps the activation gradients well above `ATOL`.
-_WEIGHTS = np.random.default_rng(6).normal(size=(BATCH, SEQ, 32)).astype(np.float32)
-_bert_loss = (
-    lambda outputs: (outputs.last_hidden_state * torch.tensor(_WEIGHTS)).sum(),
-    lambda outputs: (outputs.last_hidden_state * _WEIGHTS).sum(),
+_bert_loss = weighted_sum(
+    np.random.default_rng(6).normal(size=(BATCH, SEQ, 32)).astype(np.float32), torch
 )
 
 
@@ -302,17 +275,12 @@ def test_bert_torch_to_flax_gives_hf_converters_params(fixture, request):
     )
     ported = bridge.transfer(
         bridge.probe(torch_model),
-        _flax_probe(flax_model, flax_model.params),
+        flax_probe(flax_model, flax_model.params),
         *torch_inputs,
         args_b=flax_inputs,
     )
-    got = flatten_dict(dict(ported.variables["params"]))
-    want = flatten_dict(converted)
-    assert set(got) == set(want)
-    for key in want:  # a swap of the two (16, 32) tables would fail here
-        np.testing.assert_array_equal(
-            np.asarray(got[key]), np.asarray(want[key]), err_msg=str(key)
-        )
+    # A swap of the two (16, 32) tables would fail here.
+    assert_flat_equal(ported.variables["params"], converted)
 
 
 @pytest.mark.parametrize("fixture", ["bert", "bert_tied_shapes"])
@@ -327,7 +295,7 @@ def test_bert_compare_of_the_converted_pair_agrees(fixture, request):
 
     report = bridge.compare(
         bridge.probe(torch_model),
-        _flax_probe(flax_model, converted),
+        flax_probe(flax_model, converted),
         _bert_loss,
         *torch_inputs,
         args_b=flax_inputs,
@@ -346,7 +314,7 @@ def test_bert_compare_of_the_converted_pair_agrees(fixture, request):
 def test_bert_compare_names_a_planted_bug(bert):
     torch_model, flax_model, converted, torch_inputs, flax_inputs = bert
     key = ("embeddings", "token_type_embeddings", "embedding")
-    named = _first_divergence_with_a_bug(
+    named = first_divergence_with_a_bug(
         torch_model,
         flax_model,
         converted,

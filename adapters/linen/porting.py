@@ -16,6 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from bridge.adapter_api import (
     Converted,
@@ -172,10 +173,11 @@ def _hf_rms_norm(call: ParameterisedCall, offset: float = 0.0) -> Converted:
     module = call.module
     config = getattr(module, "config", None)
     epsilon = getattr(config, "rms_norm_eps", getattr(module, "eps", None))
+    # In float64, where `1 + weight` and back is exact for float32 weights.
     scale = call.weight(
         "weight",
-        lambda w: flattened(w, call.site.stacked) + offset,
-        lambda scale: scale - offset,
+        lambda w: np.asarray(flattened(w, call.site.stacked), np.float64) + offset,
+        lambda scale: np.asarray(scale, np.float64) - offset,
     )
     return Converted(
         "rmsnorm", {"scale": scale}, norm_hyperparameters(epsilon, use_scale=True)
