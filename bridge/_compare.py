@@ -54,10 +54,11 @@ def compare(
 
     A value that broadcasts to the other side's shape by NumPy's rules
     (PyTorch's position embedding `(1, seq, d)` or `(seq, d)` against Flax's
-    `(batch, seq, d)`) is compared broadcast, the other side's gradient summed over the broadcast axes. A
-    tied layer (`report.tied`) is not paired; where the counts differ only by
-    repeated calls of a module on one side, those calls are left unpaired
-    (`report.unpaired`) rather than refused.
+    `(batch, seq, d)`) is compared broadcast, the other side's gradient
+    summed over the broadcast axes. A tied layer (`report.tied`) is not
+    paired; where the counts differ only by repeated calls of a module on one
+    side, those calls are left unpaired (`report.unpaired`) rather than
+    refused.
 
     `report.first_divergence` is the first pair in call order whose
     activations differ beyond tolerance — a forward bug shows there, while

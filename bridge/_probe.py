@@ -22,7 +22,7 @@ framework (`bridge.adapters.torch`) overrides the hooks.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
@@ -46,6 +46,9 @@ from ._result import ForwardResult, ProbeResult, in_order
 from ._selection import check_selection, select
 from ._session import Session
 from ._sites import JAX_ARRAYS, Arrays, Site, split_arrays, zeros_like_struct
+
+if TYPE_CHECKING:
+    from ._inside import Inside
 
 
 class CallPlan(NamedTuple):
@@ -88,6 +91,16 @@ class ProbeBase:
 
     #: The framework's values, as the session and the patch checks see them.
     _arrays: Arrays = JAX_ARRAYS
+
+    #: The functions whose assignments are sites (`bridge.probe(...,
+    #: inside=...)`, `bridge._inside.Inside`); `None`: none.
+    _inside: Inside | None = None
+
+    def _looking_inside(self, inside: Inside | None) -> ProbeBase:
+        """This probe, its assignments' sites those of `inside` (set once, by
+        `bridge.probe` or an adapter's `tree_unflatten`)."""
+        self._inside = inside
+        return self
 
     # -- what a JAX adapter supplies ---------------------------------------------
 
@@ -190,10 +203,14 @@ class ProbeBase:
         abstract structure alone (`_abstract_loss`).
         """
         key = self._discovery_key(args, kwargs)
+        if key is not None and self._inside is not None:
+            key = (key, self._inside.key)  # more sites than the plain model's
         found = discovery_cache.CACHE.get(key)
         loss_struct = None
         if found is None:
             found, loss_struct = self._discover_afresh(args, kwargs, loss_fn)
+            if self._inside is not None:
+                self._inside.check_names(found.sites)
             discovery_cache.CACHE.put(key, found)
         if loss_fn is not None and found.outputs is not None:
             loss_struct = self._abstract_loss(found.outputs, loss_fn)
@@ -360,6 +377,7 @@ class ProbeBase:
                 BATCH_AXIS if self.vmap else None,
                 patched=patched,
             )
+            session.inside = self._inside
             if sessions is not None:
                 sessions.append(session)
             with session.active():

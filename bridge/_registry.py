@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import BridgeTypeError
+from ._inside import Inside
+from ._probe import ProbeBase
 from ._protocol import ActivationProbe
 
 _SUPPORTED = (
@@ -95,7 +97,9 @@ def register_adapter(
     _ADAPTERS.insert(0, _Adapter(name or label, matches, factory))
 
 
-def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
+def probe(
+    model: Any, *variables: Any, vmap: bool = False, inside: Any = None
+) -> ActivationProbe:
     """Wrap a model of any supported library as an `ActivationProbe`.
 
     Args:
@@ -105,6 +109,14 @@ def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
         Haiku `params` (and `state`); Equinox `state`, if the model has one.
       vmap: the model handles one example: map it over axis 0 of every
         positional input; activation gradients then have the batch axis first.
+      inside: a module class, a plain function, or a list of them: while the
+        probe runs, every simple assignment `name = expr` in their code is a
+        site, `<module path>/<name>` (in a function, `<calling module
+        path>/<function name>/<name>`), as if written `bridge.tap("name",
+        expr)` — attention scores and patterns of library-shipped attention
+        without editing it. Only floating arrays are sites. The classes and
+        functions are left as they were; without `inside`, nothing is
+        rewritten.
 
     Example:
       >>> probe = bridge.probe(model, variables)
@@ -113,9 +125,20 @@ def probe(model: Any, *variables: Any, vmap: bool = False) -> ActivationProbe:
     """
     if not isinstance(vmap, bool):
         raise BridgeTypeError(f"`vmap` must be True or False; got {vmap!r}.")
+    rewrites = None if inside is None else Inside(inside)  # errors before any work
     for adapter in _ADAPTERS:
         if adapter.matches(model):
-            return adapter.create(model, variables, vmap)
+            created = adapter.create(model, variables, vmap)
+            if rewrites is None:
+                return created
+            if not isinstance(created, ProbeBase):
+                raise BridgeTypeError(
+                    f"`inside` needs a probe built on bridge's ProbeBase; the "
+                    f"adapter for {type(model).__qualname__} made a "
+                    f"{type(created).__qualname__}. Mark the values with "
+                    "bridge.tap in the model's code instead."
+                )
+            return created._looking_inside(rewrites)
     raise BridgeTypeError(
         f"bridge.probe cannot probe a model of type {type(model).__qualname__}."
         f"{_misuse_hint(model)} Supported libraries — "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._carrier import Carrier
 from ._errors import BridgeTypeError
@@ -34,6 +34,9 @@ from ._naming import Naming
 from ._recorders import DiscoveryRecorder, Recorder, RunRecorder
 from ._sites import JAX_ARRAYS, Arrays, Site, SiteOrigin
 from ._taps import Taps
+
+if TYPE_CHECKING:
+    from ._inside import Inside
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None
@@ -88,6 +91,8 @@ class Session:
         )
         self.carrier = Carrier(self)
         self.taps = Taps(self)
+        # The probe's `bridge._inside.Inside`, set by the probe running it.
+        self.inside: Inside | None = None
         # `enter` and `exit` run at every call of the model: bound once.
         self._name_call = self.naming.enter
         self._close_call = self.naming.exit
@@ -96,9 +101,15 @@ class Session:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
+        """The session of the model's calls while it runs; with the probe's
+        `inside` rewrites in place (`bridge._inside`), undone on leaving."""
         token = _ACTIVE.set(self)
         try:
-            yield self
+            if self.inside is None:
+                yield self
+            else:
+                with self.inside.applied():
+                    yield self
         finally:
             _ACTIVE.reset(token)
 

@@ -93,14 +93,14 @@ class EquinoxProbe(ProbeBase):
         if parts is None:
             parts = eqx.partition(self.model, eqx.is_array)
         arrays, static = parts
-        return (arrays, self.state), (static, self.vmap)
+        return (arrays, self.state), (static, self.vmap, self._inside)
 
     @classmethod
     def tree_unflatten(cls, static, children):
         arrays, state = children
         probe = cls(eqx.combine(arrays, static[0]), state, static[1])
         probe._parts = (arrays, static[0])
-        return probe
+        return probe._looking_inside(static[2])
 
     def __repr__(self) -> str:
         with_state = ", state" if self.state is not None else ""

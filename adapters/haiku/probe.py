@@ -150,13 +150,15 @@ class HaikuProbe(ProbeBase):
         return self.state is not None
 
     def tree_flatten(self):
-        return (self.params, self.state), (self.transformed, self.takes_rng, self.vmap)
+        static = (self.transformed, self.takes_rng, self.vmap, self._inside)
+        return (self.params, self.state), static
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        transformed, takes_rng, vmap = static
+        transformed, takes_rng, vmap, inside = static
         params, state = children
-        return cls(transformed, params, state, takes_rng, vmap)
+        probe = cls(transformed, params, state, takes_rng, vmap)
+        return probe._looking_inside(inside)
 
     def __repr__(self) -> str:
         kind = "transform_with_state" if self.with_state else "transform"
