@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import inspect
 import itertools
 import textwrap
@@ -179,6 +180,8 @@ def _rewrites_of(entry: Any) -> list[_Rewrite]:
             )
     else:
         function = _innermost(entry)
+        if callable(function) and not isinstance(function, types.FunctionType):
+            raise BridgeValueError(_no_source(entry))  # a builtin, C code
         if not isinstance(function, types.FunctionType):
             raise BridgeTypeError(
                 "`inside` takes module classes and plain functions (or a list of "
@@ -227,11 +230,15 @@ def _methods(cls: type) -> list[types.FunctionType]:
 
 
 def _innermost(value: Any) -> Any:
-    """A function without its decorators' wrappers (`__wrapped__`)."""
+    """A function without its decorators' wrappers (`__wrapped__`) and
+    `functools.partial`s."""
     seen = set()
-    while hasattr(value, "__wrapped__") and id(value) not in seen:
+    while id(value) not in seen:
         seen.add(id(value))
-        value = value.__wrapped__
+        if isinstance(value, functools.partial):
+            value = value.func
+        elif hasattr(value, "__wrapped__"):
+            value = value.__wrapped__
     return value
 
 

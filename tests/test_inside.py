@@ -212,3 +212,249 @@ def test_linen_multi_head_attention_pattern(monkeypatch, jit):
     _close(res.activation_grads[pattern_site], jax.grad(loss)(zero))
     # Left as it was: the offset reference above went through the original.
     assert nn.dot_product_attention_weights is attention.dot_product_attention_weights
+
+
+# -- Equinox, Haiku, NNX: the libraries' own attention ---------------------------
+
+HEADS = 2
+
+
+def _by_hand(project, out, x, delta, key_size):
+    """Multi-head attention written out: `project(name, x)` gives
+    `(batch, seq, heads, key_size)`; `delta` added to the pattern
+    `(batch, heads, q, k)`; `out` the output projection."""
+    query, key, value = (project(name, x) for name in ("query", "key", "value"))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(key_size)
+    pattern = jax.nn.softmax(logits) + delta
+    mixed = jnp.einsum("bhqk,bkhd->bqhd", pattern, value)
+    return out(mixed.reshape(*mixed.shape[:2], -1)), pattern
+
+
+def _check_pattern(result, site, by_hand):
+    """The site's value and gradient against `by_hand(delta) -> (outputs,
+    pattern)`, differentiated at `delta = 0`."""
+    _, pattern = by_hand(0.0)
+    _close(result.activations[site], pattern)
+    grad = jax.grad(lambda d: _loss(by_hand(d)[0]))(jnp.zeros_like(pattern))
+    _close(result.activation_grads[site], grad)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_equinox_attention_under_filter_jit(jit):
+    eqx = pytest.importorskip("equinox")
+    from equinox.nn import _attention
+
+    class Model(eqx.Module):
+        mha: eqx.nn.MultiheadAttention
+
+        @eqx.filter_jit  # as Equinox's examples write it
+        def __call__(self, x):
+            return self.mha(x, x, x)
+
+    mha = eqx.nn.MultiheadAttention(HEADS, WIDTH, key=jax.random.key(2))
+    probe = bridge.probe(
+        Model(mha), vmap=True, inside=_attention.dot_product_attention_weights
+    )
+    site = "mha/dot_product_attention_weights/weights"
+    assert site in probe.sites(X)
+
+    def step(x):
+        return probe.value_and_grad(_loss, x, at=site)
+
+    result = (jax.jit(step) if jit else step)(X)
+    size = WIDTH // HEADS
+
+    def project(name, x):
+        weight = getattr(mha, f"{name}_proj").weight
+        return (x @ weight.T).reshape(*x.shape[:2], HEADS, size)
+
+    def by_hand(delta):
+        return _by_hand(project, lambda m: m @ mha.output_proj.weight.T, X, delta, size)
+
+    _check_pattern(result, site, by_hand)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_haiku_attention_through_its_module_wrapping(jit):
+    hk = pytest.importorskip("haiku")
+    size = WIDTH // HEADS
+
+    def forward(x):
+        attention = hk.MultiHeadAttention(HEADS, size, w_init_scale=1.0)
+        return attention(x, x, x)
+
+    transformed = hk.transform(forward)
+    params = transformed.init(jax.random.key(3), X)
+    probe = bridge.probe(transformed, params, inside=hk.MultiHeadAttention)
+    site = "multi_head_attention/attn_weights"
+    names = list(probe.sites(X))
+    # The scores, then scaled: one local assigned twice, before the pattern.
+    assert names.index("multi_head_attention/attn_logits#1") < names.index(site)
+
+    def step(x):
+        return probe.value_and_grad(_loss, x, at=site)
+
+    result = (jax.jit(step) if jit else step)(X)
+    p = params
+
+    def project(name, x):
+        layer = p[f"multi_head_attention/{name}"]
+        projected = x @ layer["w"] + layer["b"][None, None]
+        return projected.reshape(*x.shape[:2], HEADS, size)
+
+    def out(mixed):
+        layer = p["multi_head_attention/linear"]
+        return mixed @ layer["w"] + layer["b"][None, None]
+
+    _check_pattern(result, site, lambda delta: _by_hand(project, out, X, delta, size))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nnx_attention_weights_function(jit):
+    nnx = pytest.importorskip("flax.nnx")
+    from flax.nnx.nn import attention
+
+    model = nnx.MultiHeadAttention(HEADS, WIDTH, WIDTH, decode=False, rngs=nnx.Rngs(4))
+    probe = bridge.probe(model, inside=attention.dot_product_attention_weights)
+    site = "dot_product_attention_weights/attn_weights#1"
+    # NNX's attention takes the fused kernel, which has no pattern, unless
+    # asked for the weights.
+    assert site in probe.sites(X, sow_weights=True)
+    assert site not in probe.sites(X)
+
+    def step(x):
+        return probe.value_and_grad(_loss, x, sow_weights=True, at=site)
+
+    result = (jax.jit(step) if jit else step)(X)
+    size = WIDTH // HEADS
+
+    def project(name, x):
+        layer = getattr(model, name)
+        projected = jnp.einsum("bsd,dhk->bshk", x, layer.kernel[...])
+        return projected + layer.bias[...][None, None]
+
+    def out(mixed):
+        kernel = model.out.kernel[...].reshape(-1, WIDTH)
+        return mixed @ kernel + model.out.bias[...][None, None]
+
+    _check_pattern(result, site, lambda delta: _by_hand(project, out, X, delta, size))
+
+
+# -- closures, super(), lifted transforms -----------------------------------------
+
+
+def _scaled_softmax(factor):
+    def scaled_softmax(x):
+        shifted = x * factor  # `factor` is a closure cell
+        return jax.nn.softmax(shifted)
+
+    return scaled_softmax
+
+
+class Doubled(LinenHead):
+    """A subclass calling its parent's method with `super()`."""
+
+    @nn.compact
+    def __call__(self, x):
+        base = super().__call__(x)
+        doubled = base * 2.0
+        return doubled
+
+
+def test_closures_and_super_are_the_originals():
+    softmax = _scaled_softmax(3.0)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return softmax(Doubled(name="head")(x))
+
+    model = Model()
+    variables = model.init(jax.random.key(5), X)
+    probe = bridge.probe(model, variables, inside=[Doubled, softmax])
+    result = probe.apply(X, at="**")
+    head = variables["params"]["head"]
+    kernels = [head[name]["kernel"] for name in ("wq", "wk", "wv")]
+    mixed = _head(*kernels, X)[2]
+    # The parent's locals (reached through super()) and the subclass's own.
+    _close(result.activations["head/mixed"], mixed)
+    _close(result.activations["head/doubled"], 2.0 * mixed)
+    _close(result.activations["scaled_softmax/shifted"], 6.0 * mixed)
+    _close(result.outputs, jax.nn.softmax(6.0 * mixed))
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + LinenHead(name="head")(x), None
+
+
+def test_inside_a_scan_over_layers():
+    layers = 3
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(
+                _Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=layers,
+            )
+            return stack(name="blocks")(x, None)[0]
+
+    wrapper = Model()
+    variables = wrapper.init(jax.random.key(6), X)
+    probe = bridge.probe(wrapper, variables, inside=LinenHead)
+    site = "blocks/head/pattern"
+    assert probe.sites(X)[site].shape == (layers, 2, SEQ, SEQ)
+    result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at=site))(X)
+
+    stacked = variables["params"]["blocks"]["head"]
+
+    def by_hand(delta):  # the scan unrolled, `delta[n]` at layer n's pattern
+        delta = jnp.broadcast_to(delta, (layers, 2, SEQ, SEQ))
+        x, patterns = X, []
+        for n in range(layers):
+            kernels = [stacked[name]["kernel"][n] for name in ("wq", "wk", "wv")]
+            _, pattern, mixed = _head(*kernels, x, delta[n])
+            x, patterns = x + mixed, [*patterns, pattern]
+        return x, jnp.stack(patterns)
+
+    _check_pattern(result, site, by_hand)
+
+
+# -- errors, before any work --------------------------------------------------------
+
+
+def test_errors_name_the_entry_and_the_fix():
+    model = LinenModel()
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(bridge.BridgeError, match="no Python source") as error:
+        bridge.probe(model, variables, inside=len)
+    assert isinstance(error.value, ValueError)
+    namespace = {}
+    exec("def typed(x):\n    y = x\n    return y\n", namespace)  # a REPL's code
+    with pytest.raises(ValueError, match="no Python source"):
+        bridge.probe(model, variables, inside=namespace["typed"])
+    with pytest.raises(TypeError, match="takes module classes and plain functions"):
+        bridge.probe(model, variables, inside=3)
+    with pytest.raises(ValueError, match="is a lambda"):
+        bridge.probe(model, variables, inside=lambda x: x)
+    with pytest.raises(ValueError, match="`inside` is empty"):
+        bridge.probe(model, variables, inside=[])
+
+
+class _Colliding(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.Dense(WIDTH, name="hidden")(x)  # a local named as a submodule
+        return hidden
+
+
+def test_a_local_named_as_a_submodule_is_refused_at_discovery():
+    model = _Colliding()
+    variables = model.init(jax.random.key(0), X)
+    probe = bridge.probe(model, variables, inside=_Colliding)
+    with pytest.raises(ValueError, match="local variable 'hidden' and the submodule"):
+        probe.sites(X)
