@@ -39,6 +39,10 @@ CASES = {
         ("flax", "torch", "transformers", "matplotlib"),
         ("port_from_pytorch.png",),
     ),
+    "attention_attribution.py": (
+        ("flax", "optax", "torch", "transformers", "matplotlib"),
+        ("attention_attribution.png",),
+    ),
     "port_transformer.py": (
         ("flax", "torch", "transformers", "matplotlib"),
         ("port_transformer.png",),
