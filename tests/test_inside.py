@@ -145,12 +145,14 @@ def test_the_class_is_left_as_it_was_also_when_the_model_raises(linen_model):
 def test_another_thread_runs_the_model_untouched_meanwhile(linen_model):
     model, variables, _ = linen_model
     probe = bridge.probe(model, variables, inside=LinenHead)
+    plain = bridge.probe(model, variables)
     want = model.apply(variables, X)
-    results, stop = [], threading.Event()
+    results, recorded, stop = [], [], threading.Event()
 
-    def plain_calls():
+    def plain_calls():  # the model itself, and a probe without `inside`
         while not stop.is_set():
             results.append(np.asarray(model.apply(variables, X)))
+            recorded.append(set(plain.apply(X, at="**").activations))
 
     thread = threading.Thread(target=plain_calls)
     thread.start()
@@ -160,9 +162,10 @@ def test_another_thread_runs_the_model_untouched_meanwhile(linen_model):
     finally:
         stop.set()
         thread.join()
-    assert results
+    assert results and recorded
     for got in results:
         np.testing.assert_array_equal(got, want)
+    assert all(names == {"head", "head/wq", "head/wk", "head/wv"} for names in recorded)
 
 
 # -- library-shipped attention ---------------------------------------------------
