@@ -176,3 +176,53 @@ def test_torch_gpt2_pattern_agrees_with_autograd_and_with_flax(gpt2):
         rtol=1e-3,
         atol=1e-4 * np.abs(grad).max(),
     )
+
+
+def test_flax_bert_self_attention_pattern(monkeypatch):
+    from transformers import BertConfig, FlaxBertModel
+    from transformers.models.bert import modeling_flax_bert
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
+    model = FlaxBertModel(config, seed=2)
+    inputs = (IDS, np.ones_like(IDS), np.zeros_like(IDS), FLAX_INPUTS[2], None)
+    probe = bridge.probe(
+        model.module,
+        {"params": model.params},
+        inside=[
+            modeling_flax_bert.FlaxBertSelfAttention,
+            nn.dot_product_attention_weights,
+        ],
+    )
+    # Not causal: the scores, plus the padding bias, then the softmax.
+    site = "encoder/layer/1/attention/self/dot_product_attention_weights/attn_weights#2"
+    result = jax.jit(lambda *xs: probe.value_and_grad(_flax_loss, *xs, at=site))(
+        *inputs
+    )
+    want = model(*inputs[:4], output_attentions=True).attentions[1]
+    np.testing.assert_allclose(result.activations[site], want, rtol=1e-5, atol=1e-7)
+
+    original = modeling_flax_bert.dot_product_attention_weights
+
+    def loss(delta):
+        calls = []
+
+        def offset(*args, **kwargs):  # layer 1's pattern only
+            calls.append(None)
+            value = original(*args, **kwargs)
+            return value + delta if len(calls) == 2 else value
+
+        with monkeypatch.context() as patched:
+            patched.setattr(modeling_flax_bert, "dot_product_attention_weights", offset)
+            outputs = model.module.apply({"params": model.params}, *inputs)
+        return _flax_loss(outputs)
+
+    grad = jax.grad(loss)(jnp.zeros_like(want))
+    got = result.activation_grads[site]
+    np.testing.assert_allclose(got, grad, rtol=1e-5, atol=1e-6 * np.abs(grad).max())
