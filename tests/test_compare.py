@@ -60,7 +60,7 @@ def test_ported_models_agree_and_the_report_is_a_table():
     assert report.rows[0].kind == "conv"
     # The losses are each model's own: the library's forward pass is the reference.
     expected = float(loss_fn(jax.jit(source.module.apply)(source.variables, IMAGES)))
-    np.testing.assert_allclose(report.loss_a, expected, rtol=1e-6)
+    np.testing.assert_allclose(report.loss_a, expected, rtol=1e-5)
     np.testing.assert_allclose(report.loss_b, expected, rtol=1e-5)
     table = str(report).splitlines()
     assert "all pairs agree" in table[0]

@@ -83,7 +83,7 @@ def test_a_model_that_calls_perturb_itself_keeps_working():
     res = bridge.probe(model, variables).value_and_grad(mse, x)
     own = jax.grad(lambda v: mse(model.apply(v, x)))(variables)
     np.testing.assert_allclose(
-        res.activation_grads["Dense_0"], own["perturbations"]["h"], rtol=1e-6
+        res.activation_grads["Dense_0"], own["perturbations"]["h"], rtol=1e-5
     )
 
 
@@ -255,7 +255,7 @@ def test_a_scanned_site_stacks_iterations_and_equals_the_unrolled_model(mode):
     if mode == "jit":
         run = jax.jit(run)
     res, ref = run(scanned, x), run(unrolled, x)
-    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-6)
+    np.testing.assert_allclose(res.loss, ref.loss, rtol=1e-5)
     for layer in ("Dense_0", "LayerNorm_0"):
         for i in range(3):
             for field in ("activations", "activation_grads"):
@@ -313,9 +313,9 @@ def test_layer_inputs_inside_remat_leave_through_the_collection():
     for res in (run(probe, x), jax.jit(run)(probe, x)):
         (first,) = res.inputs["CheckpointBlock_0/Dense_0"]
         (second,) = res.inputs["CheckpointBlock_0/Dense_0#1"]
-        np.testing.assert_allclose(first, res.activations["Dense_0"], rtol=1e-6)
+        np.testing.assert_allclose(first, res.activations["Dense_0"], rtol=1e-5)
         np.testing.assert_allclose(
-            second, res.activations["CheckpointBlock_0"], rtol=1e-6
+            second, res.activations["CheckpointBlock_0"], rtol=1e-5
         )
 
 
@@ -491,7 +491,7 @@ def test_an_apply_the_model_makes_itself_is_a_site_under_its_name(mode):
     plain_loss, plain_grads = jax.value_and_grad(
         lambda p: loss(model.apply({"params": p}, ids))
     )(params)
-    np.testing.assert_allclose(res.loss, plain_loss, rtol=1e-6)
+    np.testing.assert_allclose(res.loss, plain_loss, rtol=1e-5)
     assert_tree_allclose(res.grads, plain_grads, rtol=1e-5, atol=1e-6)
     # Values: the head's LayerNorm of the embedding, computed on its own.
     embedded = params["embed"]["embedding"][ids]
@@ -579,7 +579,7 @@ def test_a_tap_inside_nn_scan_and_nn_remat_is_stacked_like_the_modules_there(
         return jnp.stack(hidden), mse(sum(hidden) + carry)
 
     (taps, loss), (_, directional) = jax.jvp(unrolled, (0.0,), (1.0,))
-    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
     np.testing.assert_allclose(res.activations["cells/pre"], taps, atol=1e-6)
     assert abs(directional) > 1e-3  # the offset moves the loss
     np.testing.assert_allclose(
@@ -627,7 +627,7 @@ def test_a_stacked_patch_value_inside_nn_scan_gives_each_iteration_its_row(
         res = value_and_grad_in(
             mode, probe, mse, (x,), {"at": at, "patch": {patched: patch}}
         )
-        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
         np.testing.assert_allclose(res.activations["cells/pre"], taps, atol=1e-6)
         np.testing.assert_allclose(
             tree_vdot(res.activation_grads["cells/pre"], delta),

@@ -165,7 +165,7 @@ def test_gradients_match_jax_grad_and_a_jvp_through_penzai_surgery(jit):
     res = (jax.jit(run) if jit else run)(probe, TOKENS)
 
     expected_loss, expected_grads = _plain_grads(model)
-    np.testing.assert_allclose(res.loss, expected_loss, rtol=1e-6)
+    np.testing.assert_allclose(res.loss, expected_loss, rtol=1e-5)
     assert jax.tree.structure(res.grads) == jax.tree.structure(expected_grads)
     assert [g.label for g in res.grads] == [g.label for g in expected_grads]
     # jit against eager float32: an element near zero differs by rounding at
@@ -198,7 +198,7 @@ def test_probing_changes_neither_the_model_nor_its_numbers():
     after = [np.asarray(p.value.data_array) for p in pz.unbind_params(model)[1]]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(res.loss, loss(model(TOKENS)), rtol=1e-6)
+    np.testing.assert_allclose(res.loss, loss(model(TOKENS)), rtol=1e-5)
     assert res.state is None
 
 

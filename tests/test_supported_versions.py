@@ -167,7 +167,7 @@ def test_a_guest_library_of_an_unsupported_release_leaves_the_host_probed(
         variables["params"]
     )
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), res.grads, plain
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), res.grads, plain
     )
     # The guard is real: with the adapter's import failing, loading it raises.
     with pytest.raises(ImportError, match="dm-haiku"):
