@@ -25,6 +25,7 @@ The peers are installed by the `bench` extra (`pip install -e ".[bench]"`).
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -66,8 +67,11 @@ def main() -> None:
             logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
         )
 
-    names = [name for name, m in model.named_modules() if isinstance(m, hook_point)]
     probe = bridge.probe(model)
+    # nnsight asks for values in the order the model computes them: the
+    # HookPoints in call order (bridge's sites are).
+    hook_points = {n for n, m in model.named_modules() if isinstance(m, hook_point)}
+    names = [name for name in probe.sites(tokens) if name in hook_points]
 
     def plain():
         model.zero_grad(set_to_none=True)
@@ -95,17 +99,22 @@ def main() -> None:
             loss_of(model(tokens)).backward()
         return stored
 
-    def nnsight_trace():
-        from nnsight import NNsight
+    import nnsight
 
-        wrapped = NNsight(model)
-        saved = []
+    # nnsight patches the modules it wraps: a model of its own, so that the
+    # other variants run the model as it was.
+    nnsight_model = copy.deepcopy(model)
+    wrapped = nnsight.NNsight(nnsight_model)
+
+    def nnsight_trace():
+        nnsight_model.zero_grad(set_to_none=True)
         with wrapped.trace(tokens):
             outputs = [wrapped.get(n).output for n in names]
-            for output in outputs:
-                saved.append(output.save())
-            logits = wrapped.output.save()
-        return saved, logits
+            saved = nnsight.save(list(outputs))
+            loss = loss_of(wrapped.output)
+            with loss.backward():  # gradients arrive last layer first
+                grads = nnsight.save([output.grad for output in reversed(outputs)])
+        return saved, grads
 
     def bridge_hook_points():
         model.zero_grad(set_to_none=True)
@@ -119,9 +128,17 @@ def main() -> None:
         "plain backward": plain,
         "TransformerLens run_with_cache(incl_bwd=True)": lens_cache,
         "TransformerLens hooks": lens_hooks,
+        "nnsight trace, .save() and .grad": nnsight_trace,
         "bridge at=HookPoint": bridge_hook_points,
         "bridge all sites": bridge_all,
     }
+    # Checked once before timing: bridge's gradients are plain backward's.
+    result = bridge_all()
+    plain()
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(result.grads[name], parameter.grad)
+    assert len(result.activation_grads) == len(probe.sites(tokens))
+
     repeats = 3 if quick else 15
     times = {name: [] for name in variants}
     for function in variants.values():  # warm up: discovery, allocator
