@@ -588,3 +588,44 @@ def test_a_deleted_probe_leaves_no_discovery_holding_its_model():
     gc.collect()
     assert alive() is None, "a discovery kept the model alive"
     assert len(CACHE) < held
+
+
+def test_a_forward_set_on_the_module_runs_on_the_shell():
+    import types
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    first = model[0]
+
+    def doubled(self, x):  # a user's monkeypatch, bound to the module
+        return 2.0 * nn.functional.linear(x, self.weight, self.bias)
+
+    first.forward = types.MethodType(doubled, first)
+    x = torch.randn(5, 3)
+    res = bridge.probe(model).value_and_grad(lambda out: (out**2).sum(), x)
+    loss = (model(x) ** 2).sum()
+    loss.backward()
+    np.testing.assert_allclose(res.loss.numpy(), loss.detach().numpy(), rtol=1e-5)
+    np.testing.assert_allclose(
+        res.grads["0.weight"].numpy(), first.weight.grad.numpy(), rtol=1e-5
+    )
+    assert set(res.activation_grads) == {"0", "1", "2"}
+    assert first.forward.__self__ is first  # the user's module is untouched
+
+
+def test_a_wrapper_replacing_forward_is_refused_not_silently_zero():
+    class Controller:  # as nnsight's NNsight sets on every module it wraps
+        def __init__(self, module):
+            self.module = module
+            self.original = module.forward
+
+        def __call__(self, *args, **kwargs):
+            return self.original(*args, **kwargs)
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    probe = bridge.probe(model)
+    model[0].forward = Controller(model[0])
+    with pytest.raises(TypeError, match="copy.deepcopy of the model") as error:
+        probe.value_and_grad(lambda out: (out**2).sum(), torch.randn(5, 3))
+    assert isinstance(error.value, bridge.BridgeError)
+    assert "Linear module's `forward` is replaced" in str(error.value)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from bridge.adapter_api import unsupported
+from bridge.adapter_api import BridgeTypeError, unsupported
 
 
 def _missing() -> list[str]:
@@ -104,4 +105,26 @@ def shell(module: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
         (name, None if child is None else shell(child, memo))
         for name, child in module._modules.items()
     )
+    _rebind_forward(module, copied)
     return copied
+
+
+def _rebind_forward(module: torch.nn.Module, copied: torch.nn.Module) -> None:
+    """A `forward` set on the module itself runs on the shell too: a method
+    bound to the module is bound to the shell instead. Any other callable
+    object (nnsight's `NNsight` puts one on every module it wraps) would run
+    the user's module, not the shell: no site would be seen and every
+    gradient would be zero, so it is refused."""
+    forward = module.__dict__.get("forward")
+    if forward is None or isinstance(forward, types.FunctionType):
+        return
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        copied.__dict__["forward"] = types.MethodType(forward.__func__, copied)
+        return
+    raise BridgeTypeError(
+        f"The {type(module).__qualname__} module's `forward` is replaced on the "
+        f"module itself by a {type(forward).__qualname__} (a wrapper such as "
+        "nnsight's NNsight does this), which calls the module directly, so "
+        "bridge cannot see its calls or its parameters' gradients. Probe a "
+        "copy.deepcopy of the model made before wrapping it."
+    )
