@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from ._naming import SessionPart
 from ._sites import Site, carrier_name
 
 if TYPE_CHECKING:
@@ -42,11 +43,11 @@ class CarriedIn:
         return carrier_name(self.kind, site.method, site.index, site.origin.tap)
 
 
-class Carrier:
+class Carrier(SessionPart):
     """What one session moves through lifted transforms (`session.carrier`)."""
 
     def __init__(self, session: Session):
-        self._session = session
+        super().__init__(session)
         self._recorder = session.recorder
         # Asked for at every call inside a lifted transform: computed once.
         self._patched_with_values = {

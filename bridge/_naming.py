@@ -10,6 +10,7 @@ traces it twice) would count the second trace's calls as new ones;
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,22 @@ class Naming:
         del self._enclosing[depth:]
 
 
-class BodyTraces:
+class SessionPart:
+    """A part of a session that refers back to it (its carrier, taps,
+    recorder, body traces), weakly: the session holds its parts, so a strong
+    reference back would make a cycle, and a cycle keeps everything the
+    session holds — a PyTorch run's recorded tensors and gradient slots, a
+    whole training step's memory — alive until the garbage collector runs."""
+
+    def __init__(self, session: Session):
+        self._session_ref = weakref.ref(session)
+
+    @property
+    def _session(self) -> Session:
+        return self._session_ref()
+
+
+class BodyTraces(SessionPart):
     """Where the traces of lifted bodies began, for a library that traces a
     body more than once (Flax's `nn.scan` traces its body twice, Haiku's
     `layer_stack` once per `init` and `apply` pass). A repeated trace is the
@@ -85,7 +101,7 @@ class BodyTraces:
     inside it is one site, never `#1`."""
 
     def __init__(self, session: Session):
-        self._session = session
+        super().__init__(session)
         self._starts: dict[Hashable, Any] = {}
 
     def begin(self, key: Hashable) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from ._naming import Call
+from ._naming import Call, SessionPart
 from ._sites import Site, SiteOrigin, differentiable_part, patch_misfit
 
 if TYPE_CHECKING:
@@ -122,12 +122,12 @@ class Recorder(abc.ABC):
     def restore(self, checkpoint: Any) -> None: ...
 
 
-class DiscoveryRecorder(Recorder):
+class DiscoveryRecorder(Recorder, SessionPart):
     """Discovery: every call becomes a `Site` with the abstract shape of its
     value; nothing is changed or recorded."""
 
     def __init__(self, session: Session):
-        self._session = session
+        SessionPart.__init__(self, session)
         self._arrays = session.arrays
         self._sites: list[Site | None] = []
         self.activations = {}

@@ -12,15 +12,17 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._naming import SessionPart
+
 if TYPE_CHECKING:
     from ._session import Session
 
 
-class Taps:
+class Taps(SessionPart):
     """The taps of one session (`session.taps`)."""
 
     def __init__(self, session: Session):
-        self._session = session
+        super().__init__(session)
         self._handler: Callable[[str, Any], Any] | None = None
 
     def tap(self, name: str, value: Any) -> Any:
