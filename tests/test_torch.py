@@ -629,3 +629,49 @@ def test_a_wrapper_replacing_forward_is_refused_not_silently_zero():
         probe.value_and_grad(lambda out: (out**2).sum(), torch.randn(5, 3))
     assert isinstance(error.value, bridge.BridgeError)
     assert "Linear module's `forward` is replaced" in str(error.value)
+
+
+class _InPlaceAfterDropout(nn.Module):
+    """A site (the dropout's output) changed in place afterwards, with
+    random draws in the step: recorded as an alias, it would read the
+    changed value."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 8)
+        self.dropout = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 2)
+        self.calls = [0]  # shared with the probe's shell of the module
+
+    def forward(self, x):
+        self.calls[0] += 1
+        h = self.dropout(self.linear(x))
+        h.relu_()  # in place, after the dropout's site
+        return self.head(h)
+
+
+def test_a_value_changed_in_place_is_recorded_as_it_was_with_the_same_draws():
+    torch.manual_seed(0)
+    model, x = _InPlaceAfterDropout().train(), _x(16, 3)
+    probe = bridge.probe(model)
+    probe.sites(x)
+
+    def loss(y):
+        return (y**2).sum()
+
+    torch.manual_seed(7)
+    calls = model.calls[0]
+    res = probe.value_and_grad(loss, x)
+    after_probe = torch.get_rng_state()
+    # The first run found the site changed and ran again from the same draws.
+    assert model.calls[0] == calls + 2
+    torch.manual_seed(7)
+    pre = model.dropout(model.linear(x)).detach()
+    want = loss(model.head(pre.relu()))
+    assert torch.equal(torch.get_rng_state(), after_probe)  # drawn once
+    torch.testing.assert_close(res.activations["dropout"], pre)
+    assert (res.activations["dropout"] < 0).any()  # before the ReLU
+    torch.testing.assert_close(res.loss, want.detach())
+    # From then on the site is copied at its call: one run a step.
+    probe.value_and_grad(loss, x)
+    assert model.calls[0] == calls + 3

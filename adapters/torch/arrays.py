@@ -98,9 +98,11 @@ class TorchArrays(Arrays):
         raise BridgeAssertionError("bridge bug: torch sites are caught by `_Catch`")
 
     def recorded(self, value: Any) -> Any:
-        # A copy: models modify outputs in place (`x += residual`,
-        # `nn.ReLU(inplace=True)`), which would rewrite a recorded alias.
-        return tree_map(lambda x: x.detach().clone() if inexact(x) else None, value)
+        # An alias, not a copy: a model that modifies a site's value in place
+        # later (`x += residual`, `nn.ReLU(inplace=True)`) is caught by the
+        # tensors' version counters and the site copied from then on
+        # (`TorchSession.stale`, `TorchProbe._fresh`).
+        return tree_map(lambda x: x.detach() if inexact(x) else None, value)
 
     def positional(self, args: tuple) -> tuple:
         return tree_map(

@@ -100,6 +100,9 @@ class TorchProbe(ProbeBase):
         # The discoveries hold the model's submodules (each site's `module`),
         # and with them its weights: they are dropped with the probe.
         self._discovery_owner = DiscoveryOwner(self)
+        # The sites the model changes in place after their call, recorded as
+        # copies (`_fresh`); every other recording is an alias.
+        self._copied: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         return f"TorchProbe({type(self.module).__name__})"
@@ -152,8 +155,26 @@ class TorchProbe(ProbeBase):
         return outputs.abstract_loss(loss_fn)
 
     def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
-        outputs, session, _, buffers = self._run_model(plan, with_inputs=False)
+        outputs, session, _, buffers = self._fresh(
+            lambda: self._run_model(plan, with_inputs=False)
+        )
         return detached(outputs), session.activations, _state(buffers)
+
+    def _fresh(self, run: Callable[[], tuple]) -> tuple:
+        """`run()`'s result, its recordings those of the calls: where the
+        model changed a recorded value in place afterwards (an alias now
+        holding the changed value), the run is made again from the same
+        random state with those sites copied, as they are from then on.
+        Copying only those sites spares a copy of every value of every step.
+        """
+        state = _random_state(self.module)
+        result = run()
+        stale = result[1].stale()
+        if not stale:
+            return result
+        self._copied = self._copied | stale
+        _restore_random_state(state)
+        return run()
 
     def _differentiate(
         self,
@@ -164,11 +185,16 @@ class TorchProbe(ProbeBase):
     ) -> ProbeResult:
         """One real forward pass, and one `torch.autograd.grad` for both
         gradient sets."""
-        outputs, session, params, buffers = self._run_model(
-            plan, with_inputs, catch=True
-        )
-        with torch.enable_grad():
-            loss_out = loss_fn(outputs)
+
+        def forward_and_loss():
+            outputs, session, params, buffers = self._run_model(
+                plan, with_inputs, catch=True
+            )
+            with torch.enable_grad():
+                return outputs, session, params, buffers, loss_fn(outputs)
+
+        # The loss may change the outputs in place too: checked after it.
+        _, session, params, buffers, loss_out = self._fresh(forward_and_loss)
         check_loss_is_a_tensor(loss_out)
         check_loss(TORCH_ARRAYS.abstract(loss_out), has_aux)
         loss, aux = loss_out if has_aux else (loss_out, None)
@@ -211,6 +237,7 @@ class TorchProbe(ProbeBase):
             plan.patches,
             with_inputs,
             device=next((p.device for p in params.values()), None),
+            copied=self._copied,
         )
         with torch.enable_grad():
             outputs = self._call_shell(session, params, buffers, plan.args, plan.kwargs)
@@ -230,6 +257,23 @@ class TorchProbe(ProbeBase):
         session.inside = self._inside
         with _hooked(session, self.module, shell), session.active():
             return functional_call(shell, (params, buffers), args, kwargs)
+
+
+def _random_state(module: torch.nn.Module) -> tuple:
+    """The global random state a run draws from (CPU, the model's CUDA
+    devices), to run it again with the same draws (dropout)."""
+    devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
+    return (
+        torch.get_rng_state(),
+        {device: torch.cuda.get_rng_state(device) for device in devices},
+    )
+
+
+def _restore_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for device, device_state in cuda.items():
+        torch.cuda.set_rng_state(device_state, device)
 
 
 def _live_state(

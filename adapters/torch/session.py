@@ -7,12 +7,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import torch
 
 from bridge.adapter_api import BridgeRuntimeError, Call, Session
 
 from . import internals
 from .arrays import TORCH_ARRAYS, inexact, jax_tree, tree_map
+
+
+def _versions(tree: Any) -> list:
+    """The version counter of each tensor leaf (`None` where a tensor keeps
+    none: an inference-mode tensor, which is copied at once)."""
+    found = []
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                found.append(leaf._version)
+            except RuntimeError:
+                found.append(None)
+    return found
+
+
+def _copy(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
 class _Slot:
@@ -69,15 +87,44 @@ class TorchSession(Session):
     """
 
     def __init__(
-        self, selected=None, epsilons=None, patches=None, with_inputs=False, device=None
+        self,
+        selected=None,
+        epsilons=None,
+        patches=None,
+        with_inputs=False,
+        device=None,
+        copied=frozenset(),
     ):
         super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
         self.slots: dict[str, Any] = {}
         self.anchor = torch.zeros((), device=device, requires_grad=True)
+        # Recordings are aliases of the values the model goes on with: each
+        # site's version counters at its call, to tell whether the model
+        # changed the value in place afterwards; the sites in `copied` (known
+        # to be changed so) are recorded as copies.
+        self._copied = copied
+        self._versions: dict[str, tuple[Any, list]] = {}
 
     def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
         # Module calls and `bridge.tap` alike: the gradient is caught here.
-        return super().exit(call, value, perturb or self.perturb(call.name), record)
+        value = super().exit(call, value, perturb or self.perturb(call.name), record)
+        recorded = self.recorder.activations.get(call.name)
+        if recorded is not None and call.name not in self._versions:
+            versions = _versions(recorded)
+            if call.name in self._copied or None in versions:
+                self.recorder.activations[call.name] = tree_map(_copy, recorded)
+            self._versions[call.name] = (recorded, versions)
+        return value
+
+    def stale(self) -> set[str]:
+        """The sites whose recorded value the model changed in place after
+        the call (their version counters moved): recorded aliases now hold
+        the changed values."""
+        return {
+            name
+            for name, (recorded, versions) in self._versions.items()
+            if name not in self._copied and _versions(recorded) != versions
+        }
 
     def activation_grads(self) -> dict:
         """`{site: gradient pytree}` once `torch.autograd.grad` has run."""
