@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import nnx_supported
 
 import bridge
-from helpers import nnx_supported
 
 RTOL, ATOL = 1e-5, 1e-6
 SEQ, WIDTH = 5, 8
