@@ -69,6 +69,27 @@ def gpt2():
     return torch_model, flax_model, params
 
 
+def _grad_by_offset(monkeypatch, owner, layer, apply, pattern):
+    """The reference: d loss / d pattern of `layer`, with the offset inserted
+    by the test, `owner.dot_product_attention_weights` returning its value
+    plus `delta` at its `layer`-th call, differentiated at `delta = 0`."""
+    original = owner.dot_product_attention_weights
+
+    def loss(delta):
+        calls = []
+
+        def offset(*args, **kwargs):
+            calls.append(None)
+            value = original(*args, **kwargs)
+            return value + delta if len(calls) == layer + 1 else value
+
+        with monkeypatch.context() as patched:
+            patched.setattr(owner, "dot_product_attention_weights", offset)
+            return _flax_loss(apply())
+
+    return jax.grad(loss)(jnp.zeros_like(pattern))
+
+
 def _flax_probe(flax_model, params):
     return bridge.probe(
         flax_model.module,
@@ -94,22 +115,13 @@ def test_flax_gpt2_pattern_and_its_gradient(gpt2, monkeypatch, jit):
     np.testing.assert_allclose(pattern.sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.asarray(pattern)[..., 0, 1:] == 0)  # causal
 
-    original = modeling_flax_gpt2.dot_product_attention_weights
-
-    def loss(delta):
-        calls = []
-
-        def offset(*args, **kwargs):  # layer 0's pattern only
-            calls.append(None)
-            value = original(*args, **kwargs)
-            return value + delta if len(calls) == 1 else value
-
-        with monkeypatch.context() as patched:
-            patched.setattr(modeling_flax_gpt2, "dot_product_attention_weights", offset)
-            outputs = flax_model.module.apply({"params": params}, *FLAX_INPUTS)
-        return _flax_loss(outputs)
-
-    grad = jax.grad(loss)(jnp.zeros_like(pattern))
+    grad = _grad_by_offset(
+        monkeypatch,
+        modeling_flax_gpt2,
+        0,
+        lambda: flax_model.module.apply({"params": params}, *FLAX_INPUTS),
+        pattern,
+    )
     got = result.activation_grads[FLAX_PATTERN]
     np.testing.assert_allclose(got, grad, rtol=1e-5, atol=1e-6 * np.abs(grad).max())
     assert np.abs(grad).max() > 1e-3  # a gradient, not output_attentions' zeros
@@ -208,21 +220,12 @@ def test_flax_bert_self_attention_pattern(monkeypatch):
     want = model(*inputs[:4], output_attentions=True).attentions[1]
     np.testing.assert_allclose(result.activations[site], want, rtol=1e-5, atol=1e-7)
 
-    original = modeling_flax_bert.dot_product_attention_weights
-
-    def loss(delta):
-        calls = []
-
-        def offset(*args, **kwargs):  # layer 1's pattern only
-            calls.append(None)
-            value = original(*args, **kwargs)
-            return value + delta if len(calls) == 2 else value
-
-        with monkeypatch.context() as patched:
-            patched.setattr(modeling_flax_bert, "dot_product_attention_weights", offset)
-            outputs = model.module.apply({"params": model.params}, *inputs)
-        return _flax_loss(outputs)
-
-    grad = jax.grad(loss)(jnp.zeros_like(want))
+    grad = _grad_by_offset(
+        monkeypatch,
+        modeling_flax_bert,
+        1,
+        lambda: model.module.apply({"params": model.params}, *inputs),
+        want,
+    )
     got = result.activation_grads[site]
     np.testing.assert_allclose(got, grad, rtol=1e-5, atol=1e-6 * np.abs(grad).max())
