@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import BridgeTypeError, BridgeValueError
+from ._session import current
 
 #: The name the rewritten code imports `tap` from.
 _HERE = __name__
@@ -67,8 +68,6 @@ _rewrites: dict[int, _Rewrite] = {}
 def tap(key: int, name: str, value: Any) -> Any:
     """What a rewritten assignment calls: `bridge.tap(name, value)` for a
     session whose probe asked for the function `key`, else `value`."""
-    from ._session import current
-
     session = current()
     inside = None if session is None else session.inside
     if inside is None or key not in inside.keys or not _floating(session, value):

@@ -185,7 +185,7 @@ class LayerKinds:
         """`nn.Dense` for the library's own class, the qualified name of any
         other (a model's own, or another library's listed by name)."""
         cls = type(module)
-        listed, by_name, _ = self._listed(module)
+        _, by_name, _ = self._listed(module)
         if cls.__module__.startswith(self.home) and not by_name:
             return f"{self.named}{cls.__name__}"
         return f"{cls.__module__}.{cls.__qualname__}"
