@@ -1,7 +1,13 @@
 """bridge at real size: Hugging Face's Flax GPT-2 with GPT-2 small's shape.
 
-    python benchmarks/real_size.py           # 12 x 768 (124M parameters), batch 2 x 128
-    python benchmarks/real_size.py --quick   # 2 x 128
+    python benchmarks/real_size.py              # 12 x 768, 124M parameters
+    python benchmarks/real_size.py --quick      # 2 x 128
+    python benchmarks/real_size.py --libraries  # that size in all four libraries
+
+`--libraries`: the pre-norm transformer of `benchmarks/models.py` (4 heads,
+a dense head on the mean token, mean squared loss) at GPT-2 small's width,
+depth and tokens (12 x 768, batch 2 x 128), in Flax Linen, Flax NNX,
+Equinox and Haiku, each written as that library's users write it.
 
 Random initialisation (no download), next-token loss. Three jitted steps,
 compiled once each, then run interleaved (the order rotated every
@@ -31,11 +37,72 @@ from transformers import FlaxGPT2LMHeadModel, GPT2Config
 import bridge
 
 
+def timed(steps: dict, first: dict, x: tuple, repeats: int) -> dict:
+    """`{step: (median runtime, compile seconds, XLA bytes)}` of jitted
+    `steps[name](first[name], *x)`, compiled once each, run interleaved."""
+    compiled, compile_times, memory = {}, {}, {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        compiled[name] = jax.jit(step).lower(first[name], *x).compile()
+        compile_times[name] = time.perf_counter() - start
+        analysis = compiled[name].memory_analysis()
+        memory[name] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+    times = {name: [] for name in steps}
+    order = list(steps)
+    for repeat in range(repeats):
+        for name in order[repeat % len(order) :] + order[: repeat % len(order)]:
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[name](first[name], *x))
+            times[name].append(time.perf_counter() - start)
+    return {
+        name: (statistics.median(times[name]), compile_times[name], memory[name])
+        for name in steps
+    }
+
+
+def print_rows(rows: dict) -> None:
+    print(
+        f"{'step':12s}{'runtime':>10s}{'ratio':>7s}{'compile':>10s}{'ratio':>7s}"
+        f"{'XLA MiB':>9s}{'ratio':>7s}"
+    )
+    base_run, base_compile, base_memory = rows["plain"]
+    for name, (run, seconds, memory) in rows.items():
+        print(
+            f"{name:12s}{run * 1e3:8.1f}ms{run / base_run:7.3f}"
+            f"{seconds:9.1f}s{seconds / base_compile:7.2f}"
+            f"{memory / 2**20:9.0f}{memory / base_memory:7.2f}"
+        )
+
+
+def libraries(repeats: int) -> None:
+    """The same transformer at GPT-2 small's size in the four libraries."""
+    import models
+
+    sizes = models.Sizes(batch_tf=2, tokens=128, width_tf=768, depth_tf=12)
+    for library in ("linen", "nnx", "equinox", "haiku"):
+        workload = getattr(models, f"{library}_transformer")(sizes)
+        probe, loss, at = workload.probe, workload.loss, workload.one_site
+        steps = {
+            "plain": workload.plain,
+            "all sites": lambda p, x, loss=loss: p.value_and_grad(loss, x),
+            "one site": lambda p, x, loss=loss, at=at: p.value_and_grad(loss, x, at=at),
+        }
+        first = {"plain": workload.params, "all sites": probe, "one site": probe}
+        probe.sites(workload.x)  # discovery warm for both probed steps
+        rows = timed(steps, first, (workload.x,), repeats)
+        print(f"\n{library}: {len(probe.sites(workload.x))} sites")
+        print_rows(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--libraries", action="store_true")
     parser.add_argument("--repeats", type=int, default=7)
     options = parser.parse_args()
+    if options.libraries:
+        libraries(options.repeats)
+        return
     layers, width, seq = (2, 128, 32) if options.quick else (12, 768, 128)
     jax.config.update("jax_numpy_rank_promotion", "allow")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1))
@@ -67,44 +134,19 @@ def main() -> None:
     start = time.perf_counter()
     sites = bridge.probe(module, {"params": params}).sites(*inputs)
     discovery = time.perf_counter() - start
-    compiled, compile_times, memory = {}, {}, {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        compiled[name] = jax.jit(step).lower(params, *inputs).compile()
-        compile_times[name] = time.perf_counter() - start
-        analysis = compiled[name].memory_analysis()
-        memory[name] = analysis.temp_size_in_bytes + analysis.output_size_in_bytes
     returned = 2 * sum(
         np.prod(leaf.shape) * leaf.dtype.itemsize
         for leaf in jax.tree.leaves(sites)
         if jnp.issubdtype(leaf.dtype, jnp.floating)
     )
-    times = {name: [] for name in steps}
-    order = list(steps)
-    for repeat in range(options.repeats):
-        for name in order[repeat % 3 :] + order[: repeat % 3]:
-            start = time.perf_counter()
-            jax.block_until_ready(compiled[name](params, *inputs))
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["plain"])
+    rows = timed(steps, dict.fromkeys(steps, params), inputs, options.repeats)
     print(
         f"Flax GPT-2 {layers} x {width}, batch 2 x {seq}, {len(sites)} sites "
         f"({returned / 2**20:.0f} MiB of activations and gradients returned); "
         f"{options.repeats} interleaved repeats"
     )
     print(f"discovery (probe.sites, cold): {discovery:.2f}s")
-    print(
-        f"{'step':12s}{'runtime':>10s}{'ratio':>7s}{'compile':>10s}{'ratio':>7s}"
-        f"{'XLA MiB':>9s}{'ratio':>7s}"
-    )
-    for name in steps:
-        run = statistics.median(times[name])
-        seconds = compile_times[name]
-        print(
-            f"{name:12s}{run * 1e3:8.1f}ms{run / base:7.3f}"
-            f"{seconds:9.1f}s{seconds / compile_times['plain']:7.2f}"
-            f"{memory[name] / 2**20:9.0f}{memory[name] / memory['plain']:7.2f}"
-        )
+    print_rows(rows)
 
 
 if __name__ == "__main__":
