@@ -21,6 +21,9 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
+from ._hyperparameters import norm_hyperparameters
 from ._porting import Layer, flattened
 from ._sites import Site
 
@@ -136,6 +139,26 @@ def weight_by_weight(
         weights = {name: call.weight(name) for name in call.own}
     kind = class_kind(call.module) if same_class else weights_kind(weights)
     return Converted(kind, weights)
+
+
+def weight_rmsnorm(
+    call: ParameterisedCall,
+    epsilon: Any,
+    read: Callable[[Any], Any],
+    offset: float = 0.0,
+) -> Converted:
+    """An RMSNorm of a model's own that keeps its scale as `weight`, less
+    `offset` (Gemma's scale is `1 + weight`); `read` flattens a weight in
+    the library's layout. The offset is added and taken off in float64,
+    where both are exact for float32 weights: a port moves them unchanged."""
+    scale = call.weight(
+        "weight",
+        lambda weight: np.asarray(read(weight), np.float64) + offset,
+        lambda scale: np.asarray(scale, np.float64) - offset,
+    )
+    return Converted(
+        "rmsnorm", {"scale": scale}, norm_hyperparameters(epsilon, use_scale=True)
+    )
 
 
 class LayerKinds:

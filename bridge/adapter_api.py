@@ -142,7 +142,8 @@ breaks it breaks a tested API, not an adapter's private import:
   class's MRO; a key may be a class's qualified name, so that another library's
   class is listed without importing it), whose converters read a
   `ParameterisedCall` into `Converted` canonical `Weight`s, `weight_by_weight`
-  (the `weights:<names>` kind) and `placed` (what `with_weights` writes, and
+  (the `weights:<names>` kind), `weight_rmsnorm` (an RMSNorm keeping its scale
+  as `weight`, less an offset) and `placed` (what `with_weights` writes, and
   where); the canonical-layout helpers `dense_kernel`,
   `channel_first_kernel_axes`, `flatten_trailing`, `flattened`,
   `replace_leaves`, and the hyperparameter readers `as_float`,
@@ -182,6 +183,7 @@ from ._layer_kinds import ParameterisedCall as ParameterisedCall
 from ._layer_kinds import Weight as Weight
 from ._layer_kinds import placed as placed
 from ._layer_kinds import weight_by_weight as weight_by_weight
+from ._layer_kinds import weight_rmsnorm as weight_rmsnorm
 from ._porting import Layer as Layer
 from ._porting import channel_first_kernel_axes as channel_first_kernel_axes
 from ._porting import dense_kernel as dense_kernel
@@ -266,6 +268,7 @@ __all__ = [
     "torch_named_conv_hyperparameters",
     "unsupported",
     "weight_by_weight",
+    "weight_rmsnorm",
     "without_axis",
     "zeros_like_struct",
 ]

@@ -365,3 +365,59 @@ def test_a_tie_no_name_settles_raises_naming_the_sites():
     assert isinstance(e.value, bridge.BridgeError)
     assert "'first', 'second'" in str(e.value) and "'a', 'b'" in str(e.value)
     assert "configs in which their shapes differ" in str(e.value)
+
+
+# -- a position table broadcast over a missing batch axis ------------------------
+
+
+def test_a_value_broadcast_over_a_missing_leading_axis_is_compared_broadcast():
+    # PyTorch looks the positions up once, `(seq, d)`, and broadcasts them in
+    # the sum; the Flax port looks them up per row, `(batch, seq, d)`.
+    class Torch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.positions = torch.nn.Embedding(SEQ, 8)
+            self.head = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(x + self.positions(torch.arange(x.shape[1])))
+
+    class Flax(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            rows = np.broadcast_to(np.arange(SEQ), x.shape[:2])
+            return linen.Dense(3, name="head")(x + linen.Embed(SEQ, 8)(rows))
+
+    torch.manual_seed(4)
+    torch_model = Torch()
+    x = np.random.default_rng(7).normal(size=(BATCH, SEQ, 8)).astype(np.float32)
+    model = Flax()
+    ported = bridge.transfer(
+        bridge.probe(torch_model),
+        bridge.probe(model, model.init(jax.random.key(0), x)),
+        x,
+    )
+
+    def loss(outputs):
+        return (outputs**2).sum()
+
+    report = bridge.compare(
+        bridge.probe(torch_model), ported, loss, x, rtol=RTOL, atol=ATOL
+    )
+    assert report.first_divergence is None, str(report)
+    assert report.rows[0].shape == (BATCH, SEQ, 8)
+    # The reference for the gradient: PyTorch's own, of the (seq, d) table's
+    # output, against the Flax per-row gradients summed over the batch.
+    torch_result = bridge.probe(torch_model).value_and_grad(loss, torch.tensor(x))
+    flax_result = ported.value_and_grad(loss, x)
+    np.testing.assert_allclose(
+        flax_result.activation_grads["Embed_0"].sum(0),
+        torch_result.activation_grads["positions"].numpy(),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    assert (
+        report.rows[0].grad_abs
+        <= ATOL
+        + RTOL * np.abs(torch_result.activation_grads["positions"].numpy()).max()
+    )

@@ -675,3 +675,25 @@ def test_a_value_changed_in_place_is_recorded_as_it_was_with_the_same_draws():
     # From then on the site is copied at its call: one run a step.
     probe.value_and_grad(loss, x)
     assert model.calls[0] == calls + 3
+
+
+def test_a_step_leaves_no_cycle_holding_its_tensors():
+    """A session's parts refer back to it weakly: with the garbage collector
+    off, nothing of a step stays alive once its result is dropped."""
+    import gc
+
+    from bridge.adapters.torch.session import TorchSession
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), _x(5, 3)
+    probe = bridge.probe(model)
+    probe.value_and_grad(lambda y: y.sum(), x)  # discovery done
+    gc.collect()
+    gc.disable()
+    try:
+        result = probe.value_and_grad(lambda y: y.sum(), x)
+        del result
+        alive = [o for o in gc.get_objects() if type(o) is TorchSession]
+    finally:
+        gc.enable()
+    assert alive == []

@@ -16,7 +16,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
 from bridge.adapter_api import (
     Converted,
@@ -34,6 +33,7 @@ from bridge.adapter_api import (
     norm_hyperparameters,
     placed,
     replace_leaves,
+    weight_rmsnorm,
 )
 
 
@@ -173,14 +173,8 @@ def _hf_rms_norm(call: ParameterisedCall, offset: float = 0.0) -> Converted:
     module = call.module
     config = getattr(module, "config", None)
     epsilon = getattr(config, "rms_norm_eps", getattr(module, "eps", None))
-    # In float64, where `1 + weight` and back is exact for float32 weights.
-    scale = call.weight(
-        "weight",
-        lambda w: np.asarray(flattened(w, call.site.stacked), np.float64) + offset,
-        lambda scale: np.asarray(scale, np.float64) - offset,
-    )
-    return Converted(
-        "rmsnorm", {"scale": scale}, norm_hyperparameters(epsilon, use_scale=True)
+    return weight_rmsnorm(
+        call, epsilon, lambda weight: flattened(weight, call.site.stacked), offset
     )
 
 

@@ -94,15 +94,34 @@ class FakeOutputs:
         return TORCH_ARRAYS.abstract(loss_out)
 
 
+def _cuda_devices(module: torch.nn.Module | None) -> list[int]:
+    """The CUDA devices the model's parameters are on: whose random states a
+    run draws from, beside the CPU's."""
+    parameters = [] if module is None else module.parameters()
+    return sorted({p.device.index or 0 for p in parameters if p.device.type == "cuda"})
+
+
 @contextlib.contextmanager
 def restored_rng(module: torch.nn.Module | None) -> Iterator[None]:
     """The global RNG state (CPU, and the model's CUDA devices) as it was."""
-    parameters = [] if module is None else module.parameters()
-    devices = sorted(
-        {p.device.index or 0 for p in parameters if p.device.type == "cuda"}
-    )
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_devices(module)):
         yield
+
+
+def random_state(module: torch.nn.Module) -> tuple:
+    """The global random state a run draws from (CPU, the model's CUDA
+    devices), to run it again with the same draws (dropout)."""
+    return (
+        torch.get_rng_state(),
+        {d: torch.cuda.get_rng_state(d) for d in _cuda_devices(module)},
+    )
+
+
+def restore_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for device, device_state in cuda.items():
+        torch.cuda.set_rng_state(device_state, device)
 
 
 def check_loss_is_a_tensor(loss_out: Any) -> None:

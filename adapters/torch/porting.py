@@ -49,6 +49,7 @@ from bridge.adapter_api import (
     placed,
     torch_named_conv_hyperparameters,
     weight_by_weight,
+    weight_rmsnorm,
 )
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
@@ -239,15 +240,7 @@ def _hf_rms_norm(call: ParameterisedCall, offset: float = 0.0) -> Converted:
     is `1 + weight`), `variance_epsilon` (Gemma's `eps`) the epsilon."""
     module = call.module
     epsilon = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    # In float64, where `1 + weight` and back is exact for float32 weights.
-    scale = call.weight(
-        "weight",
-        lambda w: _flat(w).astype(np.float64) + offset,
-        lambda scale: np.asarray(scale, np.float64) - offset,
-    )
-    return Converted(
-        "rmsnorm", {"scale": scale}, norm_hyperparameters(epsilon, use_scale=True)
-    )
+    return weight_rmsnorm(call, epsilon, _flat, offset)
 
 
 def _hf_gemma_rms_norm(call: ParameterisedCall) -> Converted:

@@ -72,7 +72,14 @@ from bridge.adapter_api import (
 
 from . import internals
 from .arrays import TORCH_ARRAYS, Spec, detached, to_torch
-from .discovery import FakeOutputs, check_loss_is_a_tensor, restored_rng, signature
+from .discovery import (
+    FakeOutputs,
+    check_loss_is_a_tensor,
+    random_state,
+    restore_random_state,
+    restored_rng,
+    signature,
+)
 from .session import TorchSession
 
 
@@ -167,13 +174,13 @@ class TorchProbe(ProbeBase):
         random state with those sites copied, as they are from then on.
         Copying only those sites spares a copy of every value of every step.
         """
-        state = _random_state(self.module)
+        state = random_state(self.module)
         result = run()
         stale = result[1].stale()
         if not stale:
             return result
         self._copied = self._copied | stale
-        _restore_random_state(state)
+        restore_random_state(state)
         return run()
 
     def _differentiate(
@@ -257,23 +264,6 @@ class TorchProbe(ProbeBase):
         session.inside = self._inside
         with _hooked(session, self.module, shell), session.active():
             return functional_call(shell, (params, buffers), args, kwargs)
-
-
-def _random_state(module: torch.nn.Module) -> tuple:
-    """The global random state a run draws from (CPU, the model's CUDA
-    devices), to run it again with the same draws (dropout)."""
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
-    return (
-        torch.get_rng_state(),
-        {device: torch.cuda.get_rng_state(device) for device in devices},
-    )
-
-
-def _restore_random_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    for device, device_state in cuda.items():
-        torch.cuda.set_rng_state(device_state, device)
 
 
 def _live_state(

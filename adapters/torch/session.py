@@ -103,7 +103,7 @@ class TorchSession(Session):
         # changed the value in place afterwards; the sites in `copied` (known
         # to be changed so) are recorded as copies.
         self._copied = copied
-        self._versions: dict[str, tuple[Any, list]] = {}
+        self._versions: dict[str, list] = {}
 
     def exit(self, call: Call, value: Any, perturb=None, record=True) -> Any:
         # Module calls and `bridge.tap` alike: the gradient is caught here.
@@ -113,17 +113,18 @@ class TorchSession(Session):
             versions = _versions(recorded)
             if call.name in self._copied or None in versions:
                 self.recorder.activations[call.name] = tree_map(_copy, recorded)
-            self._versions[call.name] = (recorded, versions)
+            self._versions[call.name] = versions
         return value
 
     def stale(self) -> set[str]:
         """The sites whose recorded value the model changed in place after
         the call (their version counters moved): recorded aliases now hold
         the changed values."""
+        activations = self.recorder.activations
         return {
             name
-            for name, (recorded, versions) in self._versions.items()
-            if name not in self._copied and _versions(recorded) != versions
+            for name, versions in self._versions.items()
+            if name not in self._copied and _versions(activations[name]) != versions
         }
 
     def activation_grads(self) -> dict:
