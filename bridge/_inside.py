@@ -93,7 +93,6 @@ class Inside:
       keys: the rewritten functions' keys, for `tap`'s check.
       local_names: `{tap name}` each rewritten assignment may give, for the
         collision check after discovery.
-      key: what the discovery cache adds to its key.
     """
 
     def __init__(self, inside: Any):
@@ -111,7 +110,6 @@ class Inside:
         self.local_names = frozenset(
             name for r in self.rewrites for name in r.local_names
         )
-        self.key = tuple(sorted(self.keys))
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:

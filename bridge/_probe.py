@@ -204,7 +204,7 @@ class ProbeBase:
         """
         key = self._discovery_key(args, kwargs)
         if key is not None and self._inside is not None:
-            key = (key, self._inside.key)  # more sites than the plain model's
+            key = (key, self._inside.keys)  # more sites than the plain model's
         found = discovery_cache.CACHE.get(key)
         loss_struct = None
         if found is None:
