@@ -1,4 +1,4 @@
-"""Activation patching: which site carries the information that changes the answer?
+"""Activation patching, and attribution patching: its estimate from one gradient.
 
 The standard interpretability experiment, on a small Flax Linen model trained
 for a few hundred steps on a synthetic task:
@@ -15,26 +15,50 @@ for a few hundred steps on a synthetic task:
   the plane ``a·u = 0``: the first bit, and so the answer, flips.
 - The metric is the logit difference ``logit[clean answer] − logit[corrupted
   answer]``, averaged over pairs.
-- For every site, the clean run's activation is patched into the corrupted
-  run, ``probe.apply(x_corrupt, patch={site: clean_value})``, and the
-  *recovered fraction* ``(metric_patched − metric_corrupt) /
-  (metric_clean − metric_corrupt)`` says how much of the answer that site
-  carries: 1 on the path of ``a``, 0 on ``b``'s, a share on each of the two
-  parallel paths ``mix`` and ``skip_a``.
+- **Activation patching**: for every site, the clean run's activation is
+  patched into the corrupted run, ``probe.apply(x_corrupt, patch={site:
+  clean_value})``, and the *recovered fraction* ``(metric_patched −
+  metric_corrupt) / (metric_clean − metric_corrupt)`` says how much of the
+  answer that site carries: 1 on the path of ``a``, 0 on ``b``'s, a share on
+  each of the two parallel paths ``mix`` and ``skip_a``. One forward pass per
+  site.
+- **Attribution patching**: one ``probe.value_and_grad`` of the metric on the
+  corrupted input gives every site's activation and the metric's gradient
+  with respect to it; ``sum((clean − corrupt) · d metric / d activation)`` is
+  the first-order estimate of what patching that site would change. One
+  backward pass for all sites.
 
-    python examples/activation_patching.py
+The figure (``docs/activation_patching.png``) draws both per site, and a
+scatter of the estimate (x) against the patching effect (y), one point per
+pair and site. On the line y = x the estimate is exact: the path from the site
+to the metric is linear in it, as from ``head`` (the logits themselves). Off
+it, the path runs through a nonlinearity, here the ``tanh`` after
+``residual``: flipping the answer moves many ``residual`` units from one
+saturated end of the ``tanh`` to the other, and the slope at the corrupted
+point, all attribution patching sees, misses most of that change. So on
+``encode_a``, ``skip_a`` and ``residual`` the estimate recovers about 0.05 of
+the logit difference where patching recovers 0.9 to 1, uncorrelated pair by
+pair; ``mix`` is in between. ``encode_b``, equal in both runs, is 0 on both
+axes. Attribution patching ranks sites for one backward pass; activation
+patching, one forward pass per site, checks the ranking where it matters.
 
-``BRIDGE_EXAMPLES_SMOKE=1`` trains for a few steps only;
-``BRIDGE_EXAMPLES_OUT`` names the directory for the PNG (default: the
-repository's ``docs/``).
+    python -m pip install -e ".[all,examples]"
+    python examples/activation_patching.py --out docs
+
+Without ``--out DIR`` (or ``BRIDGE_EXAMPLES_OUT=DIR``) it writes nothing.
+``BRIDGE_EXAMPLES_SMOKE=1`` trains for a few steps only.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import functools
-import os
 import time
-from pathlib import Path
+
+from example_support import SMOKE, Figure, require
+
+require("flax", "optax", "matplotlib")
 
 import flax.linen as nn
 import jax
@@ -44,13 +68,7 @@ import optax
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
-
+FIGURE = Figure("activation_patching.png")
 DIM, HIDDEN, CLASSES = 6, 32, 4
 TRAIN, PAIRS = 1024, 256  # training examples; clean/corrupted test pairs
 STEPS = 40 if SMOKE else 400
@@ -125,46 +143,112 @@ def train(model):
 # -- patching -----------------------------------------------------------------------
 
 
-def logit_difference(right, wrong):
-    """The metric: mean over pairs of logit[right] − logit[wrong]."""
-
-    def metric(logits):
-        picked = lambda c: jnp.take_along_axis(logits, c[:, None], axis=1)[:, 0]
-        return jnp.mean(picked(right) - picked(wrong))
-
-    return metric
+def logit_differences(logits, right, wrong):
+    """Per pair, logit[right] − logit[wrong]; the metric is their mean."""
+    picked = lambda c: jnp.take_along_axis(logits, c[:, None], axis=1)[:, 0]
+    return picked(right) - picked(wrong)
 
 
-@functools.partial(jax.jit, static_argnames=("metric", "sites"))
-def patching(probe, clean, corrupt, *, metric, sites):
-    """The metric on the clean and corrupted inputs, and with each site patched."""
+@functools.partial(jax.jit, static_argnames=("sites",))
+def patching(probe, clean, corrupt, right, wrong, *, sites):
+    """Per pair, the logit difference on the clean and corrupted inputs; and
+    per site and pair, what patching the site's clean value into the corrupted
+    run changes (activation patching) and its first-order estimate
+    (attribution patching)."""
+    differences = lambda logits: logit_differences(logits, right, wrong)
     recorded = probe.apply(clean, at=list(sites))  # the clean activations
-    on_corrupt = metric(probe.apply(corrupt).outputs)
-    patched = [
-        metric(probe.apply(corrupt, patch={site: recorded.activations[site]}).outputs)
-        for site in sites
-    ]
-    return metric(recorded.outputs), on_corrupt, jnp.stack(patched)
+
+    # One backward pass: every site's corrupted activation and d metric / d it.
+    def metric(logits):
+        per_pair = differences(logits)
+        return jnp.mean(per_pair), per_pair
+
+    corrupted = probe.value_and_grad(metric, corrupt, at=list(sites), has_aux=True)
+    on_corrupt = corrupted.aux
+    effects, estimates = [], []
+    for site in sites:
+        clean_value = recorded.activations[site]
+        patched = probe.apply(corrupt, patch={site: clean_value}).outputs
+        effects.append(differences(patched) - on_corrupt)
+        # The metric is a mean over pairs and no pair affects another, so
+        # len(pairs) * the gradient is each pair's own gradient.
+        change = (clean_value - corrupted.activations[site]) * len(clean)
+        product = change * corrupted.activation_grads[site]
+        estimates.append(jnp.sum(product.reshape(len(clean), -1), axis=1))
+    on_clean = differences(recorded.outputs)
+    return on_clean, on_corrupt, jnp.stack(effects), jnp.stack(estimates)
 
 
-def plot(table, path, title):
+def plot(sites, effects, estimates, total, path):
+    """Left, the recovered fraction per site, patched and estimated; right, per
+    pair and site, the estimate against the patching effect."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sites, recovered = list(table), list(table.values())
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
-    bars = ax.bar(sites, recovered, color="C0")
-    ax.bar_label(bars, fmt="%.2f", padding=2)
-    ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
-    ax.axhline(0.0, color="0.5", lw=0.8)
-    ax.set_ylim(min(0.0, *recovered) - 0.05, max(1.0, *recovered) + 0.15)
-    ax.set_ylabel("recovered fraction of\nlogit difference")
-    ax.set_xlabel("site patched with its clean activation")
-    ax.set_title(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig, (bars, scatter) = plt.subplots(
+        1, 2, figsize=(12, 4.4), layout="constrained", width_ratios=(1, 1.1)
+    )
+    positions = np.arange(len(sites))
+    for shift, values, label, color in (
+        (-0.2, effects, "activation patching", "C0"),
+        (0.2, estimates, "attribution patching (estimate)", "C1"),
+    ):
+        recovered = values.mean(axis=1) / total
+        drawn = bars.bar(positions + shift, recovered, 0.4, color=color, label=label)
+        bars.bar_label(drawn, fmt="%.2f", padding=2, fontsize=7)
+    bars.axhline(1.0, color="0.5", lw=0.8, ls="--")
+    bars.axhline(0.0, color="0.5", lw=0.8)
+    bars.set_xticks(positions, sites)
+    bars.set_ylabel("recovered fraction of\nlogit difference")
+    bars.set_xlabel("site patched with its clean activation")
+    bars.set_ylim(-0.08, 1.3)
+    bars.legend(fontsize=8, loc="upper center", ncols=2)
+    bars.set_title(f"Patching clean → corrupted, mean of {effects.shape[1]} pairs")
+
+    for k, site in enumerate(sites):
+        scatter.scatter(estimates[k], effects[k], s=6, alpha=0.35, color=f"C{k}", lw=0)
+        scatter.scatter(
+            estimates[k].mean(),
+            effects[k].mean(),
+            s=90,
+            color=f"C{k}",
+            edgecolor="black",
+            label=f"{site} (mean)",
+            zorder=3,
+        )
+    values = np.concatenate([effects.ravel(), estimates.ravel()])
+    low, high = values.min() - 0.5, values.max() + 0.5
+    scatter.plot([low, high], [low, high], color="0.4", lw=0.8, ls="--")
+    scatter.annotate(
+        "y = x: the estimate is exact",
+        (low + 0.52 * (high - low),) * 2,
+        xytext=(4, -4),
+        textcoords="offset points",
+        rotation=45,
+        rotation_mode="anchor",
+        va="top",
+        fontsize=7,
+        color="0.4",
+    )
+    scatter.set_xlim(low, high)
+    scatter.set_ylim(low, high)
+    scatter.set_aspect("equal")
+    scatter.axhline(0, color="0.8", lw=0.6)
+    scatter.axvline(0, color="0.8", lw=0.6)
+    scatter.set_xlabel(
+        "attribution patching: (clean − corrupt) · d metric / d activation"
+    )
+    scatter.set_ylabel("activation patching:\nchange of the logit difference")
+    scatter.set_title("Per pair and site: the first-order estimate against the truth")
+    scatter.legend(fontsize=7, loc="upper left", markerscale=0.6)
+    fig.suptitle(
+        "Activation patching and attribution patching, through one "
+        "bridge.probe (Flax Linen)",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -180,24 +264,37 @@ def main():
     accuracy = np.mean(np.argmax(outputs, -1) == np.concatenate([right, wrong]))
     print(f"trained {STEPS} steps: loss {loss:.3f}, test accuracy {accuracy:.1%}")
 
-    metric = logit_difference(jnp.asarray(right), jnp.asarray(wrong))
     sites = tuple(probe.sites(clean))  # every site, in call order
-    m_clean, m_corrupt, patched = map(
-        np.asarray, patching(probe, clean, corrupt, metric=metric, sites=sites)
+    on_clean, on_corrupt, effects, estimates = map(
+        np.asarray,
+        patching(
+            probe, clean, corrupt, jnp.asarray(right), jnp.asarray(wrong), sites=sites
+        ),
     )
-    recovered = (patched - m_corrupt) / (m_clean - m_corrupt)
-    table = dict(zip(sites, recovered.tolist(), strict=True))
+    total = on_clean.mean() - on_corrupt.mean()
     print(
         f"logit difference (clean answer − corrupted answer), mean of {PAIRS} "
-        f"pairs: clean {m_clean:+.3f}, corrupted {m_corrupt:+.3f}\n"
+        f"pairs: clean {on_clean.mean():+.3f}, corrupted {on_corrupt.mean():+.3f}\n"
     )
-    print(f"  {'site':<10} {'recovered fraction':>18}")
-    for site, recovered in table.items():
-        print(f"  {site:<10} {recovered:>18.3f}")
-
-    path = OUT / "activation_patching.png"
-    plot(table, path, f"Patching clean → corrupted, {PAIRS} pairs (Flax Linen)")
-    print(f"\nwrote {path}  ({time.perf_counter() - start:.1f} s)")
+    print(
+        "recovered fraction of the logit difference, by activation patching and\n"
+        "its attribution-patching estimate; per pair, how the two agree:\n"
+        f"  {'site':<10} {'patched':>8} {'estimated':>10} {'correlation':>12} "
+        f"{'mean |error| / mean |effect|':>29}"
+    )
+    for site, effect, estimate in zip(sites, effects, estimates, strict=True):
+        spread = np.abs(effect).mean()
+        if spread > 1e-6:
+            correlation = f"{np.corrcoef(effect, estimate)[0, 1]:.3f}"
+            error = f"{np.abs(estimate - effect).mean() / spread:.3f}"
+        else:  # nothing changes: both are 0
+            correlation = error = "-"
+        print(
+            f"  {site:<10} {effect.mean() / total:>8.3f} "
+            f"{estimate.mean() / total:>10.3f} {correlation:>12} {error:>29}"
+        )
+    FIGURE.save(lambda path: plot(sites, effects, estimates, total, path))
+    print(f"({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
