@@ -3,19 +3,24 @@
     python benchmarks/real_size.py              # 12 x 768, 124M parameters
     python benchmarks/real_size.py --quick      # 2 x 128
     python benchmarks/real_size.py --libraries  # that size in all four libraries
+    python benchmarks/real_size.py --batch 8 --tokens 1024  # GPT-2's training batch
 
 `--libraries`: the pre-norm transformer of `benchmarks/models.py` (4 heads,
 a dense head on the mean token, mean squared loss) at GPT-2 small's width,
 depth and tokens (12 x 768, batch 2 x 128), in Flax Linen, Flax NNX,
 Equinox and Haiku, each written as that library's users write it.
 
-Random initialisation (no download), next-token loss. Three jitted steps,
+Random initialisation (no download), next-token loss. Four jitted steps,
 compiled once each, then run interleaved (the order rotated every
 repetition), medians as ratios to plain:
 - plain `jax.value_and_grad` of the loss over the parameters;
 - `probe.value_and_grad` with every site (activations and activation
   gradients of all of them returned);
-- `probe.value_and_grad` at one site (the last block's MLP).
+- `probe.value_and_grad` at one site (the last block's MLP);
+- every site again, reduced inside the step to the norm of each activation
+  and activation gradient (what a gradient-flow diagnostic keeps): the
+  memory the returned arrays cost, and no more, is what sets this apart
+  from "all sites".
 Also the compile time of each (`lower(...).compile()`, tracing included,
 with the discovery cache warm; discovery's own time is printed apart) and
 XLA's memory
@@ -60,6 +65,17 @@ def timed(steps: dict, first: dict, x: tuple, repeats: int) -> dict:
     }
 
 
+def norms(res: bridge.ProbeResult) -> tuple:
+    """What a diagnostic keeps of every site, reduced inside the jitted step:
+    the loss, the parameter gradients (for the update) and two numbers per
+    site. XLA frees each activation and gradient once its norm is taken."""
+    return (
+        res.loss,
+        res.grads,
+        jax.tree.map(jnp.linalg.norm, (res.activations, res.activation_grads)),
+    )
+
+
 def print_rows(rows: dict) -> None:
     print(
         f"{'step':12s}{'runtime':>10s}{'ratio':>7s}{'compile':>10s}{'ratio':>7s}"
@@ -74,11 +90,11 @@ def print_rows(rows: dict) -> None:
         )
 
 
-def libraries(repeats: int) -> None:
+def libraries(repeats: int, batch: int, tokens: int) -> None:
     """The same transformer at GPT-2 small's size in the four libraries."""
     import models
 
-    sizes = models.Sizes(batch_tf=2, tokens=128, width_tf=768, depth_tf=12)
+    sizes = models.Sizes(batch_tf=batch, tokens=tokens, width_tf=768, depth_tf=12)
     for library in ("linen", "nnx", "equinox", "haiku"):
         workload = getattr(models, f"{library}_transformer")(sizes)
         probe, loss, at = workload.probe, workload.loss, workload.one_site
@@ -86,8 +102,9 @@ def libraries(repeats: int) -> None:
             "plain": workload.plain,
             "all sites": lambda p, x, loss=loss: p.value_and_grad(loss, x),
             "one site": lambda p, x, loss=loss, at=at: p.value_and_grad(loss, x, at=at),
+            "all, norms": lambda p, x, loss=loss: norms(p.value_and_grad(loss, x)),
         }
-        first = {"plain": workload.params, "all sites": probe, "one site": probe}
+        first = dict.fromkeys(steps, probe) | {"plain": workload.params}
         probe.sites(workload.x)  # discovery warm for both probed steps
         rows = timed(steps, first, (workload.x,), repeats)
         print(f"\n{library}: {len(probe.sites(workload.x))} sites")
@@ -99,16 +116,22 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--libraries", action="store_true")
     parser.add_argument("--repeats", type=int, default=7)
+    # GPT-2 small's shape is the default; on an accelerator, its training
+    # batch (8 x 1024) is the size worth timing.
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
     options = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
     if options.libraries:
-        libraries(options.repeats)
+        libraries(options.repeats, options.batch, options.tokens)
         return
-    layers, width, seq = (2, 128, 32) if options.quick else (12, 768, 128)
+    batch, seq = options.batch, options.tokens
+    layers, width, seq = (2, 128, 32) if options.quick else (12, 768, seq)
     jax.config.update("jax_numpy_rank_promotion", "allow")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1))
     model = FlaxGPT2LMHeadModel(config, seed=0)
     module, params = model.module, model.params
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, seq))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
     inputs = (ids, np.ones_like(ids), np.broadcast_to(np.arange(seq), ids.shape))
 
     def loss_of(outputs):
@@ -128,7 +151,12 @@ def main() -> None:
         return step
 
     last_mlp = f"transformer/h/{layers - 1}/mlp"
-    steps = {"plain": plain, "all sites": probed(None), "one site": probed(last_mlp)}
+    steps = {
+        "plain": plain,
+        "all sites": probed(None),
+        "one site": probed(last_mlp),
+        "all, norms": lambda *a: norms(probed(None)(*a)),
+    }
     # Discovery (abstract evaluation, once per call structure, cached): timed
     # on its own, so that both probed steps compile with the cache warm.
     start = time.perf_counter()
@@ -141,7 +169,7 @@ def main() -> None:
     )
     rows = timed(steps, dict.fromkeys(steps, params), inputs, options.repeats)
     print(
-        f"Flax GPT-2 {layers} x {width}, batch 2 x {seq}, {len(sites)} sites "
+        f"Flax GPT-2 {layers} x {width}, batch {batch} x {seq}, {len(sites)} sites "
         f"({returned / 2**20:.0f} MiB of activations and gradients returned); "
         f"{options.repeats} interleaved repeats"
     )
