@@ -26,43 +26,36 @@ in JAX and in PyTorch, and the pattern of each layer's most attributed head (in
 the full run, layer 0's attends one period back, to the token after the
 previous occurrence: the head the task needs).
 
-    python examples/attention_attribution.py
+    python -m pip install -e ".[all,examples,torch]"
+    python examples/attention_attribution.py --out docs
 
-Needs the ``examples`` and ``torch`` extras (``pip install -e ".[examples,torch]"``).
-``BRIDGE_EXAMPLES_SMOKE=1`` trains a few steps, and writes the PNG only where
-``BRIDGE_EXAMPLES_OUT`` names a directory.
+Without ``--out DIR`` (or ``BRIDGE_EXAMPLES_OUT=DIR``) it writes nothing.
+``BRIDGE_EXAMPLES_SMOKE=1`` trains a few steps.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-try:
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    import torch
-    from transformers import FlaxGPT2LMHeadModel, GPT2Config, GPT2LMHeadModel
-    from transformers.models.gpt2 import modeling_flax_gpt2, modeling_gpt2
-except ImportError as error:  # say how to install, not only what is missing
-    raise SystemExit(
-        f"{error.name} is missing: this example needs the examples and torch "
-        'extras, pip install -e ".[examples,torch]"'
-    ) from error
+from example_support import SMOKE, Figure, require
+
+require("flax", "optax", "torch", "transformers", "matplotlib")
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from transformers import FlaxGPT2LMHeadModel, GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2 import modeling_flax_gpt2, modeling_gpt2
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT_ASKED = "BRIDGE_EXAMPLES_OUT" in os.environ
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("attention_attribution.png")
 LAYERS, HEADS, WIDTH, VOCAB = 2, 4, 64, 32
 PERIOD = 8  # each sequence is a random period repeated
 SEQ = 4 * PERIOD
@@ -206,12 +199,10 @@ def main() -> None:
         torch_scores, jax_scores, rtol=1e-3, atol=1e-4 * np.abs(jax_scores).max()
     )
 
-    if SMOKE and not OUT_ASKED:
-        print("\n(smoke run: no picture; set BRIDGE_EXAMPLES_OUT to write one)")
-    else:
-        path = OUT / "attention_attribution.png"
-        plot(jax_scores, torch_scores, flax_result, flax_sites, path)
-        print(f"\nwrote {path}")
+    print()
+    FIGURE.save(
+        lambda path: plot(jax_scores, torch_scores, flax_result, flax_sites, path)
+    )
     print(f"{time.perf_counter() - start:.1f}s")
 
 
@@ -249,7 +240,6 @@ def plot(jax_scores, torch_scores, result, sites, path: Path) -> None:
         "call on a trained GPT-2 in Flax and its PyTorch twin",
         fontsize=10,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

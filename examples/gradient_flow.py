@@ -19,18 +19,22 @@ pass gives the parameter gradients for the update. The figure
 (``docs/gradient_flow.png``) plots ``‖d loss / d h_ℓ‖`` against depth ℓ at
 several points of training.
 
-    python examples/gradient_flow.py
+    python -m pip install -e ".[all,examples]"
+    python examples/gradient_flow.py --out docs
 
-``BRIDGE_EXAMPLES_SMOKE=1`` trains shallower networks for a few steps only;
-``BRIDGE_EXAMPLES_OUT`` names the directory for the PNG (default: the
-repository's ``docs/``).
+Without ``--out DIR`` (or ``BRIDGE_EXAMPLES_OUT=DIR``) it writes nothing.
+``BRIDGE_EXAMPLES_SMOKE=1`` trains shallower networks for a few steps only.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+
+from example_support import SMOKE, Figure, require
+
+require("haiku", "optax", "sklearn", "tqdm", "matplotlib")
 
 import haiku as hk
 import jax
@@ -41,12 +45,7 @@ from tqdm import tqdm
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("gradient_flow.png")
 DEPTH = 3 if SMOKE else 20
 WIDTH, BATCH = 64, 128
 STEPS = 3 if SMOKE else 300
@@ -165,7 +164,6 @@ def plot(results, path):
         f"{LEARNING_RATE}), read from res.activation_grads",
         fontsize=10,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
@@ -189,9 +187,8 @@ def main():
             f"  {name:<27} {losses[-1]:>10.4f} {accuracy:>9.1%} "
             f"{norms[0, 0]:>15.1e} {norms[0, -1]:>10.1e}"
         )
-    path = OUT / "gradient_flow.png"
-    plot(results, path)
-    print(f"wrote {path}  ({time.perf_counter() - start:.1f} s)")
+    FIGURE.save(lambda path: plot(results, path))
+    print(f"({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -20,23 +20,28 @@ numpy). The script then
    K-FAC steps, ``(A + γI)⁻¹ ∇W (G + γI)⁻¹`` (the bias is the last row of
    ``W``, its input the ones column), and with plain gradient descent at the
    same learning rate (and at the best of a small sweep), and plots the losses
-   to ``docs/kfac.png``. A K-FAC step costs one probed backward pass: for a
+   (``docs/kfac.png``). A K-FAC step costs one probed backward pass: for a
    scalar output the loss gradient is the residual times the same ``g``.
 
-    python examples/kfac.py
+    python -m pip install -e ".[all,examples]"
+    python examples/kfac.py --out docs
 
-``BRIDGE_EXAMPLES_SMOKE=1`` runs a few steps only; ``BRIDGE_EXAMPLES_OUT``
-names the directory for the PNG (default: the repository's ``docs/``).
+Without ``--out DIR`` (or ``BRIDGE_EXAMPLES_OUT=DIR``) it writes nothing.
+``BRIDGE_EXAMPLES_SMOKE=1`` runs a few steps only.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import time
-from pathlib import Path
 from typing import Any, NamedTuple
+
+from example_support import SMOKE, Figure, require
+
+require("flax", "matplotlib")
 
 import jax
 import jax.numpy as jnp
@@ -44,12 +49,7 @@ import numpy as np
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("kfac.png")
 
 SIZES = (4, 16, 16, 1)  # input, hidden, hidden, output
 N = 256  # examples in the regression problem
@@ -378,7 +378,6 @@ def plot(curves, path):
     ax.set_title("K-FAC vs gradient descent, 4→16→16→1 tanh MLP (Flax Linen)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -418,9 +417,9 @@ def main():
     ]
     if best_lr != LEARNING_RATE:
         curves.append((f"gradient descent, lr {best_lr} (best)", sweep[best_lr], "C1:"))
-    path = OUT / "kfac.png"
-    plot(curves, path)
-    print(f"\nwrote {path}  ({time.perf_counter() - start:.1f} s)")
+    print()
+    FIGURE.save(lambda path: plot(curves, path))
+    print(f"({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

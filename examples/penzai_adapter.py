@@ -35,6 +35,12 @@ variables, else `None`.
 Not supported: `vmap=True` (Penzai batches through named axes: name a batch
 axis instead), and sites inside a `pz.nn.LayerStack` (a scan over stacked
 layers: the stack itself is one site, its sublayers are not instrumented).
+
+Run as a script, it probes a small Penzai transformer and prints each block's
+activation gradient:
+
+    python -m pip install -e ".[all,examples]"
+    python examples/penzai_adapter.py
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+if __name__ == "__main__":  # imported, a missing Penzai is the importer's error
+    from example_support import require
+
+    require("penzai")
 
 import jax
 import jax.numpy as jnp
@@ -408,3 +419,49 @@ def _owns_parameters(module: Any) -> bool:
 
 
 bridge.register_adapter(pz.nn.Layer, probe, name="penzai")
+
+
+# -- run as a script: a small Penzai transformer, probed ---------------------------
+
+
+def main() -> None:
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=2,
+        query_head_multiplier=1,
+        embedding_dim=16,
+        projection_dim=8,
+        mlp_hidden_dim=32,
+        num_decoder_blocks=2,
+        vocab_size=32,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=True,
+    )
+    model = llamalike_common.build_llamalike_transformer(
+        config, init_base_rng=jax.random.key(0)
+    )
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+    tokens = pz.nx.wrap(ids[:, :-1]).tag("batch", "seq")
+
+    def loss(logits):  # next-token cross-entropy
+        values = logits.unwrap("batch", "seq", "vocabulary")
+        log_probs = jax.nn.log_softmax(values, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(log_probs, ids[:, 1:, None], -1))
+
+    probe = bridge.probe(model)  # this module registered the adapter
+    blocks = [name for name in probe.sites(tokens) if name.count("/") == 2]
+    res = jax.jit(lambda p, t: p.value_and_grad(loss, t, at=blocks))(probe, tokens)
+    print(f"a Penzai llamalike transformer; next-token loss {float(res.loss):.4f}")
+    print(
+        f"  {'site (Penzai keypath)':<21} {'named axes of the value':<42} "
+        "‖d loss / d value‖"
+    )
+    for name, grad in res.activation_grads.items():
+        axes = dict(grad.named_shape)
+        norm = float(jnp.linalg.norm(_flat(grad)))
+        print(f"  {name:<21} {str(axes):<42} {norm:.3e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -50,21 +50,25 @@ new batch); Flax's ``momentum`` is the weight of the old average, so 0.9.
 largest relative difference of the activations and of their gradients, for
 the correct port and each buggy one, with each first divergence marked.
 
-    python examples/port_from_pytorch.py
+    python -m pip install -e ".[all,examples,torch]"
+    python examples/port_from_pytorch.py --out docs
 
+Without ``--out DIR`` (or ``BRIDGE_EXAMPLES_OUT=DIR``) it writes nothing.
 ``BRIDGE_EXAMPLES_SMOKE=1`` builds a shallower, narrower ResNet and a smaller
-batch, and writes the PNG only where ``BRIDGE_EXAMPLES_OUT`` names a
-directory (the default is the repository's ``docs/``, whose picture is that
-of the full run).
+batch (the committed picture is that of the full run).
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import functools
-import os
 import time
-from pathlib import Path
 from typing import Any
+
+from example_support import SMOKE, Figure, require
+
+require("flax", "torch", "transformers", "matplotlib")
 
 import flax.linen as nn
 import jax
@@ -76,13 +80,7 @@ from transformers import ResNetConfig, ResNetForImageClassification
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT_ASKED = "BRIDGE_EXAMPLES_OUT" in os.environ
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("port_from_pytorch.png")
 BATCH = 8 if SMOKE else 64
 SIDE = 32  # 3x32x32 images
 CLASSES = 10
@@ -393,11 +391,9 @@ def main() -> None:
         assert first is not None and first.site_a == expected_site, (name, first)
         reports[f"bug: {label}"] = report
 
-    if SMOKE and not OUT_ASKED:
-        print("\n(smoke run: no picture; set BRIDGE_EXAMPLES_OUT to write one)")
-    else:
-        path = OUT / "port_from_pytorch.png"
-        plot(
+    print()
+    FIGURE.save(
+        lambda path: plot(
             reports,
             path,
             title="Hugging Face ResNet (PyTorch) against a hand-written Flax Linen "
@@ -406,7 +402,7 @@ def main() -> None:
             short=_short,
             rtol=TOLERANCES["rtol"],
         )
-        print(f"\nwrote {path}")
+    )
     print(f"{time.perf_counter() - start:.1f}s")
 
 

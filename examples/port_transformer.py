@@ -36,43 +36,34 @@ position embeddings and grouped-query attention written out.
 largest relative difference of the activations and of their gradients, for
 the correct port and each buggy one, with each first divergence marked.
 
-    python examples/port_transformer.py
+    python -m pip install -e ".[all,examples,torch]"
+    python examples/port_transformer.py --out docs
 
-Needs the ``examples`` and ``torch`` extras (``pip install -e ".[examples,torch]"``).
-``BRIDGE_EXAMPLES_SMOKE=1`` uses a shorter sequence, and writes the PNG only
-where ``BRIDGE_EXAMPLES_OUT`` names a directory.
+Without ``--out DIR`` (or ``BRIDGE_EXAMPLES_OUT=DIR``) it writes nothing.
+``BRIDGE_EXAMPLES_SMOKE=1`` uses a shorter sequence.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
-try:
-    import flax.linen as nn
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-except ImportError as error:  # say how to install, not only what is missing
-    raise SystemExit(
-        f"{error.name} is missing: this example needs the examples and torch "
-        'extras, pip install -e ".[examples,torch]"'
-    ) from error
+from example_support import SMOKE, Figure, require
 
+require("flax", "torch", "transformers", "matplotlib")
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
 from port_plot import plot, show
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT_ASKED = "BRIDGE_EXAMPLES_OUT" in os.environ
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("port_transformer.png")
 BATCH, SEQ = (2, 8) if SMOKE else (4, 32)
 CONFIG = LlamaConfig(
     vocab_size=256,
@@ -262,11 +253,9 @@ def main() -> None:
             assert len(marked) == 2 * CONFIG.num_hidden_layers + 1, marked
         reports[f"bug: {label}"] = report
 
-    if SMOKE and not OUT_ASKED:
-        print("\n(smoke run: no picture; set BRIDGE_EXAMPLES_OUT to write one)")
-    else:
-        path = OUT / "port_transformer.png"
-        plot(
+    print()
+    FIGURE.save(
+        lambda path: plot(
             reports,
             path,
             title="Hugging Face Llama (PyTorch) against a hand-written Flax Linen "
@@ -275,7 +264,7 @@ def main() -> None:
             short=_short,
             rtol=TOLERANCES["rtol"],
         )
-        print(f"\nwrote {path}")
+    )
     print(f"{time.perf_counter() - start:.1f}s")
 
 

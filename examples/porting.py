@@ -25,17 +25,23 @@ Only weights move: hyperparameters are the porter's to match. Flax's
 LayerNorm epsilon defaults to 1e-6, Haiku's and Equinox's to 1e-5, so every
 port sets it.
 
+    python -m pip install -e ".[all,examples]"
     python examples/porting.py
 
 ``BRIDGE_EXAMPLES_SMOKE=1`` uses a smaller batch. Each ``compare`` compiles
-both models once; nothing else compiles.
+both models once; nothing else compiles. It draws no figure.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import math
-import os
 import time
+
+from example_support import SMOKE, require
+
+require("flax", "equinox", "haiku")
 
 import equinox as eqx
 import flax.linen as nn
@@ -47,7 +53,6 @@ from flax import nnx
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
 BATCH = 16 if SMOKE else 256
 CHANNELS = (8, 16)
 CLASSES = 10

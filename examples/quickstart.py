@@ -13,23 +13,26 @@ give you.
 
 The script prints, site by site in call order, each library's name for the
 site and the largest difference of its activation and of its activation
-gradient from Linen's. With ``--plot`` it also draws the gradient norms of the
-four side by side, over the repository's ``docs/quickstart.png``; or into the
-directory ``BRIDGE_EXAMPLES_OUT`` names. Without either it writes nothing, so
-a run leaves the committed figure alone.
+gradient from Linen's. With ``--out DIR`` it also draws the gradient norms of
+the four side by side into ``DIR/quickstart.png`` (``--out docs`` redraws the
+committed figure); without it, it writes nothing.
 
-    python -m pip install -e ".[all,examples]" && python examples/quickstart.py
+    python -m pip install -e ".[all,examples]"
+    python examples/quickstart.py
 
 ``BRIDGE_EXAMPLES_SMOKE=1`` changes nothing here: the script is already fast.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 import time
-from pathlib import Path
+
+from example_support import Figure, require
+
+require("flax", "sklearn", "matplotlib")
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +40,7 @@ import numpy as np
 
 import bridge
 
-OUT_ASKED = "BRIDGE_EXAMPLES_OUT" in os.environ
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("quickstart.png")
 HIDDEN, CLASSES = 32, 3
 # Flax's LayerNorm defaults to epsilon 1e-6, Equinox's and Haiku's to 1e-5: a
 # port must match hyperparameters by hand (bridge.transfer moves weights only).
@@ -202,7 +200,6 @@ def plot(norms, site_names, gradient_differences, path):
     ax.set_ylim(0, 1.15 * max(max(n) for n in norms.values()))
     ax.legend(fontsize=8, ncols=4, loc="upper right")
     ax.grid(True, axis="y", alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -259,17 +256,12 @@ def main():
         "digits\nvary with the CPU and the XLA version (the check is < 1e-4)"
     )
     assert worst < 1e-4, "the libraries disagree"
-    if not (OUT_ASKED or "--plot" in sys.argv[1:]):
-        print(f"({time.perf_counter() - start:.1f} s; pass --plot to draw the figure)")
-        return
-
     norms = {
         library: [float(np.linalg.norm(g)) for g in grads]
         for library, grads in gradients.items()
     }
-    path = OUT / "quickstart.png"
-    plot(norms, site_names, gradient_differences, path)
-    print(f"wrote {path}  ({time.perf_counter() - start:.1f} s)")
+    FIGURE.save(lambda path: plot(norms, site_names, gradient_differences, path))
+    print(f"({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

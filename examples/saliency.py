@@ -13,19 +13,24 @@ of test digits, one probed backward pass of the predicted class's logit gives
   summed over channels: how much each position of that layer pushes the logit,
   to first order.
 
-The grid is saved to ``docs/saliency.png``.
+With ``--out DIR`` the grid is drawn into ``DIR/saliency.png`` (``--out docs``
+redraws the committed figure); without it, nothing is written.
 
-    python examples/saliency.py
+    python -m pip install -e ".[all,examples]"
+    python examples/saliency.py --out docs
 
-``BRIDGE_EXAMPLES_SMOKE=1`` trains for a few steps only; ``BRIDGE_EXAMPLES_OUT``
-names the directory for the PNG (default: the repository's ``docs/``).
+``BRIDGE_EXAMPLES_SMOKE=1`` trains for a few steps only.
 """
 
+# The optional packages are imported after `require` has checked them.
+# ruff: noqa: E402
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+
+from example_support import SMOKE, Figure, require
+
+require("equinox", "optax", "sklearn", "tqdm", "matplotlib")
 
 import equinox as eqx
 import jax
@@ -36,12 +41,7 @@ from tqdm import tqdm
 
 import bridge
 
-SMOKE = os.environ.get("BRIDGE_EXAMPLES_SMOKE", "") not in ("", "0")
-OUT = Path(
-    os.environ.get(
-        "BRIDGE_EXAMPLES_OUT", Path(__file__).resolve().parent.parent / "docs"
-    )
-)
+FIGURE = Figure("saliency.png")
 STEPS = 20 if SMOKE else 400
 BATCH = 64
 SHOWN = 3 if SMOKE else 8  # test digits in the figure: one each of 0, 1, …
@@ -170,7 +170,6 @@ def plot(images, labels, predictions, saliency, per_layer, path):
         " — Equinox CNN, scikit-learn digits",
         fontsize=9,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -200,16 +199,17 @@ def main():
     print(f"saliency from the tapped input vs jax.grad of the images: {difference:.1e}")
     assert difference < 1e-5
 
-    path = OUT / "saliency.png"
-    plot(
-        images[:, 0],
-        test_labels[shown],
-        predictions[shown],
-        saliency,
-        per_layer,
-        path,
+    FIGURE.save(
+        lambda path: plot(
+            images[:, 0],
+            test_labels[shown],
+            predictions[shown],
+            saliency,
+            per_layer,
+            path,
+        )
     )
-    print(f"wrote {path}  ({time.perf_counter() - start:.1f} s)")
+    print(f"({time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":

@@ -7,23 +7,32 @@ broadcasting a replicated value); each device keeps the activation gradients
 of its own examples, which come back batch-sharded. The numbers equal those of
 one device on the whole batch. On a CPU this simulates 8 devices.
 
+    python -m pip install -e ".[all,examples]"
     python examples/sharded_step.py
+
+It draws no figure.
 """
 
+# The optional packages are imported after `require` has checked them, and
+# after XLA_FLAGS is set (JAX reads it once, when first imported).
+# ruff: noqa: E402
 from __future__ import annotations
 
 import os
 
+from example_support import require
+
+require("flax")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import bridge  # noqa: E402
+import bridge
 
 
 class MLP(nn.Module):
