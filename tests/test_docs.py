@@ -1,0 +1,110 @@
+"""Every ```python block of the documentation runs.
+
+One test per page (each page under ``docs/`` and the README): the page's python
+blocks run in order, in one fresh interpreter, sharing one namespace, as a
+reader pasting them one after the other would run them. Blocks in other
+languages (``bash``, ``text``, ``console``) are not run. A failure names the
+page and the line where the failing block starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted(
+    [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")],
+    key=lambda path: str(path.relative_to(ROOT)),
+)
+
+# A fence opens with ``` or ~~~ (maybe indented, inside a list item) and a
+# language; it closes with the same fence at the same indentation or less.
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+
+# Runs the blocks given as JSON on stdin, in order, in one namespace.
+_RUNNER = """
+import json, sys, traceback
+blocks = json.load(sys.stdin)
+namespace = {"__name__": "__main__"}
+for page, line, source in blocks:
+    try:
+        exec(compile(source, f"{page}:{line}", "exec"), namespace)
+    except BaseException:
+        print(f"the python block at {page}:{line} failed:", file=sys.stderr)
+        traceback.print_exc()
+        sys.exit(1)
+"""
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """`(line of the opening fence, code)` for each ```python block, in order."""
+    blocks = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    index = 0
+    while index < len(lines):
+        opening = _FENCE.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        fence, indent = opening["fence"], len(opening["indent"])
+        language = opening["info"].strip().split(" ")[0].lower()
+        body = []
+        index += 1
+        while index < len(lines):
+            closing = _FENCE.match(lines[index])
+            if (
+                closing is not None
+                and closing["fence"].startswith(fence)
+                and not closing["info"].strip()
+                and len(closing["indent"]) <= indent
+            ):
+                break
+            body.append(lines[index])
+            index += 1
+        start = index - len(body)  # 1-based line of the opening fence
+        if language in ("python", "py"):
+            blocks.append((start, textwrap.dedent("\n".join(body)) + "\n"))
+        index += 1
+    return blocks
+
+
+def _page_id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_pages_are_found():
+    names = {_page_id(path) for path in PAGES}
+    assert {"README.md", "docs/index.md", "docs/getting-started.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_python_blocks_run(page, tmp_path):
+    blocks = python_blocks(page)
+    if not blocks:
+        pytest.skip(f"{_page_id(page)} has no python block")
+    code = "\n".join(source for _, source in blocks)
+    for package in ("torch", "transformers", "penzai", "matplotlib"):
+        imported = re.search(rf"^\s*(import|from) {package}\b", code, re.MULTILINE)
+        if imported and importlib.util.find_spec(package) is None:
+            pytest.skip(f"{_page_id(page)} needs {package}")
+    blocks_json = json.dumps([(_page_id(page), line, src) for line, src in blocks])
+    # A file a block writes (a figure) lands in tmp_path.
+    completed = subprocess.run(
+        [sys.executable, "-c", _RUNNER],
+        input=blocks_json,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert completed.returncode == 0, (
+        f"{_page_id(page)}: {completed.stderr[-6000:]}\n{completed.stdout[-2000:]}"
+    )
