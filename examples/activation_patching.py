@@ -212,7 +212,7 @@ def plot(sites, effects, estimates, total, path):
         scatter.scatter(
             estimates[k].mean(),
             effects[k].mean(),
-            s=90,
+            s=130 - 12 * k,  # a mean hidden under a later one shows as a ring
             color=f"C{k}",
             edgecolor="black",
             label=f"{site} (mean)",
