@@ -15,11 +15,15 @@ class ProbeResult(NamedTuple):
     Attributes:
       loss: the scalar loss.
       aux: the auxiliary output of `loss_fn` with `has_aux=True`, else `None`.
-      grads: d loss / d trainable parameters, in the library's own structure.
+      grads: d loss / d trainable parameters, in the library's own structure
+        (Linen like `variables["params"]`, Haiku like `params`, Equinox as
+        `eqx.filter_grad` returns, NNX an `nnx.State` of `nnx.Param`, PyTorch
+        keyed like `dict(module.named_parameters())`).
       activations: `{path: value}` at each selected site, in call order.
       activation_grads: `{path: d loss / d value}`, same keys, shapes and dtypes.
       state: updated non-trainable state (Linen mutable collections, Haiku
-        state, Equinox `State`, NNX non-`Param` state), or `None`.
+        state, Equinox `State`, NNX non-`Param` variables, PyTorch buffers), or
+        `None` where the model has none.
       inputs: with `with_inputs=True`, `{path: positional arguments}` of each
         selected call; else `None`.
     """
