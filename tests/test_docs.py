@@ -34,9 +34,11 @@ _RUNNER = """
 import json, sys, traceback
 blocks = json.load(sys.stdin)
 namespace = {"__name__": "__main__"}
-for page, line, source in blocks:
+for page, path, line, source in blocks:
     try:
-        exec(compile(source, f"{page}:{line}", "exec"), namespace)
+        # Padded, and named by the page's path, so that a traceback shows the
+        # page's own lines.
+        exec(compile("\\n" * line + source, path, "exec"), namespace)
     except BaseException:
         print(f"the python block at {page}:{line} failed:", file=sys.stderr)
         traceback.print_exc()
@@ -109,7 +111,9 @@ def test_python_blocks_run(page, tmp_path):
         imported = re.search(rf"^\s*(import|from) {package}\b", code, re.MULTILINE)
         if imported and importlib.util.find_spec(package) is None:
             pytest.skip(f"{_page_id(page)} needs {package}")
-    blocks_json = json.dumps([(_page_id(page), line, src) for line, src in blocks])
+    blocks_json = json.dumps(
+        [(_page_id(page), str(page), line, source) for line, source in blocks]
+    )
     # A file a block writes (a figure) lands in tmp_path.
     completed = subprocess.run(
         [sys.executable, "-c", _RUNNER],
