@@ -61,6 +61,26 @@ def test_assert_results_close_passes_and_names_the_failing_site():
         )
 
 
+def test_assert_results_close_matches_an_eager_result_with_a_jitted_one():
+    """The docstring's own use: a jitted result's sites come back in sorted
+    order (JAX sorts a dict's keys), an eager one's in call order; they are
+    matched by name, and a real difference is still caught."""
+    probe = build("linen")
+    eager = probe.value_and_grad(loss_fn, IMAGES)
+    jitted, _ = _results()
+    assert list(eager.activations) != list(jitted.activations)  # not in one order
+    # float32 convolution gradients, summed in another order under jit: a
+    # few 1e-5 relative.
+    tolerance = {"rtol": 1e-4, "atol": 1e-5}
+    bridge.testing.assert_results_close(eager, jitted, **tolerance)
+    changed = dict(jitted.activations)
+    changed["LayerNorm_0"] = changed["LayerNorm_0"] + 1e-2
+    with pytest.raises(AssertionError, match=r"activations\['LayerNorm_0'\] differ"):
+        bridge.testing.assert_results_close(
+            eager, jitted._replace(activations=changed), **tolerance
+        )
+
+
 @pytest.mark.parametrize(
     "library, model, x, at",
     [("linen", "cnn", IMAGES, None), ("equinox", "attention", TOKENS, "attention/*")],
