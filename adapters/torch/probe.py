@@ -206,16 +206,17 @@ class TorchProbe(ProbeBase):
         check_loss(TORCH_ARRAYS.abstract(loss_out), has_aux)
         loss, aux = loss_out if has_aux else (loss_out, None)
         trainable = {n: p for n, p in params.items() if p.requires_grad}
-        # One backward pass: the parameters' gradients are returned, the
-        # sites' are caught on the way (`_Catch`), reached through the anchor.
-        wrt = [*trainable.values(), session.anchor]
+        # One backward pass: the parameters' gradients and the views' are
+        # returned, the other sites' are caught on the way (`_Catch`).
+        wrt = [*trainable.values(), *session.inputs_to_differentiate()]
         if loss.requires_grad:
-            found = torch.autograd.grad(loss, wrt, allow_unused=True)[:-1]
+            found = torch.autograd.grad(loss, wrt, allow_unused=True)
         else:
-            found = [None] * len(trainable)
+            found = [None] * len(wrt)
+        session.receive(found[len(trainable) :])
         grads = {
             name: torch.zeros_like(p) if g is None else g
-            for (name, p), g in zip(trainable.items(), found, strict=True)
+            for (name, p), g in zip(trainable.items(), found, strict=False)
         }
         return ProbeResult(
             loss=loss.detach(),
