@@ -95,7 +95,9 @@ class TorchArrays(Arrays):
         )
 
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
-        raise BridgeAssertionError("bridge bug: torch sites are caught by `_Catch`")
+        raise BridgeAssertionError(
+            "bridge bug: torch sites are caught by views or `_Catch`"
+        )
 
     def recorded(self, value: Any) -> Any:
         # An alias, not a copy: a model that modifies a site's value in place

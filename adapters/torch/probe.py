@@ -13,14 +13,16 @@ mechanism is the epsilon trick in PyTorch's own terms:
   pre-hook reports
   the call's entry to the `Session` (sites are ordered by call entry, named by
   `named_modules()` paths, `#k` for repeated calls); the forward hook hands the
-  output to the session, which patches it, records a detached copy and hands
-  the model, in its place, the output passed through `_Catch`: an identity
-  whose backward keeps the gradient it is given — what a zero epsilon added
-  there would get, without the zeros, the add or a copy.
-- One `torch.autograd.grad` of the loss with respect to the parameters gives
-  both gradient sets in one backward pass. Each call has a catch of its own,
-  consumed only by the code after the call, so the gradients of a module
-  called twice are never summed.
+  output to the session, which patches it, records it and hands the model,
+  in its place, a view of it: a node of autograd's own whose gradient is
+  what a zero epsilon added there would get, without the zeros, the add or
+  a copy. (A value that requires no grad, or that the model changes in place
+  later, goes through `_Catch` instead, an identity whose backward keeps the
+  gradient it is given.)
+- One `torch.autograd.grad` of the loss with respect to the parameters and
+  the views gives both gradient sets in one backward pass. Each call has a
+  view of its own, consumed only by the code after the call, so the
+  gradients of a module called twice are never summed.
 - The shell runs through `torch.func.functional_call` with detached aliases
   of the user's parameters (no copy; `.grad` of the user's parameters is never
   touched) and clones of the buffers (a training-mode BatchNorm updates the
@@ -234,7 +236,7 @@ class TorchProbe(ProbeBase):
         self, plan: CallPlan, with_inputs: bool, catch: bool = False
     ) -> tuple[Any, TorchSession, dict, dict]:
         """One real forward pass: `(outputs, session, parameters, buffers)`;
-        with `catch`, the selected sites' gradients are caught (`_Catch`)."""
+        with `catch`, the selected sites' gradients are caught (`perturb`)."""
         selected = {site.name: site for site in plan.chosen}
         params, buffers = _live_state(self.module)
         session = TorchSession(

@@ -1,6 +1,7 @@
-"""Catching the gradient at a PyTorch call: `TorchSession` passes each
-selected value through `_Catch`, an identity whose backward keeps its
-gradient (see `bridge.adapters.torch`)."""
+"""Catching the gradient at a PyTorch call: `TorchSession` hands the model a
+view of each selected value, whose gradient `torch.autograd.grad` returns,
+or passes it through `_Catch`, an identity whose backward keeps its gradient
+(see `bridge.adapters.torch`)."""
 
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ class _Catch(torch.autograd.Function):
 class TorchSession(Session):
     """A session over torch tensors whose gradients are caught at the call.
 
-    Each floating leaf of a selected site's value goes on through `_Catch`;
-    `slots` keeps, per site, the pytree of `_Slot`s (`None` at integer
-    leaves). `anchor` is the one leaf to differentiate besides the
-    parameters.
+    Each floating leaf of a selected site's value goes on as a view or
+    through `_Catch` (`perturb`); `slots` keeps, per site, the pytree of
+    `_Slot`s (`None` at integer leaves). `inputs_to_differentiate()` are
+    what to differentiate besides the parameters.
     """
 
     def __init__(
