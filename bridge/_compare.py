@@ -73,12 +73,14 @@ def compare(
         PyTorch model's loss takes torch tensors).
       *args, **kwargs: the call arguments both models accept (the first
         model's, when `args_b`/`kwargs_b` are given).
-      rtol, atol: an element agrees when `|a - b| <= atol + rtol * |b|`, as in
-        `numpy.allclose`. The defaults suit float32 models whose operations
-        run in a different order (differences near 1e-7 relative); loosen
-        them for deep models or bfloat16. A hyperparameter mismatch shows
-        only as far as it changes numbers: LayerNorm epsilons of 1e-6 and
-        1e-5 differ visibly only where the normalised variance is small.
+      rtol: the relative tolerance: an element agrees when
+        `|a - b| <= atol + rtol * |b|`, as in `numpy.allclose`.
+      atol: the absolute tolerance. The defaults suit float32 models whose
+        operations run in a different order (differences near 1e-7
+        relative); loosen them for deep models or bfloat16. A hyperparameter
+        mismatch shows only as far as it changes numbers: LayerNorm epsilons
+        of 1e-6 and 1e-5 differ visibly only where the normalised variance is
+        small.
       args_b, kwargs_b: the second model's inputs, where they differ from the
         first's: `args_b=(x_nhwc,)` for a JAX port of a PyTorch model that
         takes `x_nchw`. Values are compared in the common layout either way.

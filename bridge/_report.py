@@ -68,8 +68,10 @@ class ComparisonReport:
 
     Attributes:
       rows: one `PairComparison` per pair of sites, in call order.
-      loss_a, loss_b: the loss of each model.
-      rtol, atol: the tolerances used.
+      loss_a: the loss of the first model.
+      loss_b: the loss of the second model.
+      rtol: the relative tolerance used.
+      atol: the absolute tolerance used.
       first_divergence: where the models part (see `bridge.compare`), or `None`
         when every pair agrees.
       tied: each layer left out of the pairing because its weights are

@@ -49,7 +49,8 @@ def assert_results_close(
 
     Args:
       result_a, result_b: two `ProbeResult`s or two `ForwardResult`s.
-      rtol, atol: the tolerances.
+      rtol: the relative tolerance.
+      atol: the absolute tolerance.
       sites: the sites to compare; by default every site, and both results
         must have the same sites (in any order).
 
