@@ -97,7 +97,9 @@ class FakeOutputs:
 def _cuda_devices(module: torch.nn.Module | None) -> list[int]:
     """The CUDA devices the model's parameters are on: whose random states a
     run draws from, beside the CPU's."""
-    parameters = [] if module is None else module.parameters()
+    if module is None or not torch.cuda.is_initialized():
+        return []  # no CUDA state to keep, and no parameter scan each step
+    parameters = module.parameters()
     return sorted({p.device.index or 0 for p in parameters if p.device.type == "cuda"})
 
 
