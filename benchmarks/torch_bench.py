@@ -1,6 +1,6 @@
 """bridge's PyTorch benchmark: what probing a `torch.nn.Module` costs.
 
-    python benchmarks/torch_bench.py            # prints the tables (~5 min)
+    python benchmarks/torch_bench.py            # prints the tables (~7 min)
     python benchmarks/torch_bench.py --write    # and puts them in RESULTS.md
     python benchmarks/torch_bench.py --quick    # a smoke run: tiny MLP, 3 repeats
 
