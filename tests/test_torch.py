@@ -486,6 +486,43 @@ def test_values_held_elsewhere_get_the_gradient_of_their_own_uses():
     torch.testing.assert_close(res.activations["block"], model.block(h).detach())
 
 
+def test_gradients_run_no_python_in_the_backward_pass_but_where_they_must(
+    monkeypatch,
+):
+    """A site's gradient is taken at a view of its value, an input of the one
+    `torch.autograd.grad`: no Python runs per site in the backward pass. The
+    site whose value an in-place ReLU rewrites goes through `_Catch` (found
+    by its version counter, once), whose gradient is the value's before the
+    rewrite: checked against `retain_grad` on a copy without the in-place op."""
+    from bridge.adapters.torch import session
+
+    backward_calls = []
+    original = session._Catch.backward
+
+    def counted(ctx, grad):
+        backward_calls.append(ctx.slot)
+        return original(ctx, grad)
+
+    monkeypatch.setattr(session._Catch, "backward", staticmethod(counted))
+    torch.manual_seed(0)
+    model, x = _mlp(), _x(4, 6)
+    bridge.probe(model).value_and_grad(lambda y: y.sum(), x)
+    assert backward_calls == []
+
+    rewriting = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+    probe = bridge.probe(rewriting)
+    probe.value_and_grad(lambda y: y.sum(), x)  # finds "0" rewritten: runs again
+    backward_calls.clear()
+    res = probe.value_and_grad(lambda y: y.sum(), x)
+    assert len(backward_calls) == 1  # site "0" only
+
+    h = rewriting[0](x)
+    h.retain_grad()
+    rewriting[2](torch.relu(h)).sum().backward()
+    torch.testing.assert_close(res.activation_grads["0"], h.grad)
+    assert (res.activations["0"] < 0).any()  # recorded before the ReLU
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 def test_sites_before_any_trainable_parameter_have_gradients(frozen):
     """The input does not require grad, nor (frozen) any parameter: the

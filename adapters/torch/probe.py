@@ -218,7 +218,9 @@ class TorchProbe(ProbeBase):
         session.receive(found[len(trainable) :])
         grads = {
             name: torch.zeros_like(p) if g is None else g
-            for (name, p), g in zip(trainable.items(), found, strict=False)
+            for (name, p), g in zip(
+                trainable.items(), found[: len(trainable)], strict=True
+            )
         }
         return ProbeResult(
             loss=loss.detach(),

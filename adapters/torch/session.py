@@ -164,7 +164,8 @@ class TorchSession(Session):
             if x.requires_grad and x.layout == torch.strided and not in_place:
                 # A view is a node of autograd's own: `torch.autograd.grad`
                 # with the view among its inputs returns its gradient with no
-                # Python in the backward pass (a third of `_Catch`'s cost).
+                # Python in the backward pass (`_Catch` runs a Python forward
+                # and backward per site).
                 # Only the code after the call consumes the view, so the
                 # gradient is the site's, as `_Catch`'s is.
                 slot = _Slot(x, x.view_as(x))
