@@ -74,10 +74,9 @@ def _environment(**overrides):
 
 
 def _run(command, cwd, env):
-    done = subprocess.run(
+    return subprocess.run(
         command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
-    return done
 
 
 def _failure(name, done):
