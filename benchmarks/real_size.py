@@ -125,8 +125,8 @@ def main() -> None:
     if options.libraries:
         libraries(options.repeats, options.batch, options.tokens)
         return
-    batch, seq = options.batch, options.tokens
-    layers, width, seq = (2, 128, 32) if options.quick else (12, 768, seq)
+    batch = options.batch
+    layers, width, seq = (2, 128, 32) if options.quick else (12, 768, options.tokens)
     jax.config.update("jax_numpy_rank_promotion", "allow")
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1))
     model = FlaxGPT2LMHeadModel(config, seed=0)

@@ -43,8 +43,8 @@ class _Slot:
 
     def __init__(self, value: torch.Tensor, view: torch.Tensor | None = None):
         # The value's layout, not the value: a slot must not keep every
-        # site's value alive until the step ends (a meta tensor would do,
-        # at ten times the cost of a site's catch).
+        # site's value alive until the step ends. (A meta tensor of its
+        # shape would serve too, at ten times the cost of these reads.)
         self.size, self.stride = value.shape, value.stride()
         self.dtype, self.device = value.dtype, value.device
         self.view = view
