@@ -7,7 +7,9 @@ of the test's own, `torch.utils.flop_counter`.
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import re
 import threading
 
@@ -734,3 +736,141 @@ def test_a_step_leaves_no_cycle_holding_its_tensors():
     finally:
         gc.enable()
     assert alive == []
+
+
+# -- results are detached in every container --------------------------------------
+
+
+def _tensors_in(tree, seen=None):
+    """Every tensor reachable in `tree`: through mappings (a `ModelOutput`),
+    dataclasses, sequences and the attributes of other objects (a Hugging Face
+    `Cache`)."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if id(tree) in seen:
+        return
+    seen.add(id(tree))
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors_in(value, seen)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _tensors_in(value, seen)
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for field in dataclasses.fields(tree):
+            yield from _tensors_in(getattr(tree, field.name), seen)
+    elif hasattr(tree, "__dict__") and not isinstance(tree, type | nn.Module):
+        for value in vars(tree).values():
+            yield from _tensors_in(value, seen)
+
+
+def _assert_detached(*trees):
+    found = [t for tree in trees for t in _tensors_in(tree)]
+    assert found
+    attached = [tuple(t.shape) for t in found if t.requires_grad or t.grad_fn]
+    assert attached == []
+
+
+def _assert_results_detached_and_plain(model, loss_fn, *args):
+    """`apply`'s outputs and activations, `value_and_grad`'s aux (the whole
+    outputs), gradients and activations: no tensor requires grad or holds a
+    graph, in the outputs' own containers, with plain autograd's numbers."""
+    probe = bridge.probe(model)
+    fwd = probe.apply(*args)
+    res = probe.value_and_grad(lambda out: (loss_fn(out), out), *args, has_aux=True)
+    plain_out = copy.deepcopy(model)(*args)
+    loss, grads, _ = _plain(model, loss_fn, *args)
+    _assert_detached(fwd.outputs, fwd.activations)
+    _assert_detached(
+        res.loss, res.aux, res.grads, res.activations, res.activation_grads
+    )
+    for outputs in (fwd.outputs, res.aux):
+        assert type(outputs) is type(plain_out)
+        torch.testing.assert_close(
+            list(_tensors_in(outputs)), [t.detach() for t in _tensors_in(plain_out)]
+        )
+    torch.testing.assert_close(res.loss, loss)
+    torch.testing.assert_close(res.grads, grads)
+    return fwd, res, plain_out
+
+
+def test_a_hugging_face_model_output_is_detached_cache_and_all():
+    """GPT-2's `CausalLMOutputWithCrossAttentions` (a dict subclass JAX's
+    pytrees do not know) holds the logits and a `DynamicCache` of key and
+    value tensors: all detached, the output and the cache of their own
+    types."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 50, (2, 5))
+    fwd, res, plain = _assert_results_detached_and_plain(
+        model, lambda out: out.logits.square().mean(), ids
+    )
+    for outputs in (fwd.outputs, res.aux):
+        assert not outputs.logits.requires_grad
+        assert outputs["logits"] is outputs.logits
+        assert type(outputs.past_key_values) is type(plain.past_key_values)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    logits: torch.Tensor
+    hidden: list
+    label: str = "frozen"
+
+
+class _Mapping(dict):
+    """A dict subclass JAX's pytrees do not know."""
+
+
+_Pair = collections.namedtuple("_Pair", "first rest")
+
+
+class _DataclassOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.linear(x))
+        extra = _Mapping(scaled=h * 2, pair=_Pair(h.sum(-1), [h.mean()]))
+        return _Frozen(self.head(h), [h, extra])
+
+
+class _NamedTupleOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        nested = collections.OrderedDict(inner=_Frozen(h * h, [h.exp()]))
+        return _Pair(h, (nested, torch.max(h, -1)))
+
+
+@pytest.mark.parametrize("model_class", [_DataclassOutput, _NamedTupleOutput])
+def test_dataclass_and_named_tuple_outputs_are_detached(model_class):
+    torch.manual_seed(0)
+    model, x = model_class(), _x(2, 3)
+    loss_fn = (
+        (lambda out: out.logits.square().sum() + out.hidden[1]["pair"].rest[0])
+        if model_class is _DataclassOutput
+        else (lambda out: out.first.sin().sum() + out.rest[1].values.sum())
+    )
+    fwd, res, _ = _assert_results_detached_and_plain(model, loss_fn, x)
+    for outputs in (fwd.outputs, res.aux):
+        if model_class is _DataclassOutput:
+            assert type(outputs.hidden[1]) is _Mapping
+            assert type(outputs.hidden[1]["pair"]) is _Pair
+            assert outputs.label == "frozen"
+        else:
+            inner = outputs.rest[0]["inner"]
+            assert type(inner) is _Frozen and type(outputs.rest[0]) is type(
+                collections.OrderedDict()
+            )
+            assert type(outputs.rest[1]) is torch.return_types.max

@@ -3,6 +3,8 @@ conversions between torch tensors and JAX values at the probe's boundary."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -156,9 +158,117 @@ def to_torch(tree: Any) -> Any:
 
 
 def detached(tree: Any) -> Any:
-    return jax.tree.map(
-        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree
+    """`tree` with every torch tensor detached, in any container: dicts and
+    dict subclasses (Hugging Face's `ModelOutput`), other mappings,
+    dataclasses, named tuples (and torch's `return_types`), lists, tuples,
+    JAX pytree nodes, and the attributes of other objects (a Hugging Face
+    `Cache` in `past_key_values`), nested. `jax.tree.map` alone would see a
+    `ModelOutput` or a dataclass as one leaf and leave its tensors attached,
+    and with them the whole autograd graph of the call.
+
+    Each container keeps its type. One holding no tensor is returned as it
+    is; one that does is a shallow copy, never the object given (which may be
+    the user's). A tensor or container met twice is detached once, so
+    sharing is kept. Functions, classes and `nn.Module`s are left as they
+    are.
+    """
+    return _detached(tree, {})
+
+
+#: Values that hold no tensor.
+_ATOMS = (str, bytes, int, float, complex, torch.dtype, torch.device)
+
+
+def _detached(value: Any, memo: dict[int, Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        found = memo.get(id(value))
+        if found is None:
+            found = memo[id(value)] = value.detach()
+        return found
+    if value is None or isinstance(value, _ATOMS):
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = value  # a cycle back to it meets the value itself
+    memo[id(value)] = rebuilt = _rebuilt(value, memo)
+    return rebuilt
+
+
+def _rebuilt(value: Any, memo: dict[int, Any]) -> Any:
+    """`value` with its tensors detached: the value itself where it holds
+    none."""
+    if isinstance(value, Mapping):
+        items = {key: _detached(item, memo) for key, item in value.items()}
+        if all(items[key] is item for key, item in value.items()):
+            return value
+        return _rebuilt_mapping(value, items)
+    if isinstance(value, list | tuple):
+        items = [_detached(item, memo) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        if type(value) in (list, tuple):
+            return type(value)(items)
+        if hasattr(type(value), "_make"):  # a named tuple
+            return type(value)._make(items)
+        return type(value)(items)  # torch's `return_types`, a list subclass
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = [field.name for field in dataclasses.fields(value)]
+        return _with_attributes(value, names, memo)
+    children, treedef = jax.tree_util.tree_flatten(
+        value, is_leaf=lambda node: node is not value
     )
+    if treedef.num_nodes > 1:  # a node of JAX's pytrees: one level of it
+        items = [_detached(child, memo) for child in children]
+        if all(new is old for new, old in zip(items, children, strict=True)):
+            return value
+        return jax.tree_util.tree_unflatten(treedef, items)
+    if (
+        isinstance(value, type | torch.nn.Module)
+        or callable(value)
+        or not hasattr(value, "__dict__")
+    ):
+        return value
+    return _with_attributes(value, list(vars(value)), memo)
+
+
+def _with_attributes(value: Any, names: list[str], memo: dict[int, Any]) -> Any:
+    """A shallow copy of `value` with the attributes `names` detached, set as
+    a frozen dataclass's own `__init__` sets them (no `__init__` or
+    `__post_init__` runs again); `value` itself where they hold no tensor."""
+    missing = object()
+    old = {name: getattr(value, name, missing) for name in names}
+    new = {
+        name: _detached(item, memo) for name, item in old.items() if item is not missing
+    }
+    if all(item is old[name] for name, item in new.items()):
+        return value
+    rebuilt = copy.copy(value)
+    for name, item in new.items():
+        if item is not old[name]:
+            object.__setattr__(rebuilt, name, item)
+    return rebuilt
+
+
+def _rebuilt_mapping(mapping: Mapping, items: dict) -> Any:
+    """A mapping of `mapping`'s type holding `items`. A dict subclass is
+    copied and its entries set (a `ModelOutput` sets the attribute of each
+    entry set, and its constructor takes no mapping); another mapping is
+    built from `items`; a plain dict where neither works."""
+    if type(mapping) is dict:
+        return items
+    if isinstance(mapping, dict):
+        try:
+            rebuilt = copy.copy(mapping)
+            for key, item in items.items():
+                if item is not mapping[key]:
+                    rebuilt[key] = item
+            return rebuilt
+        except Exception:  # noqa: BLE001 - a subclass copy or setitem refuses
+            pass
+    try:
+        return type(mapping)(items)
+    except Exception:  # noqa: BLE001 - a constructor that takes no mapping
+        return items
 
 
 class TensorLeaf(NamedTuple):
