@@ -410,3 +410,15 @@ class ProbeBase:
             batch_axis_to(activations, stacked),
             batch_axis_to(inputs, stacked),
         )
+
+    def unwrap(self) -> tuple:
+        """The positional arguments `bridge.probe` takes for this probe's
+        model, carrying its weights (see `ActivationProbe.unwrap`). An adapter
+        implements it; this default says that one has not."""
+        from ._errors import BridgeNotImplementedError
+
+        raise BridgeNotImplementedError(
+            f"{type(self).__qualname__} does not implement unwrap(): its adapter "
+            "gives no way to take the model out of the probe. Keep the model "
+            "and the variables you passed to bridge.probe instead."
+        )

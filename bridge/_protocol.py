@@ -91,3 +91,21 @@ class ActivationProbe(Protocol):
           A `bridge.ForwardResult(outputs, activations, state)`.
         """
         ...
+
+    def unwrap(self) -> tuple:
+        """The model out of the probe: the positional arguments
+        `bridge.probe` takes, in the library's own form.
+
+        They carry the probe's weights — after `bridge.transfer`, the ported
+        ones — and `bridge.probe(*probe.unwrap())` is the same probe: the same
+        sites, the same results. Keyword arguments of `bridge.probe` (`vmap`,
+        `inside`) are not part of them.
+
+        Returns:
+          Flax Linen `(module, variables)`; Flax NNX `(module,)`, a new module
+          (the user's is untouched); Equinox `(model,)` or `(model, state)`;
+          Haiku `(transformed, params)` or `(transformed, params, state)`;
+          PyTorch `(module,)`, a copy holding the probe's weights. Save them
+          with the library's own serialisation.
+        """
+        ...

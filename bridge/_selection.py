@@ -74,13 +74,16 @@ def _matches(part: Any, site: Site) -> bool:
 def select(at: Any, sites: Sequence[Site]) -> list[Site]:
     """The sites `at` selects, in call order.
 
-    `at=None` selects every differentiable site. A selector (or an element of
-    a list of them) that matches only integer-valued sites raises, since they
-    have no gradient; one that matches nothing raises naming the closest
-    available paths: a typo in one element of a list is not silently dropped.
+    `at=None` selects every differentiable site bridge can express: a site
+    inside a transform it cannot see through (`Site.refused`) is listed by
+    `sites()` only. A selector (or an element of a list of them) that
+    matches such a site raises with its reason; one that matches only
+    integer-valued sites raises, since they have no gradient; one that
+    matches nothing raises naming the closest available paths: a typo in one
+    element of a list is not silently dropped.
     """
     if at is None:
-        return [site for site in sites if site.differentiable]
+        return [site for site in sites if site.differentiable and not site.refused]
     parts = _parts(at)
     matched = [[site for site in sites if _matches(part, site)] for part in parts]
     for part, chosen in zip(parts, matched, strict=True):
@@ -93,6 +96,14 @@ def select(at: Any, sites: Sequence[Site]) -> list[Site]:
                 f"{described} selects only sites with integer values ({names}): "
                 "they have no gradient. Select a site with floating-point values, "
                 "or leave this one out of `at`."
+            )
+    for part, chosen in zip(parts, matched, strict=True):
+        refused = [site for site in chosen if site.differentiable and site.refused]
+        if refused:
+            described = f"`at={at!r}`" if len(parts) == 1 else f"`at` element {part!r}"
+            raise BridgeValueError(
+                f"{described} selects {refused[0].name!r}, a site bridge lists "
+                f"but cannot probe: {refused[0].refused}"
             )
     selected = {id(site) for chosen in matched for site in chosen}
     return [site for site in sites if id(site) in selected and site.differentiable]

@@ -73,7 +73,12 @@ class SiteOrigin:
     (`Session.to_carry_in`) has `scan = (length, reverse)`, and `value` and
     `inputs` the abstract floating value and positional arguments of one
     step; elsewhere these are `None`. A `bridge.tap` whose values ride in the
-    variables of the module calling it has its name as `tap`."""
+    variables of the module calling it has its name as `tap`.
+
+    A call bridge cannot express (inside a `while_loop`, a `cond`, a scan
+    that broadcasts its parameters) has as `blocked` the error to raise
+    where it is selected or patched, naming the transform that holds it: it
+    is listed by `sites()` and left out of `at=None`."""
 
     __slots__ = ()
 
@@ -81,6 +86,7 @@ class SiteOrigin:
     value: Any = None
     inputs: Any = None
     tap: str | None = None
+    blocked: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,6 +124,13 @@ class Site:
     @property
     def differentiable(self) -> bool:
         return any(_is_inexact(leaf) for leaf in jax.tree.leaves(self.struct))
+
+    @property
+    def refused(self) -> str | None:
+        """Why bridge cannot express this site (its origin's `blocked`): the
+        error raised where it is selected or patched; `None` for a site
+        that probes as usual."""
+        return getattr(self.origin, "blocked", None) or None
 
 
 def _is_inexact(leaf: Any) -> bool:

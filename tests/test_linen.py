@@ -290,14 +290,18 @@ def test_with_vmap_a_scanned_site_has_the_batch_axis_after_the_iterations():
             )
 
 
-def test_a_scan_that_broadcasts_params_raises_instead_of_summing():
+def test_a_scan_that_broadcasts_params_is_listed_and_refused_instead_of_summing():
     x = jnp.ones((2, 3, 4))
     model = nn.RNN(nn.LSTMCell(5))
     probe = bridge.probe(model, model.init(jax.random.key(0), x))
+    # Every iteration's call, stacked: (iterations, batch, features).
+    assert probe.sites(x)["cell"][1].shape == (3, 2, 5)
     with pytest.raises(
-        ValueError, match="bridge cannot see through this nn.scan: it broadcasts"
+        bridge.BridgeError, match="cannot see through nn.scan .*: it broadcasts"
     ):
-        probe.sites(x)
+        probe.value_and_grad(mse, x, at="cell")
+    with pytest.raises(bridge.BridgeError, match="nn.scan .*: it broadcasts"):
+        probe.apply(x, patch={"cell": lambda v: v})
 
 
 def test_layer_inputs_inside_remat_leave_through_the_collection():
@@ -440,11 +444,13 @@ def mse_zero(y):
     return jnp.mean(jnp.square(y))
 
 
-def test_nn_vmap_that_broadcasts_params_raises_instead_of_summing():
+def test_nn_vmap_that_broadcasts_params_is_listed_and_refused_instead_of_summing():
     x = jnp.ones((3, 2, 4))
     probe = bridge.probe(Ensemble(True), Ensemble(True).init(jax.random.key(1), x))
-    with pytest.raises(ValueError, match="cannot see through this nn.vmap"):
-        probe.value_and_grad(mse, x)
+    # Every member's call, the mapped axis first.
+    assert probe.sites(x)["ScannedBlockBody_0"].shape == (3, 2, 4)
+    with pytest.raises(ValueError, match="cannot see through nn.vmap .*broadcasts"):
+        probe.value_and_grad(mse, x, at="ScannedBlockBody_0")
 
 
 # -- an `apply` the model makes itself (a tied LM head) -------------------------

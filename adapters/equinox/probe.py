@@ -178,6 +178,17 @@ class EquinoxProbe(ProbeBase):
             )
         return result
 
+    # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
+
+    def unwrap(self) -> tuple:
+        """`(model,)`, or `(model, state)` for a model with an `eqx.nn.State`,
+        what `bridge.probe` takes: the probe's model (after `bridge.transfer`,
+        the ported one) and a copy of its state (`State.set` invalidates the
+        state it is called on: the probe's own stays valid)."""
+        if self.state is None:
+            return (self.model,)
+        return self.model, _clone(self.state)
+
 
 def _clone(state: eqx.nn.State) -> eqx.nn.State:
     leaves, treedef = jax.tree.flatten(state)

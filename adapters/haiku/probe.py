@@ -239,6 +239,18 @@ class HaikuProbe(ProbeBase):
             )
         return outputs, None
 
+    # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
+
+    def unwrap(self) -> tuple:
+        """`(transformed, params)`, or `(transformed, params, state)` for
+        `hk.transform_with_state`, what `bridge.probe` takes: the probe's
+        params and state (after `bridge.transfer`, the ported ones) in
+        containers of their own, so that changing them changes no probe."""
+        params, state = jax.tree.map(lambda leaf: leaf, (self.params, self.state))
+        if self.with_state:
+            return self.transformed, params, state
+        return self.transformed, params
+
 
 class _Interceptor:
     """Reports every module method call of one `apply` to the session.

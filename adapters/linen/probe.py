@@ -28,6 +28,7 @@ hands every variable of its scope to the NNX module it builds.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +48,7 @@ from bridge.adapter_api import (
     merge_differentiable,
 )
 
-from ..shared import guests
+from ..shared import guests, jax_internals, unexpressible
 from .guest import entering_linen_lifted_scope
 from .variables import (
     EPSILON_COLLECTION,
@@ -77,6 +78,9 @@ class _Origin(SiteOrigin):
     `given`: the call is inside an `apply` the model makes itself, whose
     variables are the model's own arguments (a tied head's kernel, the
     embedding's transpose), not the probe's.
+
+    `blocked`: why bridge cannot express the call, naming the transform that
+    holds it (see `bridge.adapters.shared.unexpressible`); listed only.
     """
 
     scope: tuple[str, ...]
@@ -84,6 +88,7 @@ class _Origin(SiteOrigin):
     in_session: bool = False
     tap: str | None = None
     given: bool = False
+    blocked: str | None = None
 
 
 def _is_nested_apply(module: Any) -> bool:
@@ -116,6 +121,71 @@ def _check_perturbed(floats: Any, value: Any, name: str) -> None:
 class _NeedsParams(Exception):
     """Discovery met a transform that carries only `params`: run it again with
     `params` mutable, so recordings can leave the transform with them."""
+
+
+class _Broadcasts(Exception):
+    """Discovery, recording in `params`, met a lifted transform that
+    broadcasts them (`nn.RNN`'s `nn.scan`, an `nn.vmap` with
+    `variable_axes={'params': None}`): Flax refuses a broadcast variable that
+    depends on the loop. Discovery runs again with the calls inside it listed
+    as refused sites, and the others as before."""
+
+    def __init__(self, key: tuple, transform: str):
+        super().__init__(key, transform)
+        self.key = key
+        self.transform = transform
+
+
+#: Flax's errors where a transform broadcasts `params` that a recording made
+#: inside depends on, and the transform each names.
+_BROADCAST_ERRORS = {
+    "broadcasted variable has a data dependency": "nn.scan",
+    "got axis spec None but output was batched": "nn.vmap",
+}
+
+
+def _broadcasting(error: ValueError) -> str | None:
+    message = str(error)
+    for text, transform in _BROADCAST_ERRORS.items():
+        if text in message:
+            return transform
+    return None
+
+
+#: Why a site inside each transform cannot be expressed, and what to do.
+_REFUSALS = {
+    "nn.scan": (
+        "it broadcasts `params` (variable_broadcast='params', as nn.RNN "
+        "does), so one epsilon would serve every iteration and their "
+        "gradients would be summed",
+        "scan over stacked layers (variable_axes={'params': 0}), or unroll the loop",
+    ),
+    "nn.vmap": (
+        "it broadcasts `params` (variable_axes={'params': None}), so one "
+        "epsilon would serve every mapped example and their gradients would "
+        "be summed",
+        "probe the unmapped model with bridge.probe(..., vmap=True)",
+    ),
+    "nn.while_loop": (
+        "how many iterations run is known only when the model runs, so no "
+        "epsilon or recording can be shaped for them",
+        "write the loop as an nn.scan of fixed length",
+    ),
+    "nn.cond": (
+        "which branch runs is known only when the model runs, so a call in a "
+        "branch may not run at all",
+        "compute both branches and pick with jnp.where",
+    ),
+    "nn.switch": (
+        "which branch runs is known only when the model runs, so a call in a "
+        "branch may not run at all",
+        "compute every branch and pick with jnp.where",
+    ),
+}
+
+#: JAX's names of the loops and branches (`unexpressible.LOOPS_AND_BRANCHES`)
+#: as Linen's lifted transforms.
+_LINEN_NAMES = {"while_loop": "nn.while_loop", "cond": "nn.cond", "switch": "nn.switch"}
 
 
 def probe(module: nn.Module, *variables: Any, vmap: bool = False) -> LinenProbe:
@@ -193,10 +263,30 @@ class LinenProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
+        unexpressible.refuse_patched(session)
+        # `{transform: its name}` of the lifted transforms that broadcast
+        # `params`, learnt by discovery (`_Broadcasts`).
+        broadcasting: dict[tuple, str] = {}
+
+        def apply(in_params: bool) -> tuple[Any, Any]:
+            while True:
+                start = session.checkpoint()
+                try:
+                    return self._apply(
+                        trainable, args, kwargs, session, in_params, broadcasting
+                    )
+                except _Broadcasts as found:
+                    if found.key in broadcasting:
+                        raise BridgeRuntimeError(
+                            f"bridge could not list the calls inside {found.transform} "
+                            "as refused sites. This is a bug in bridge: please "
+                            "report it."
+                        ) from found
+                    session.restore(start)
+                    broadcasting[found.key] = found.transform
+
         return session.recorder.run_with_fallback(
-            lambda in_params: self._apply(trainable, args, kwargs, session, in_params),
-            _NeedsParams,
-            lambda origin: origin.in_params,
+            apply, _NeedsParams, lambda origin: origin.in_params
         )
 
     def _apply(
@@ -206,6 +296,7 @@ class LinenProbe(ProbeBase):
         kwargs: dict,
         session: Session,
         in_params: bool,
+        broadcasting: dict[tuple, str],
     ) -> tuple[Any, Any]:
         apply_kwargs = {k: kwargs[k] for k in _APPLY_KEYWORDS if k in kwargs}
         model_kwargs = {k: v for k, v in kwargs.items() if k not in _APPLY_KEYWORDS}
@@ -215,7 +306,7 @@ class LinenProbe(ProbeBase):
         if epsilons:
             variables[EPSILON_COLLECTION] = epsilons
         mutable = with_recordings(user_mutable, in_params)
-        interceptor = _Interceptor(session, in_params)
+        interceptor = _Interceptor(session, in_params, broadcasting, sys._getframe())
         try:
             with (
                 guests.hosting("linen", interceptor.lifted_transform),
@@ -226,20 +317,14 @@ class LinenProbe(ProbeBase):
                     variables, *args, mutable=mutable, **apply_kwargs, **model_kwargs
                 )
         except ValueError as error:
-            if in_params and "broadcasted variable has a data dependency" in str(error):
-                raise BridgeValueError(
-                    "bridge cannot see through this nn.scan: it "
-                    "broadcasts `params` (variable_broadcast='params', as nn.RNN "
-                    "does), so one epsilon would serve every iteration and their "
-                    "gradients would be summed. Select sites outside it."
-                ) from error
-            if in_params and "got axis spec None but output was batched" in str(error):
-                raise BridgeValueError(
-                    "bridge cannot see through this nn.vmap: it broadcasts `params` "
-                    "(variable_axes={'params': None}), so one epsilon would serve "
-                    "every mapped example and their gradients would be summed. "
-                    "Select sites outside it, or probe the unmapped model with "
-                    "bridge.probe(..., vmap=True)."
+            transform = _broadcasting(error) if in_params else None
+            if transform is not None:
+                # Discovery lists the calls inside as refused sites; a run
+                # records in `params` only the sites discovery did not refuse.
+                raise BridgeRuntimeError(
+                    f"bridge recorded a site inside {transform}, which broadcasts "
+                    "`params`, although discovery listed the calls there as "
+                    "refused. This is a bug in bridge: please report it."
                 ) from error
             raise
         session.carrier.hand_over(lambda where: recorded(state, where))
@@ -249,6 +334,14 @@ class LinenProbe(ProbeBase):
         if in_params and not names_params(user_mutable):
             ours.add("params")
         return outputs, {k: v for k, v in state.items() if k not in ours}
+
+    # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
+
+    def unwrap(self) -> tuple:
+        """`(module, variables)`, what `bridge.probe` takes: the module, and
+        the probe's variables (after `bridge.transfer`, the ported ones) in
+        containers of their own, so that changing them changes no probe."""
+        return self.module, jax.tree.map(lambda leaf: leaf, self.variables)
 
 
 class _Frame:
@@ -261,6 +354,7 @@ class _Frame:
         self.root = root  # the scope root the call runs in
         self.path = path  # the module's path in the model
         self.bodies = bodies  # lifted bodies traced from this call
+        self.entered: list[tuple] = []  # the lifted transforms it entered
 
 
 class _Interceptor:
@@ -271,11 +365,25 @@ class _Interceptor:
     one site, never `#1`.
     """
 
-    def __init__(self, session: Session, in_params: bool):
+    def __init__(
+        self,
+        session: Session,
+        in_params: bool,
+        broadcasting: dict[tuple, str],
+        stop: Any,
+    ):
         self.session = session
         self.in_params = in_params
         self.stack: list[_Frame] = []
         self.transform = "a Flax lifted transform"
+        # The transforms known to broadcast `params` (see `_Broadcasts`), and
+        # the traces of their bodies now, by id (the trace kept alive).
+        self.broadcasting = broadcasting
+        self.broadcast_traces: dict[int, tuple[Any, str]] = {}
+        # The trace and the frame of the probe's `apply`: the model's own
+        # transforms run between here and there.
+        self.base = jax_internals.current_trace()
+        self.stop = stop
         # The scope roots of `apply`s the model makes itself, by id: the root
         # (kept alive, so that its id is not reused) and the path its module
         # has in the model.
@@ -295,26 +403,28 @@ class _Interceptor:
         frame = _Frame(module, root, path, BodyTraces(self.session))
         self.stack.append(frame)
         try:
-            if (
-                path == ()
-                or method == "setup"
-                or (method.startswith("_") and method != "__call__")
-            ):
-                # A root `nnx.bridge.ToLinen`'s NNX submodules are sites still.
-                return guests.call_module(
-                    "linen", module, next_fun, call_args, call_kwargs
-                )
-            return self._site(
-                lambda: guests.call_module(
-                    "linen", module, next_fun, call_args, call_kwargs
-                ),
-                call_args,
-                module,
-                method,
-                frame,
-            )
+            return self._call(next_fun, call_args, call_kwargs, module, method, frame)
+        except ValueError as error:
+            # Flax refuses, after tracing a lifted body, a recording in
+            # broadcast `params`: the transform this call entered last.
+            transform = _broadcasting(error) if self.in_params else None
+            if transform is None or not frame.entered:
+                raise
+            raise _Broadcasts(frame.entered[-1], transform) from error
         finally:
             self.stack.pop()
+
+    def _call(self, next_fun, call_args, call_kwargs, module, method, frame):
+        def run():
+            return guests.call_module("linen", module, next_fun, call_args, call_kwargs)
+
+        if (
+            frame.path == ()
+            or method == "setup"
+            or (method.startswith("_") and method != "__call__")
+        ):
+            return run()  # a root `nnx.bridge.ToLinen`'s NNX submodules are sites
+        return self._site(run, call_args, module, method, frame)
 
     def tap(self, name: str, value: Any) -> Any:
         """`bridge.tap` in the model's code. Inside a lifted transform it is a
@@ -344,6 +454,66 @@ class _Interceptor:
         transform = entering_linen_lifted_scope(parent.bodies, module, method)
         if transform is not None:
             self.transform = transform
+        key = (parent.path, type(module).__qualname__)
+        parent.entered.append(key)
+        broadcast = self.broadcasting.get(key)
+        if broadcast is not None:
+            trace = jax_internals.current_trace()
+            self.broadcast_traces[id(trace)] = (trace, broadcast)
+
+    def _blocked(self, frame: _Frame, module: Any, carried: bool) -> str | None:
+        """The transform that holds this call where bridge cannot express it
+        (innermost first: a loop, a branch, a transform broadcasting
+        `params`, one that carries neither bridge's collections nor
+        `params`), or `None`. Asked by discovery only: a run never selects
+        or patches such a call."""
+
+        def broadcasting(trace: Any) -> str | None:
+            found = self.broadcast_traces.get(id(trace))
+            return None if found is None else found[1]
+
+        transform = unexpressible.innermost_loop_or_branch(self.base, broadcasting)
+        if transform is not None:
+            return _LINEN_NAMES.get(transform, transform)
+        if (
+            self._lifted(frame)
+            and not carried
+            and self.in_params
+            and not module.is_mutable_collection("params")
+        ):
+            return self.transform
+        return None
+
+    def _refused(self, run, call_args, module, method, frame, tap, transform):
+        """A call bridge cannot express inside `transform`: listed with its
+        whole value, run as it is (see `bridge.adapters.shared.unexpressible`)."""
+        session = self.session
+        path = frame.path
+        call = session.enter(
+            "/".join(path if tap is None else (*path, tap)),
+            None if method == "__call__" else method,
+            module if tap is None else None,
+            call_args,
+            origin=_Origin(path, tap=tap),
+            record=False,
+        )
+        why, fix = _REFUSALS.get(
+            transform,
+            (
+                "it carries neither bridge's collections nor `params`, so a "
+                "perturbation there would be silently dropped",
+                "move the call out of it",
+            ),
+        )
+        call.origin = _Origin(
+            path, tap=tap, blocked=unexpressible.reason(call.name, transform, why, fix)
+        )
+        value = run()
+        iterations = None
+        if transform == "nn.scan" and unexpressible.scans(self.base) == 1:
+            frames = jax_internals.scan_frames(self.stop)
+            iterations = frames[0][0] if len(frames) == 1 else None
+        return unexpressible.listed(session, call, value, self.base, iterations)
 
     def _site(self, run, call_args, module, method, frame, tap=None):
         """The call `run()` of `module`'s `method` as a site; a `bridge.tap`
@@ -353,6 +523,12 @@ class _Interceptor:
         lifted = self._lifted(frame)
         carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
         in_params = not carried and self.in_params
+        if session.recorder.learns_sites():
+            transform = self._blocked(frame, module, carried)
+            if transform is not None:
+                return self._refused(
+                    run, call_args, module, method, frame, tap, transform
+                )
         if not carried and not (in_params and module.is_mutable_collection("params")):
             if not self.in_params:
                 session.recorder.fall_back()  # discovery: again, in `params`

@@ -206,6 +206,15 @@ class NnxProbe(ProbeBase):
         state = nnx.state(model, nnx.Not(nnx.Param))
         return outputs, state if jax.tree.leaves(state) else None
 
+    # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
+
+    def unwrap(self) -> tuple:
+        """`(module,)`, what `bridge.probe` takes: a new module of the probe's
+        graph and state (after `bridge.transfer`, the ported weights) with
+        `Variable` objects of its own. The user's module is untouched, and
+        updating the new one changes no probe."""
+        return (nnx.merge(self.graphdef, self.params, self.rest, copy=True),)
+
 
 def _copy_graph_nodes(tree: Any) -> Any:
     return jax.tree.map(

@@ -52,6 +52,7 @@ PyTorch's private internals are `internals`.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -269,6 +270,17 @@ class TorchProbe(ProbeBase):
         session.inside = self._inside
         with _hooked(session, self.module, shell), session.active():
             return functional_call(shell, (params, buffers), args, kwargs)
+
+    # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
+
+    def unwrap(self) -> tuple:
+        """`(module,)`, what `bridge.probe` takes: a deep copy of the probe's
+        module (after `bridge.transfer`, holding the ported weights), in its
+        mode (`train()`/`eval()`), without the `.grad` of its parameters."""
+        module = copy.deepcopy(self.module)
+        for parameter in module.parameters():
+            parameter.grad = None
+        return (module,)
 
 
 def _live_state(

@@ -1,0 +1,144 @@
+"""Sites bridge cannot express: listed, run as they are, refused only where
+selected or patched.
+
+A call inside a transform that gives its epsilon and its value no route (a
+`while_loop`, whose iterations are not known; a `cond` or `switch`, whose
+branch may not run; a scan or vmap that broadcasts the parameters, so one
+epsilon would serve every iteration) must not cost the other sites anything.
+Discovery lists it with the shape its value has for the model (the axes of
+the model's own `vmap`s around it in front, a scan's iterations first, as
+the contract lays sites out), with its origin's `blocked` saying why and
+naming the innermost transform that holds it; `at=None` leaves it out
+(`bridge._selection.select`), and selecting or patching it raises that
+reason. A `jax.jit` inside the model is no such transform: it is skipped
+when naming one.
+
+The trace stack is read through `bridge.adapters.shared.jax_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from bridge.adapter_api import BridgeValueError, Session, is_array
+
+from . import jax_internals
+
+#: JAX's names (a trace's `traced_for`) of the transforms no site can be
+#: expressed in, as the libraries' own transforms are named after them.
+LOOPS_AND_BRANCHES = {
+    "while_body": "while_loop",
+    "while_cond": "while_loop",
+    "cond": "cond",
+    "switch": "switch",
+}
+
+#: JAX's names of the transforms that hold no site by themselves: a
+#: `jax.jit` inside the model is traced through, never named.
+TRANSPARENT = frozenset({"jit", "pjit"})
+
+#: A scan's name, and the loop JAX makes a `fori_loop` of static bounds.
+SCANS = frozenset({"scan", "fori_loop"})
+
+
+def traces(base: Any) -> Iterator[Any]:
+    """The traces between this point and `base` (the trace the adapter's
+    call of the model started in), innermost first."""
+    trace = jax_internals.current_trace()
+    while trace is not None and trace is not base:
+        yield trace
+        trace = jax_internals.parent(trace)
+
+
+def name(trace: Any) -> str:
+    """`vmap` for a `jax.vmap`'s trace, else JAX's name of the transform."""
+    return "vmap" if jax_internals.is_vmap(trace) else jax_internals.traced_for(trace)
+
+
+def innermost_loop_or_branch(
+    base: Any, own: Callable[[Any], str | None] = lambda trace: None
+) -> str | None:
+    """The innermost transform between here and `base` that holds no site:
+    what `own(trace)` names (an adapter's broadcasting scan), else a
+    `while_loop`, `cond` or `switch` (JAX's names, `LOOPS_AND_BRANCHES`);
+    `None` where there is none. `jax.jit` is skipped."""
+    for trace in traces(base):
+        named = own(trace)
+        if named is not None:
+            return named
+        traced = name(trace)
+        if traced in LOOPS_AND_BRANCHES:
+            return LOOPS_AND_BRANCHES[traced]
+    return None
+
+
+def mapped_sizes(base: Any) -> tuple[int, ...] | None:
+    """The sizes of the model's own `vmap`s between here and `base`, outermost
+    first: the axes a site's value has in front of what a call inside them
+    sees. `None` where one's size cannot be read."""
+    sizes = []
+    for trace in traces(base):
+        if jax_internals.is_vmap(trace):
+            size = jax_internals.vmap_size(trace)
+            if size is None:
+                return None
+            sizes.append(size)
+    return tuple(reversed(sizes))
+
+
+def scans(base: Any) -> int:
+    """How many scans run between here and `base`."""
+    return sum(name(trace) in SCANS for trace in traces(base))
+
+
+def listed(
+    session: Session,
+    call: Any,
+    value: Any,
+    base: Any,
+    iterations: int | None = None,
+) -> Any:
+    """Finish a refused call: discovery lists it with its whole value, the
+    model's own vmaps' axes in front (outermost first), stacked over the
+    enclosing scan's `iterations` where given; a run changes nothing (a
+    selected or patched refused site was refused before the run). Returns
+    the value the model goes on with, `value` itself."""
+    if not session.recorder.learns_sites():
+        session.exit(call, value, perturb=lambda v: v, record=False)
+        return value
+    sizes = mapped_sizes(base) or ()
+    whole = jax.tree.map(
+        lambda v: jnp.broadcast_to(v, (*sizes, *jnp.shape(v))) if is_array(v) else v,
+        value,
+    )
+    session.exit(call, whole, perturb=lambda v: v, record=False)
+    if iterations:
+        session.recorder.holds_iterations(call.name, whole, iterations)
+    return value
+
+
+def refuse_patched(session: Session) -> None:
+    """Before a run: a patched (or selected) site that bridge cannot express
+    raises its reason, before any work."""
+    for argument, sites in (("patch", session.patched), ("at", session.selected)):
+        for site in sites.values():
+            if site.refused:
+                raise BridgeValueError(
+                    f"`{argument}` names {site.name!r}, a site bridge lists but "
+                    f"cannot probe: {site.refused}"
+                )
+
+
+def reason(
+    site: str, transform: str, why: str, fix: str = "move the call out of it"
+) -> str:
+    """The error of a refused site: the transform that holds it, why bridge
+    cannot see through it there, and what to do."""
+    return (
+        f"bridge cannot see through {transform} around site {site!r}: {why}. "
+        f"Select other sites with `at=` (`at=None` leaves it out), or {fix}."
+    )
