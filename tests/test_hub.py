@@ -117,8 +117,13 @@ def test_training_mode_updates_the_running_statistics_as_apply_does(resnet):
 def test_collections_given_beside_the_object_are_the_ones_used(resnet):
     model, images = resnet
     halved = jax.tree.map(lambda p: p * 0.5, model.params)
-    outputs = bridge.probe(model, halved).apply(images).outputs
-    _close(outputs.pooler_output, model.module.apply(halved, images).pooler_output)
+    probe = bridge.probe(model, halved)
+    expected = model.module.apply(halved, images).pooler_output
+    _close(probe.apply(images).outputs.pooler_output, expected)
+    # Taken out, it is the Linen module with those collections.
+    module, variables = probe.unwrap()
+    assert module is model.module and set(variables) == {"params", "batch_stats"}
+    _close(module.apply(variables, images).pooler_output, expected)
 
 
 def test_collections_one_level_too_deep_or_missing_are_refused(resnet):
