@@ -10,6 +10,8 @@ from . import adapter_api as adapter_api
 from . import testing as testing
 from ._compare import compare as compare
 from ._errors import BridgeError as BridgeError
+from ._inside import SiteSource as SiteSource
+from ._inside import site_sources as site_sources
 from ._porting import transfer as transfer
 from ._protocol import ActivationProbe as ActivationProbe
 from ._registry import probe as probe
@@ -29,11 +31,13 @@ __all__ = [
     "ForwardResult",
     "PairComparison",
     "ProbeResult",
+    "SiteSource",
     "__version__",
     "adapter_api",
     "compare",
     "probe",
     "register_adapter",
+    "site_sources",
     "tap",
     "testing",
     "transfer",

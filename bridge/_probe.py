@@ -42,6 +42,7 @@ from ._checks import (
     check_patch_kind,
     resolve_patches,
 )
+from ._inside import looking_inside
 from ._result import ForwardResult, ProbeResult, in_order
 from ._selection import check_selection, select
 from ._session import Session
@@ -98,9 +99,10 @@ class ProbeBase:
 
     def _looking_inside(self, inside: Inside | None) -> ProbeBase:
         """This probe, its assignments' sites those of `inside` (set once, by
-        `bridge.probe` or an adapter's `tree_unflatten`)."""
-        self._inside = inside
-        return self
+        `bridge.probe`). The core carries `inside` through the probe's pytree
+        and hands it to every session (`bridge._inside.looking_inside`): an
+        adapter need not know of it."""
+        return looking_inside(self, inside)
 
     # -- what a JAX adapter supplies ---------------------------------------------
 
@@ -210,7 +212,7 @@ class ProbeBase:
         if found is None:
             found, loss_struct = self._discover_afresh(args, kwargs, loss_fn)
             if self._inside is not None:
-                self._inside.check_names(found.sites)
+                self._inside.discovered(found.sites)  # before it is kept
             discovery_cache.CACHE.put(key, found)
         if loss_fn is not None and found.outputs is not None:
             loss_struct = self._abstract_loss(found.outputs, loss_fn)
@@ -377,7 +379,6 @@ class ProbeBase:
                 BATCH_AXIS if self.vmap else None,
                 patched=patched,
             )
-            session.inside = self._inside
             if sessions is not None:
                 sessions.append(session)
             with session.active():

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._errors import BridgeTypeError
-from ._inside import Inside
+from ._inside import Inside, check_carried
 from ._probe import ProbeBase
 from ._protocol import ActivationProbe
 
@@ -138,7 +138,9 @@ def probe(
                     f"{type(created).__qualname__}. Mark the values with "
                     "bridge.tap in the model's code instead."
                 )
-            return created._looking_inside(rewrites)
+            created._looking_inside(rewrites)
+            check_carried(created)  # a rebuilt probe looks inside too
+            return created
     raise BridgeTypeError(
         f"bridge.probe cannot probe a model of type {type(model).__qualname__}."
         f"{_misuse_hint(model)} Supported libraries — "

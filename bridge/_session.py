@@ -41,6 +41,12 @@ if TYPE_CHECKING:
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None
 )
+#: The `bridge._inside.Inside` of the probe whose discovery or run is in
+#: progress in this context (set by `bridge._inside`, whatever the adapter):
+#: a session made meanwhile, by the core or by an adapter, looks inside with it.
+INSIDE: contextvars.ContextVar[Inside | None] = contextvars.ContextVar(
+    "bridge_inside", default=None
+)
 
 
 def current() -> Session | None:
@@ -91,8 +97,8 @@ class Session:
         )
         self.carrier = Carrier(self)
         self.taps = Taps(self)
-        # The probe's `bridge._inside.Inside`, set by the probe running it.
-        self.inside: Inside | None = None
+        # The probe's `bridge._inside.Inside`, from the core (`INSIDE`).
+        self.inside: Inside | None = INSIDE.get()
         # `enter` and `exit` run at every call of the model: bound once.
         self._name_call = self.naming.enter
         self._close_call = self.naming.exit

@@ -10,7 +10,10 @@ inserted by the test (`monkeypatch`), eager and jitted.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -451,16 +454,373 @@ def test_errors_name_the_entry_and_the_fix():
         bridge.probe(model, variables, inside=[])
 
 
-class _Colliding(nn.Module):
+# -- a class's methods, never its other attributes ----------------------------------
+
+
+def _mha_reference(variables, delta):
+    """`nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=WIDTH)`
+    written out with Flax's own functions, `delta` added to the attention's
+    output before the output projection: `(outputs, that output)`."""
+    params = variables["params"]
+
+    def project(name, x):
+        layer = params[name]
+        projected = jnp.einsum("bsd,dhk->bshk", x, layer["kernel"])
+        return projected + layer["bias"][None, None]
+
+    query, key, value = (project(name, X) for name in ("query", "key", "value"))
+    mixed = nn.dot_product_attention(query, key, value) + delta
+    out = params["out"]
+    outputs = jnp.einsum("bshk,hkd->bsd", mixed, out["kernel"])
+    outputs = outputs + out["bias"][None, None]
+    return outputs, mixed
+
+
+def _functions_of(cls):
+    """`{attribute: code}` of every function a class holds, unwrapped: its
+    methods and its field defaults (`kernel_init`, `attention_fn`)."""
+    found = {}
+    for name, attribute in vars(cls).items():
+        while hasattr(attribute, "__wrapped__"):
+            attribute = attribute.__wrapped__
+        if hasattr(attribute, "__code__"):
+            found[name] = attribute.__code__
+    return found
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_linen_multi_head_attention_class(jit):
+    """The docs' recipe `inside=nn.MultiHeadDotProductAttention`: its
+    methods' locals are sites; its field defaults (`kernel_init`, an
+    initializer's closure; `attention_fn`) are not rewritten; `out =
+    DenseGeneral(..., name="out")(x)` is the submodule's site, once."""
+    model = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=WIDTH)
+    variables = model.init(jax.random.key(1), X)
+    codes = _functions_of(nn.MultiHeadDotProductAttention)
+    assert {"kernel_init", "attention_fn", "__call__"} <= set(codes)
+    probe = bridge.probe(model, variables, inside=nn.MultiHeadDotProductAttention)
+    sites = probe.sites(X)
+    names = list(sites)
+    # The projections, the attention's output `x`, then the output projection.
+    assert [n for n in names if n in ("query", "key", "value", "x", "out")] == [
+        "query",
+        "key",
+        "value",
+        "x",
+        "out",
+    ]
+    assert "out#1" not in names  # the submodule's output, not a second site
+    assert not any("dot_product_attention" in n for n in names)  # a field default
+    assert sites["x"].shape == (2, SEQ, HEADS, WIDTH // HEADS)
+
+    def step(x):
+        return probe.value_and_grad(_loss, x, at=["x", "out"])
+
+    result = (jax.jit(step) if jit else step)(X)
+    outputs, mixed = _mha_reference(variables, 0.0)
+    _close(result.activations["x"], mixed)
+    _close(result.activations["out"], outputs)
+    _close(result.loss, _loss(outputs))
+    grad = jax.grad(lambda d: _loss(_mha_reference(variables, d)[0]))(
+        jnp.zeros_like(mixed)
+    )
+    _close(result.activation_grads["x"], grad)
+    # And the library's own module with the offset inserted at `x` by hand.
+    direction = jnp.asarray(np.random.default_rng(3).normal(size=mixed.shape))
+
+    @functools.wraps(nn.dot_product_attention)
+    def offset_attention(*args, t=0.0, **kwargs):
+        return nn.dot_product_attention(*args, **kwargs) + t * direction
+
+    def by_library(t):
+        attention = functools.partial(offset_attention, t=t)
+        shifted = model.clone(attention_fn=functools.wraps(offset_attention)(attention))
+        return _loss(shifted.apply(variables, X))
+
+    _, tangent = jax.jvp(by_library, (0.0,), (1.0,))
+    _close(jnp.vdot(result.activation_grads["x"], direction), tangent, rtol=1e-4)
+    assert _functions_of(nn.MultiHeadDotProductAttention) == codes
+
+
+def _doubled(x):
+    doubled = x * 2.0
+    return doubled
+
+
+class _WithDefault(nn.Module):
+    """A field holding a function defined elsewhere, with a local of its own."""
+
+    act: Callable = _doubled
+
     @nn.compact
     def __call__(self, x):
-        hidden = nn.Dense(WIDTH, name="hidden")(x)  # a local named as a submodule
+        hidden = self.act(x)
         return hidden
 
 
-def test_a_local_named_as_a_submodule_is_refused_at_discovery():
+def test_a_field_default_is_not_a_method():
+    model = _WithDefault()
+    variables = model.init(jax.random.key(0), X)
+    code = _doubled.__code__
+    assert list(bridge.probe(model, variables, inside=_WithDefault).sites(X)) == [
+        "hidden"
+    ]
+    # Named itself, the function is rewritten as a function.
+    probe = bridge.probe(model, variables, inside=[_WithDefault, _doubled])
+    result = probe.apply(X, at="**")
+    assert list(result.activations) == ["_doubled/doubled", "hidden"]
+    _close(result.activations["_doubled/doubled"], 2.0 * X)
+    assert _doubled.__code__ is code
+
+
+# -- which values are sites -------------------------------------------------------
+
+
+class _Named(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.Dense(WIDTH, name="hidden")(x)  # the submodule's own output
+        out = jnp.tanh(hidden)
+        return out
+
+
+def test_a_submodule_output_under_its_own_name_is_its_site():
+    model = _Named()
+    variables = model.init(jax.random.key(0), X)
+    probe = bridge.probe(model, variables, inside=_Named)
+    assert list(probe.sites(X)) == ["hidden", "out"]
+    result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="**"))(X)
+    dense = variables["params"]["hidden"]
+    hidden = X @ dense["kernel"] + dense["bias"][None, None]
+    grad = jax.grad(lambda d: _loss(jnp.tanh(hidden + d)))(jnp.zeros_like(hidden))
+    _close(result.activations["hidden"], hidden)
+    _close(result.activation_grads["hidden"], grad)
+    _close(result.activations["out"], jnp.tanh(hidden))
+
+
+class _Colliding(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        hidden = nn.Dense(WIDTH, name="hidden")(x)
+        hidden = jnp.tanh(hidden)  # another value under the submodule's name
+        return hidden
+
+
+def test_another_value_under_a_submodule_name_is_refused_at_discovery():
     model = _Colliding()
     variables = model.init(jax.random.key(0), X)
     probe = bridge.probe(model, variables, inside=_Colliding)
-    with pytest.raises(ValueError, match="local variable 'hidden' and the submodule"):
+    with pytest.raises(
+        bridge.BridgeError,
+        match=r"local variable 'hidden' \(.*hidden = jnp.tanh\(hidden\)\) and the "
+        "submodule at 'hidden'",
+    ) as error:
         probe.sites(X)
+    assert isinstance(error.value, ValueError)
+    with pytest.raises(ValueError, match="local variable 'hidden'"):  # not kept
+        probe.value_and_grad(_loss, X)
+
+
+class _Masks(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        mask = x > 0  # boolean
+        count = mask.sum()  # integer, 0-d
+        index = jnp.arange(x.shape[-1])  # integer
+        scale = jnp.float32(2.0) + count * 0  # floating, 0-d
+        masked = jnp.where(mask, x, 0.0) * scale + index[None, None] * 0.0
+        return masked
+
+
+def test_only_floating_arrays_of_rank_one_or_more_are_sites():
+    model = _Masks()
+    probe = bridge.probe(model, {}, inside=_Masks)
+    assert list(probe.sites(X)) == ["masked"]
+    result = probe.value_and_grad(_loss, X, at="masked")
+    _close(result.activations["masked"], np.where(X > 0, X, 0.0) * 2.0)
+    _close(result.activation_grads["masked"], WEIGHTS)
+
+
+# -- where each site comes from ------------------------------------------------------
+
+
+def test_site_sources_tell_each_assignment():
+    import flax.linen.attention as attention
+
+    model = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=WIDTH)
+    variables = model.init(jax.random.key(1), X)
+    function = attention.dot_product_attention_weights
+    probe = bridge.probe(model, variables, inside=function)
+    sources = bridge.site_sources(probe, X)
+    prefix = "dot_product_attention_weights/"
+    # Every site of the function, in call order, and nothing else.
+    assert list(sources) == [n for n in probe.sites(X) if n.startswith(prefix)]
+    lines, first = inspect.getsourcelines(function)
+    for name, source in sources.items():
+        assert isinstance(source, bridge.SiteSource)
+        assert source.file == inspect.getsourcefile(function)
+        assert source.function == "dot_product_attention_weights"
+        local = name[len(prefix) :].split("#")[0]
+        # The line holds the assignment the code shows.
+        assert lines[source.line - first].strip().startswith(f"{local} =")
+        assert source.code.startswith(f"{local} = ")
+        assert f"{source.file}:{source.line}" in str(source)
+    # The scores, then the softmax: one name, told apart by its source.
+    assert "einsum" in sources[f"{prefix}attn_weights"].code
+    assert "softmax" in sources[f"{prefix}attn_weights#1"].code
+    # A class's locals too: `@nn.compact`, `def`, `hidden = ...`, `out = ...`.
+    probe = bridge.probe(_Named(), _Named().init(jax.random.key(0), X), inside=_Named)
+    (source,) = bridge.site_sources(probe, X).values()
+    assert source.code == "out = jnp.tanh(hidden)"
+    assert source.function == "_Named.__call__"
+    assert source.line == inspect.getsourcelines(_Named.__call__)[1] + 3
+
+
+def test_site_sources_needs_a_probe_with_inside(linen_model):
+    model, variables, _ = linen_model
+    with pytest.raises(bridge.BridgeError, match="was not made with `inside=`"):
+        bridge.site_sources(bridge.probe(model, variables), X)
+
+
+# -- through any adapter -------------------------------------------------------------
+
+
+class _ToyModel:
+    """A model of a library bridge has no adapter for."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, w, x):
+        hidden = x @ w
+        gated = jnp.tanh(hidden)
+        return gated
+
+
+@jax.tree_util.register_pytree_node_class
+class _ToyProbe(bridge.adapter_api.ProbeBase):
+    """Written as docs/libraries/fifth-library.md shows a third party's: a
+    pytree whose `tree_unflatten` makes a new probe from its parts alone,
+    knowing nothing of `inside`."""
+
+    def __init__(self, model, w):
+        self.model, self.w = model, w
+
+    def tree_flatten(self):
+        return (self.w,), self.model
+
+    @classmethod
+    def tree_unflatten(cls, model, children):
+        return cls(model, *children)
+
+    def _trainable(self):
+        return self.w
+
+    def _run(self, w, args, kwargs, session):
+        call = session.enter("layer", None, self.model, args)
+        return session.exit(call, self.model(w, *args)), None
+
+
+@pytest.fixture
+def registered():
+    """`register(matches, factory)`, undone after the test."""
+    from bridge import _registry
+
+    before = list(_registry._ADAPTERS)
+    yield bridge.register_adapter
+    _registry._ADAPTERS[:] = before
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_inside_through_a_registered_adapter(registered, jit):
+    registered(_ToyModel, lambda model, vmap=False: _ToyProbe(model, model.w))
+    w = jnp.asarray(np.random.default_rng(4).normal(size=(WIDTH, WIDTH)), jnp.float32)
+    assert type(bridge.probe(_ToyModel(w))) is _ToyProbe  # without `inside`: as made
+    probe = bridge.probe(_ToyModel(w), inside=_ToyModel)
+    assert isinstance(probe, _ToyProbe) and type(probe).__name__ == "_ToyProbe"
+    sites = ["layer", "layer/hidden", "layer/gated"]
+    assert list(probe.sites(X)) == sites
+    # Rebuilt from its leaves, as `jax.jit` and discovery rebuild it.
+    leaves, treedef = jax.tree.flatten(probe)
+    assert list(jax.tree.unflatten(treedef, leaves).sites(X)) == sites
+
+    def step(probe, x):
+        return probe.value_and_grad(_loss, x, at="layer/hidden")
+
+    result = (jax.jit(step) if jit else step)(probe, X)
+    hidden = X @ w
+    grad = jax.grad(lambda d: _loss(jnp.tanh(hidden + d)))(jnp.zeros_like(hidden))
+    _close(result.activations["layer/hidden"], hidden)
+    _close(result.activation_grads["layer/hidden"], grad)
+    _close(result.grads, jax.grad(lambda w: _loss(jnp.tanh(X @ w)))(w))
+
+
+def test_an_adapter_that_cannot_carry_inside_is_refused(registered):
+    eqx = pytest.importorskip("equinox")
+
+    class EquinoxProbe(bridge.adapter_api.ProbeBase, eqx.Module):
+        """A probe that is an `eqx.Module`: a pytree by its metaclass."""
+
+        w: jax.Array
+
+        def _trainable(self):
+            return self.w
+
+        def _run(self, w, args, kwargs, session):
+            return _ToyModel(w)(w, *args), None
+
+    class Model(_ToyModel):
+        pass
+
+    registered(Model, lambda model, vmap=False: EquinoxProbe(model.w))
+    model = Model(jnp.ones((WIDTH, WIDTH)))
+    with pytest.raises(bridge.BridgeError, match="`inside` cannot be carried by"):
+        bridge.probe(model, inside=_ToyModel)
+    assert list(bridge.probe(model).sites(X)) == []  # without `inside`: as ever
+
+
+def test_a_local_bridge_cannot_hand_out_is_listed_and_refused_where_asked():
+    """A local inside a transform of the model's own code that the adapter
+    cannot see through (Equinox: `jax.checkpoint` inside `jax.vmap`) blocks
+    no other site: it is listed, and selecting or patching it is refused
+    before any work, naming the transforms."""
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):
+            hidden = self.linear(x)
+            gated = jnp.tanh(hidden)
+            return gated
+
+    class Model(eqx.Module):
+        block: Block
+        out: eqx.nn.Linear
+
+        def __call__(self, x):  # one example: its tokens mapped, checkpointed
+            mixed = jax.vmap(jax.checkpoint(lambda token: self.block(token)))(x)
+            return jax.vmap(self.out)(mixed)
+
+    keys = jax.random.split(jax.random.key(7))
+    model = Model(
+        Block(eqx.nn.Linear(WIDTH, WIDTH, key=keys[0])),
+        eqx.nn.Linear(WIDTH, WIDTH, key=keys[1]),
+    )
+    probe = bridge.probe(model, vmap=True, inside=Block)
+    names = list(probe.sites(X))
+    assert {"block/hidden", "block/gated", "out"} <= set(names)
+    with pytest.raises(
+        bridge.BridgeError, match=r"site 'block/gated'.*jax.checkpoint inside jax.vmap"
+    ):
+        probe.value_and_grad(_loss, X, at="block/gated")
+    with pytest.raises(bridge.BridgeError, match="site 'block/hidden'"):
+        probe.apply(X, patch={"block/hidden": lambda v: v * 0})
+    # Every other site probes as usual.
+    result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="out"))(X)
+    block, out = model.block.linear, model.out
+    mixed = jnp.tanh(X @ block.weight.T + block.bias[None, None])
+    _close(result.activations["out"], mixed @ out.weight.T + out.bias[None, None])
+    _close(result.activation_grads["out"], WEIGHTS)
+    want = eqx.filter_grad(lambda m: _loss(jax.vmap(m)(X)))(model)
+    jax.tree.map(_close, result.grads, want)

@@ -267,7 +267,6 @@ class TorchProbe(ProbeBase):
         attributes and training flags.
         """
         shell = internals.shell(self.module)
-        session.inside = self._inside
         with _hooked(session, self.module, shell), session.active():
             return functional_call(shell, (params, buffers), args, kwargs)
 
