@@ -414,13 +414,6 @@ class InCond(eqx.Module):
         return jax.lax.cond(x[0] > 0, lambda x: self.linear(x), lambda x: -x, x)
 
 
-class InJit(eqx.Module):
-    linear: eqx.nn.Linear
-
-    def __call__(self, x):
-        return jax.jit(lambda x: self.linear(x))(x)
-
-
 class ClosedOverCell(eqx.Module):
     """An RNN: the scan body closes over one cell, called at every step."""
 
@@ -453,15 +446,16 @@ def _stacked_linears(key):
 
 
 @pytest.mark.parametrize(
-    "model, message",
+    "model, site, message",
     [
-        (InCond(eqx.nn.Linear(3, 3, key=jax.random.key(0))), "through jax.lax.cond"),
         (
-            InJit(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
-            "through a jax.jit inside the model",
+            InCond(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
+            "linear",
+            "through jax.lax.cond",
         ),
         pytest.param(
             ClosedOverCell(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
+            "cell",
             "the scan does not slice its parameters",
             marks=NEEDS_JAXPR_PARENTS,
         ),
@@ -469,24 +463,27 @@ def _stacked_linears(key):
             eqx.nn.MLP(3, 2, 4, 3, scan=True, key=jax.random.key(0))
             if _MLP_SCANS
             else None,
-            "a jax.vmap of the model's own code inside a scan",
+            "activation#1",
+            "the scan does not slice its parameters.*eqx.nn.MLP",
             marks=pytest.mark.skipif(
                 not _MLP_SCANS, reason="eqx.nn.MLP(scan=True): equinox >= 0.13.5"
             ),
         ),
         pytest.param(
             TapInScan(_stacked_linears(jax.random.key(0))),
+            None,
             r"bridge.tap\('h'\) is inside",
             marks=NEEDS_JAXPR_PARENTS,
         ),
     ],
-    ids=["cond", "jit", "closed_over", "vmap_in_scan", "tap"],
+    ids=["cond", "closed_over", "vmap_in_scan", "tap"],
 )
-def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, message):
+def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, site, message):
+    # A jax.jit inside the model is traced through: tests/test_equinox_jit.py.
     x = jax.random.normal(jax.random.key(1), (2, 3))
     probe = bridge.probe(model, vmap=not isinstance(model, ClosedOverCell))
-    with pytest.raises(ValueError, match=message):
-        probe.value_and_grad(jnp.sum, x)  # a sequence of 2 steps for the RNN
+    with pytest.raises(bridge.BridgeError, match=message):
+        probe.value_and_grad(jnp.sum, x, at=site)  # 2 steps for the RNN
 
 
 @NEEDS_JAXPR_PARENTS
@@ -672,3 +669,452 @@ def test_a_batch_given_to_a_per_example_model_suggests_vmap_true(model, x, error
     with pytest.raises(ValueError, match="matches no site") as info:
         bridge.probe(model).value_and_grad(jnp.sum, x[0], at="nothing")
     assert "vmap=True" not in str(info.value)
+
+
+# -- tree surgery is invisible to the model's code -------------------------------
+
+
+def _near(actual, expected, rtol=1e-5):
+    """`actual` equals `expected` judged at the scale of the whole tensor."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = float(np.max(np.abs(expected), initial=0.0))
+    assert float(np.max(np.abs(actual - expected), initial=0.0)) <= (
+        rtol * scale + 1e-6
+    )
+
+
+class Gaussian(eqx.Module):
+    """A base distribution: a module whose methods, private ones included,
+    the model calls from outside; it is never called itself."""
+
+    loc: jax.Array
+    _log_scale: jax.Array
+
+    @property
+    def scale(self):
+        return jnp.exp(self._log_scale)
+
+    def _standardise(self, x):
+        return (x - self.loc) / self.scale
+
+    def _log_prob(self, x):
+        # A method the module calls on itself is part of this call.
+        z = self._standardise(x)
+        return -0.5 * jnp.sum(z**2) - jnp.sum(self._log_scale)
+
+    def log_prob(self, x):
+        return self._log_prob(x)
+
+
+class Flow(eqx.Module):
+    """A normalizing-flow-style model: a bijection, then the base's density."""
+
+    shift: eqx.nn.Linear
+    base: Gaussian
+
+    def __call__(self, x):
+        y = self.shift(x)
+        # Private and public methods, a private field and a property, from outside.
+        assert self.base._log_scale.shape == self.base.scale.shape
+        return self.base._log_prob(y) + 0.5 * self.base.log_prob(y)
+
+
+class HasFlow(eqx.Module):
+    """The pattern inside a bigger model."""
+
+    flow: Flow
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(x)[0] + self.flow(x)
+
+
+def _has_flow():
+    keys = jax.random.split(jax.random.key(0), 4)
+    flow = Flow(
+        eqx.nn.Linear(3, 3, key=keys[0]),
+        Gaussian(jax.random.normal(keys[1], (3,)), 0.1 * jnp.arange(3.0)),
+    )
+    return HasFlow(flow, eqx.nn.Linear(3, 2, key=keys[2]))
+
+
+class _WithOffset(eqx.Module):
+    """The test's own offset at a method's value: `method(x) + offset`."""
+
+    module: eqx.Module
+    method: str = eqx.field(static=True)
+    offset: jax.Array
+
+    def __getattr__(self, name):
+        if name == self.method:
+            return lambda *a: getattr(self.module, name)(*a) + self.offset
+        return getattr(self.module, name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_private_method_called_from_outside_is_a_site_and_works(mode):
+    model = _has_flow()
+    x = jax.random.normal(jax.random.key(1), (3,))
+    probe = bridge.probe(model)
+    assert list(probe.sites(x)) == [
+        "head",
+        "flow",
+        "flow/shift",
+        "flow/base._log_prob",
+        "flow/base.log_prob",
+    ]
+    res = _run(mode, lambda p, x: p.value_and_grad(jnp.sin, x), probe, x)
+    _near(res.loss, jnp.sin(model(x)))
+    y = model.flow.shift(x)
+    _near(res.activations["flow/base._log_prob"], model.flow.base._log_prob(y))
+    _near(res.activations["flow/base.log_prob"], model.flow.base.log_prob(y))
+    assert_tree_allclose(res.grads, eqx.filter_grad(lambda m: jnp.sin(m(x)))(model))
+    # Activation gradients: d loss / d offset, the offset put there by hand.
+    for method in ("_log_prob", "log_prob"):
+
+        def offset(t, method=method):
+            base = _WithOffset(model.flow.base, method, t)
+            return jnp.sin(eqx.tree_at(lambda m: m.flow.base, model, base)(x))
+
+        _near(
+            res.activation_grads[f"flow/base.{method}"],
+            jax.jvp(offset, (0.0,), (1.0,))[1],
+        )
+
+
+class Parameterize(eqx.Module):
+    """A parameter wrapper (a masked weight) the model never calls."""
+
+    weight: jax.Array
+    mask: jax.Array
+
+    def unwrap(self):
+        return self.weight * self.mask
+
+
+def unwrap_by_isinstance(p):
+    return p.weight * p.mask if isinstance(p, Parameterize) else p
+
+
+def unwrap_tree(tree):
+    """Unwraps every `Parameterize` in a tree, as utility packages do."""
+    return jax.tree.map(
+        unwrap_by_isinstance, tree, is_leaf=lambda x: isinstance(x, Parameterize)
+    )
+
+
+def unwrap_like_paramax(tree):
+    """paramax's `unwrap`: nested wrappers first, then the wrapper's own
+    `unwrap` method, never the tree it was given as a whole."""
+
+    def _unwrap(tree, include_self):
+        def is_leaf(x):
+            return isinstance(x, Parameterize) and (include_self or x is not tree)
+
+        def unwrap_one(leaf):
+            if isinstance(leaf, Parameterize):
+                return _unwrap(leaf, include_self=False).unwrap()
+            return leaf
+
+        return jax.tree.map(unwrap_one, tree, is_leaf=is_leaf)
+
+    return _unwrap(tree, include_self=True)
+
+
+class MaskedLayer(eqx.Module):
+    w: Parameterize
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.linear(jnp.tanh(unwrap_by_isinstance(self.w) @ x))
+
+
+class MaskedModel(eqx.Module):
+    """Parameter wrappers unwrapped three ways: a function of one wrapper,
+    a `jax.tree.map` over the whole model (whose layers it still calls) and
+    paramax's way."""
+
+    w: Parameterize
+    layer: MaskedLayer
+    how: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        if self.how == "isinstance":
+            assert isinstance(self.w, Parameterize)
+            return self.layer(unwrap_by_isinstance(self.w) @ x)
+        unwrap = unwrap_tree if self.how == "tree_map" else unwrap_like_paramax
+        model = unwrap(self)
+        return model.layer.linear(jnp.tanh(model.layer.w @ (model.w @ x)))
+
+
+def _masked(how):
+    keys = jax.random.split(jax.random.key(0), 3)
+
+    def masked(key):
+        weight = jax.random.normal(key, (3, 3))
+        return Parameterize(weight, jnp.tril(jnp.ones((3, 3))))
+
+    layer = MaskedLayer(masked(keys[0]), eqx.nn.Linear(3, 2, key=keys[1]))
+    return MaskedModel(masked(keys[2]), layer, how)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["isinstance", "tree_map", "paramax"])
+def test_a_parameter_wrapper_the_model_unwraps_is_left_to_it(mode, how):
+    model = _masked(how)
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    probe = bridge.probe(model, vmap=True)
+    sites = list(probe.sites(x))
+    # The wrappers are no layers: only a method the model calls on one is a site.
+    expected = {
+        "isinstance": ["layer", "layer/linear"],
+        "tree_map": ["layer/linear"],
+        "paramax": ["w.unwrap", "layer/w.unwrap", "layer/linear"],
+    }[how]
+    assert sites == expected
+    res = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), probe, x)
+    outputs = jax.vmap(model)(x)
+    _near(res.loss, _mlp_loss(outputs))
+    _near(res.activations["layer/linear"], outputs)
+    _near(res.activation_grads["layer/linear"], jax.grad(_mlp_loss)(outputs))
+    expected = eqx.filter_grad(lambda m: _mlp_loss(jax.vmap(m)(x)))(model)
+    assert_tree_allclose(res.grads, expected)
+    # The user's model is left as it was.
+    assert type(model.w) is Parameterize and type(model.layer) is MaskedLayer
+
+
+class Tied(eqx.Module):
+    """`eqx.nn.Shared` ties an embedding to the output layer's weight."""
+
+    shared: eqx.nn.Shared
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 2)
+        embedding = eqx.nn.Embedding(7, 3, key=keys[0])
+        linear = eqx.nn.Linear(3, 7, use_bias=False, key=keys[1])
+        self.shared = eqx.nn.Shared(
+            (embedding, linear),
+            lambda pair: pair[1].weight,
+            lambda pair: pair[0].weight,
+        )
+
+    def __call__(self, tokens):
+        embedding, linear = self.shared()
+        return jax.vmap(linear)(jnp.tanh(jax.vmap(embedding)(tokens)))
+
+
+def test_shared_layers_are_sites_and_their_selectors_are_not():
+    model = Tied(jax.random.key(0))
+    tokens = jnp.array([0, 3, 6, 2])
+    probe = bridge.probe(model)
+    assert {name: s.shape for name, s in probe.sites(tokens).items()} == {
+        "shared/pytree/0": (4, 3),
+        "shared/pytree/1": (4, 7),
+    }
+    res = probe.value_and_grad(_mlp_loss, tokens)
+    logits = model(tokens)
+    _near(res.activations["shared/pytree/1"], logits)
+    _near(res.activation_grads["shared/pytree/1"], jax.grad(_mlp_loss)(logits))
+    assert_tree_allclose(
+        res.grads, eqx.filter_grad(lambda m: _mlp_loss(m(tokens)))(model)
+    )
+
+
+def test_a_module_class_bridge_cannot_wrap_is_refused_naming_it():
+    class Final(eqx.Module):
+        weight: jax.Array
+
+        def __init_subclass__(cls, **kwargs):
+            raise TypeError("Final is final")
+
+        def __call__(self, x):
+            return self.weight * x
+
+    class Clashing(eqx.Module):
+        bridge_path: jax.Array
+
+        def __call__(self, x):
+            return self.bridge_path * x
+
+    for layer, message in [
+        (Final(jnp.ones(2)), r"Final cannot be subclassed \(Final is final\)"),
+        (Clashing(jnp.ones(2)), r"Clashing has a field named 'bridge_path'"),
+    ]:
+        probe = bridge.probe(eqx.nn.Sequential([layer]))
+        with pytest.raises(bridge.BridgeError, match=message):
+            probe.sites(jnp.ones(2))
+
+
+# -- the model's own jax.vmap inside a scanned stack -----------------------------
+
+TOKENS, WIDTH, LAYERS, BATCH = 5, 4, 3, 2
+
+
+class PerToken(eqx.Module):
+    """A layer of a scanned stack that applies its sublayers per token with
+    the model's own vmaps: one (`norm`, `linear`) and two (`mix`) deep."""
+
+    norm: eqx.nn.LayerNorm
+    linear: eqx.nn.Linear
+    mix: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = jax.vmap(self.linear)(jax.vmap(self.norm)(x))
+        pairs = y.reshape(TOKENS, WIDTH // 2, 2)
+        z = jax.vmap(jax.vmap(self.mix))(pairs).reshape(TOKENS, WIDTH)
+        return x + jnp.tanh(z)
+
+
+class PerTokenStack(eqx.Module):
+    layers: PerToken
+    head: eqx.nn.Linear
+    remat: bool = eqx.field(static=True)
+
+    def __init__(self, key, remat=False):
+        keys = jax.random.split(key, 2)
+
+        def make(k):
+            k1, k2 = jax.random.split(k)
+            return PerToken(
+                eqx.nn.LayerNorm(WIDTH),
+                eqx.nn.Linear(WIDTH, WIDTH, key=k1),
+                eqx.nn.Linear(2, 2, key=k2),
+            )
+
+        self.layers = eqx.filter_vmap(make)(jax.random.split(keys[0], LAYERS))
+        self.head = eqx.nn.Linear(WIDTH, 2, key=keys[1])
+        self.remat = remat
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(h, arrays):
+            return eqx.combine(arrays, static)(h), None
+
+        if self.remat:
+            step = jax.checkpoint(step)
+        h, _ = jax.lax.scan(step, x, dynamic)
+        return jax.vmap(self.head)(h)
+
+
+_PER_TOKEN_SITES = ("layers", "layers/norm", "layers/linear", "layers/mix")
+
+
+def _per_token_by_hand(model, x, offsets, patch=None):
+    """The stack written out by hand, one example, with `offsets[site]` (one
+    row per layer) added at each site and `patch` replacing `layers/linear`.
+    Returns the outputs and each site's values, `(layers, tokens, ...)`."""
+    dynamic, static = eqx.partition(model.layers, eqx.is_array)
+
+    def step(h, xs):
+        arrays, off, replacement = xs
+        layer = eqx.combine(arrays, static)
+        normed = jax.vmap(layer.norm)(h) + off["layers/norm"]
+        y = jax.vmap(layer.linear)(normed)
+        y = (y if replacement is None else replacement) + off["layers/linear"]
+        pairs = y.reshape(TOKENS, WIDTH // 2, 2)
+        z = jax.vmap(jax.vmap(layer.mix))(pairs) + off["layers/mix"]
+        out = h + jnp.tanh(z.reshape(TOKENS, WIDTH)) + off["layers"]
+        return out, {
+            "layers/norm": normed,
+            "layers/linear": y,
+            "layers/mix": z,
+            "layers": out,
+        }
+
+    h, values = jax.lax.scan(step, x, (dynamic, offsets, patch))
+    return jax.vmap(model.head)(h), values
+
+
+def _zero_offsets(batch=()):
+    shapes = {
+        "layers": (TOKENS, WIDTH),
+        "layers/norm": (TOKENS, WIDTH),
+        "layers/linear": (TOKENS, WIDTH),
+        "layers/mix": (TOKENS, WIDTH // 2, 2),
+    }
+    return {name: jnp.zeros((LAYERS, *batch, *s)) for name, s in shapes.items()}
+
+
+def _batched_by_hand(model, x, offsets, patch=None):
+    """`_per_token_by_hand` over the batch, site values `(layers, batch, ...)`
+    as the contract lays them out (the batch after the iterations)."""
+
+    def one(x, offsets, patch):
+        return _per_token_by_hand(model, x, offsets, patch)
+
+    in_axes = (0, 1, None if patch is None else 1)
+    outputs, values = jax.vmap(one, in_axes=in_axes, out_axes=(0, 1))(x, offsets, patch)
+    return outputs, values
+
+
+@NEEDS_JAXPR_PARENTS
+@pytest.mark.parametrize(
+    "mode, vmap, remat",
+    [("eager", True, False), ("jit", True, True), ("jit", False, False)],
+)
+def test_a_vmap_inside_a_scanned_layer_holds_iterations_then_batch_then_tokens(
+    mode, vmap, remat
+):
+    model = PerTokenStack(jax.random.key(0), remat)
+    if vmap:
+        x = jax.random.normal(jax.random.key(1), (BATCH, TOKENS, WIDTH))
+        batch, by_hand = (BATCH,), _batched_by_hand
+    else:
+        x = jax.random.normal(jax.random.key(1), (TOKENS, WIDTH))
+        batch = ()
+        by_hand = _per_token_by_hand
+    probe = bridge.probe(model, vmap=vmap)
+    shapes = {name: s.shape for name, s in probe.sites(x).items()}
+    assert shapes == {
+        "layers": (LAYERS, *batch, TOKENS, WIDTH),
+        "layers/norm": (LAYERS, *batch, TOKENS, WIDTH),
+        "layers/linear": (LAYERS, *batch, TOKENS, WIDTH),
+        "layers/mix": (LAYERS, *batch, TOKENS, WIDTH // 2, 2),
+        "head": (*batch, TOKENS, 2),
+    }
+
+    res = _run(
+        mode,
+        lambda p, x: p.value_and_grad(_mlp_loss, x, with_inputs=True),
+        probe,
+        x,
+    )
+    offsets = _zero_offsets(batch)
+    outputs, values = by_hand(model, x, offsets)
+    _near(res.loss, _mlp_loss(outputs))
+    # d loss / d offset, each offset added at its site by hand.
+    grads = jax.grad(lambda o: _mlp_loss(by_hand(model, x, o)[0]))(offsets)
+    for site in _PER_TOKEN_SITES:
+        _near(res.activations[site], values[site])
+        _near(res.activation_grads[site], grads[site])
+    # One direction by jax.jvp, independent of jax.grad.
+    delta = jax.random.normal(jax.random.key(2), offsets["layers/linear"].shape)
+    tangent = {**jax.tree.map(jnp.zeros_like, offsets), "layers/linear": delta}
+    directional = jax.jvp(
+        lambda o: _mlp_loss(by_hand(model, x, o)[0]), (offsets,), (tangent,)
+    )[1]
+    _near(jnp.vdot(res.activation_grads["layers/linear"], delta), directional)
+    # The inputs, laid out like the values: a layer's input is the norm's value.
+    (inputs,) = res.inputs["layers/linear"]
+    _near(inputs, values["layers/norm"])
+    mapped = (lambda m: jax.vmap(m)) if vmap else (lambda m: m)
+    expected = eqx.filter_grad(lambda m: _mlp_loss(mapped(m)(x)))(model)
+    assert_tree_allclose(res.grads, expected)
+
+    # One site selected, and a patch value in the site's layout.
+    replacement = jax.random.normal(jax.random.key(3), shapes["layers/linear"])
+    patched = _run(
+        mode,
+        lambda p, x: p.value_and_grad(
+            _mlp_loss, x, at="layers/mix", patch={"layers/linear": replacement}
+        ),
+        probe,
+        x,
+    )
+    outputs, values = by_hand(model, x, offsets, replacement)
+    _near(patched.loss, _mlp_loss(outputs))
+    _near(patched.activations["layers/mix"], values["layers/mix"])
+    grads = jax.grad(lambda o: _mlp_loss(by_hand(model, x, o, replacement)[0]))(offsets)
+    _near(patched.activation_grads["layers/mix"], grads["layers/mix"])

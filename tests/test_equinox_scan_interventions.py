@@ -377,9 +377,11 @@ def test_a_layer_closed_over_by_the_scan_body_is_still_refused():
             probe.apply(xs, at="head", patch={"recurrent/cell": patch})
         with pytest.raises(ValueError, match=refusal):
             probe.value_and_grad(jnp.sum, xs, patch={"recurrent/cell": patch})
-    # Its inputs.
+    # Selected, with its inputs.
     with pytest.raises(ValueError, match=refusal):
-        probe.value_and_grad(jnp.sum, xs, with_inputs=True)
+        probe.value_and_grad(
+            jnp.sum, xs, at=["head", "recurrent/cell"], with_inputs=True
+        )
     # Sites outside the scan still work.
     res = probe.value_and_grad(jnp.sum, xs, at="head", with_inputs=True)
     np.testing.assert_allclose(res.inputs["head"][0], model.recurrent(xs), rtol=1e-5)

@@ -36,6 +36,19 @@ CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A wrapped submodule at one of its calls: its `path`, its leaves in the
+    tree (`bridge.adapters.equinox.scan.Leaves`, per call name), the shapes of
+    its arrays as given (`shapes`: a scan slices them) and the plain module
+    the call runs on."""
+
+    path: str
+    bridge_leaves: dict
+    shapes: tuple
+    module: Any
+
+
 def observed_call(
     site: Any,
     method: str | None,
@@ -83,7 +96,7 @@ def observed_call(
 
 #: The wrappers `jax.jit` and `eqx.filter_jit` return, told by the public
 #: behaviour of both rather than by their private class names.
-_JITS = (type(jax.jit(lambda x: x)), type(eqx.filter_jit(lambda x: x)))
+JITS = (type(jax.jit(lambda x: x)), type(eqx.filter_jit(lambda x: x)))
 
 
 def unjitted(module: Any, name: str) -> Callable:
@@ -96,17 +109,18 @@ def unjitted(module: Any, name: str) -> Callable:
     compiles the whole call under the user's `jax.jit` anyway. A jit called
     elsewhere in the model's code stays, its sites refused where selected."""
     method = inspect.getattr_static(type(module), name, None)
-    if isinstance(method, _JITS) and callable(getattr(method, "__wrapped__", None)):
+    if isinstance(method, JITS) and callable(getattr(method, "__wrapped__", None)):
         return functools.partial(method.__wrapped__, module)
     return getattr(module, name)
 
 
 def _report(session: Session, call: Any, value: Any) -> Any:
-    """`session.exit`, leaving out any `eqx.nn.State` in the value (not an
-    activation: a stateful layer returns `(x, state)`, and the site is `(x, None)`)."""
+    """`session.exit`, leaving out any `eqx.nn.State` or module in the value
+    (no activation: a stateful layer returns `(x, state)`, and the site is
+    `(x, None)`; a method that returns a module returns its parameters)."""
 
     def is_state(x: Any) -> bool:
-        return isinstance(x, eqx.nn.State)
+        return isinstance(x, eqx.nn.State | eqx.Module)
 
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_state)
     if not any(is_state(leaf) for leaf in leaves):

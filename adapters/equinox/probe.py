@@ -16,6 +16,9 @@ calls inside JAX transforms of the model's own code (its `jax.vmap`s, a
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -226,13 +229,8 @@ def _instrument(
                 # The probe's vmap is the batch: average over it.
                 child = eqx.tree_at(lambda bn: bn.axis_name, child, BATCH_AXIS)
             inner = _instrument(child, path, vmap, leaves, token)
-            wrapper = (
-                _StatefulModuleSite
-                if isinstance(child, eqx.nn.StatefulLayer)
-                else _ModuleSite
-            )
             name = "/".join(path)
-            child = wrapper(
+            child = _wrapped(
                 inner,
                 _leaves_of(leaves, name),
                 name,
@@ -259,11 +257,14 @@ def _leaves_of(
 
 def _is_plumbing(module: Any, key_path: tuple) -> bool:
     """A function field that is not a step of the forward pass: `eqx.nn.Lambda`'s
-    `fn` (the Lambda's own call is that value) and a pool's `operation`, the
-    binary reduction `lax.reduce_window` traces on scalars."""
+    `fn` (the Lambda's own call is that value), a pool's `operation`, the
+    binary reduction `lax.reduce_window` traces on scalars, and the selectors
+    `where` and `get` of `eqx.nn.Shared`."""
     if isinstance(module, eqx.nn.Lambda):
         return True
     field = key_name(key_path[0]) if key_path else None
+    if isinstance(module, eqx.nn.Shared):
+        return field in ("where", "get")
     return isinstance(module, eqx.nn.Pool) and field == "operation"
 
 
@@ -297,60 +298,133 @@ class _Token:
     __slots__ = ()
 
 
-class _ModuleSite(eqx.Module):
-    """Stands in for a submodule: each call, and each public method call, is a site.
+#: The fields a wrapper adds to its module's own (`_site_class`); names no
+#: model's field is likely to take.
+_SITE_FIELDS = ("bridge_leaves", "bridge_path", "bridge_shapes", "bridge_token")
 
-    `shapes` are the module's array shapes as given: a call that sees them
-    without their leading axis was sliced by a scan over stacked layers.
-    """
+#: Methods that are protocol rather than a step of the forward pass.
+_NOT_SITES = frozenset({"is_stateful"})
 
-    module: eqx.Module
-    bridge_leaves: dict
-    path: str = eqx.field(static=True)
-    shapes: tuple = eqx.field(static=True)
-    token: _Token | None = eqx.field(static=True, default=None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        function = calls.unjitted(self.module, "__call__")
-        return calls.observed_call(self, None, self.module, function, args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for names the wrapper lacks: forward to the module.
-        if name.startswith("_") or name in (
-            "module",
-            "path",
-            "bridge_leaves",
-            "shapes",
-            "token",
-        ):
-            raise AttributeError(name)
-        attribute = getattr(self.module, name)
-        field_names = {field.name for field in dataclasses.fields(self.module)}
-        if not callable(attribute) or name in field_names or name == "is_stateful":
-            return attribute
-
-        function = calls.unjitted(self.module, name)
-
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return calls.observed_call(self, name, self.module, function, args, kwargs)
-
-        return method
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.module[index]
-
-    def __len__(self) -> int:
-        return len(self.module)
-
-    def __iter__(self):
-        return iter(self.module)
+#: `type(module) -> its wrapper class`, made once per class.
+_SITE_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class _StatefulModuleSite(_ModuleSite, eqx.nn.StatefulLayer):
-    """A wrapped `StatefulLayer`, so `eqx.nn.Sequential` still threads its state."""
+def _wrapped(
+    inner: eqx.Module, leaves: dict, path: str, shapes: tuple, token: Any
+) -> eqx.Module:
+    """`inner` as a site: an instance of a subclass of its own class
+    (`_site_class`) holding the same fields, and bridge's."""
+    wrapper = object.__new__(_site_class(type(inner)))
+    vars(wrapper).update(vars(inner))
+    for name, value in zip(_SITE_FIELDS, (leaves, path, shapes, token), strict=True):
+        object.__setattr__(wrapper, name, value)
+    return wrapper
 
-    def is_stateful(self) -> bool:
-        return self.module.is_stateful()
+
+def _site_class(cls: type) -> type:
+    """A subclass of the module class `cls` whose calls are sites.
+
+    Tree surgery stays invisible to the model's code: a wrapper is an
+    instance of the module's own class, with the same fields, so `isinstance`
+    checks, attribute access, properties, operators (`__getitem__`) and the
+    model's own unwrapping functions (`jax.tree.map(..., is_leaf=lambda x:
+    isinstance(x, Parameterize))`) see the module they expect. Its calls and
+    the calls of its methods from outside, private ones included
+    (`self.base._log_prob(x)` is the site `base._log_prob`), are reported;
+    each runs on a plain instance of `cls` (`_unwrapped`), so a method that
+    the module calls on itself is part of the call, not a site of its own.
+    Dunder methods other than `__call__` run as they are."""
+    made = _SITE_CLASSES.get(cls)
+    if made is not None:
+        return made
+    fields = {field.name for field in dataclasses.fields(cls)}
+    clash = fields.intersection(_SITE_FIELDS)
+    if clash:
+        raise BridgeTypeError(
+            f"{cls.__qualname__} has a field named {sorted(clash)[0]!r}, a name "
+            "bridge's Equinox wrappers use: rename the field to probe this model."
+        )
+    namespace: dict[str, Any] = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "__annotations__": {name: Any for name in _SITE_FIELDS},
+        "bridge_leaves": eqx.field(default=None),
+        "bridge_path": eqx.field(static=True, default=""),
+        "bridge_shapes": eqx.field(static=True, default=()),
+        "bridge_token": eqx.field(static=True, default=None),
+    }
+    for name in _method_names(cls, fields):
+        namespace[name] = _observed_method(cls, name)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the class's own, warned at its making
+            made = type(cls)(cls.__name__, (cls,), namespace)
+    except Exception as error:
+        raise BridgeTypeError(
+            f"bridge probes an Equinox submodule through a subclass of its class, "
+            f"and {cls.__qualname__} cannot be subclassed ({error}). Please report "
+            "this model."
+        ) from error
+    _SITE_CLASSES[cls] = made
+    return made
+
+
+def _method_names(cls: type, fields: set[str]) -> list[str]:
+    """The methods of `cls` whose calls are sites: `__call__` and every other
+    method defined below `eqx.Module`, private ones included; not fields
+    (a function as a field's default), static or class methods, properties,
+    nor other dunder methods."""
+    if issubclass(cls, eqx.nn.Shared):
+        return []  # its call rebuilds the tree it shares nodes of: no layer
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("equinox._module") or klass is object:
+            continue
+        for name, attribute in vars(klass).items():
+            dunder = name.startswith("__") and name.endswith("__")
+            if (dunder and name != "__call__") or name in fields or name in _NOT_SITES:
+                continue
+            if _is_method(attribute):
+                names.setdefault(name)
+    return list(names)
+
+
+def _is_method(attribute: Any) -> bool:
+    """A class attribute that binds to its instance: a function, or a
+    decorated one (`eqx.filter_jit`, `jax.jit`)."""
+    return (
+        callable(attribute)
+        and hasattr(type(attribute), "__get__")
+        and not isinstance(attribute, staticmethod | classmethod | type)
+    )
+
+
+def _observed_method(cls: type, name: str) -> Callable:
+    original = inspect.getattr_static(cls, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = _unwrapped(self, cls)
+        site = calls.Site(
+            self.bridge_path, self.bridge_leaves, self.bridge_shapes, inner
+        )
+        function = calls.unjitted(inner, name)
+        method_name = None if name == "__call__" else name
+        return calls.observed_call(site, method_name, inner, function, args, kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"{cls.__qualname__}.{name}"
+    method.__doc__ = getattr(original, "__doc__", None)
+    return method
+
+
+def _unwrapped(wrapper: Any, cls: type) -> Any:
+    """A plain `cls` instance with the wrapper's fields (sliced, inside a scan)."""
+    module = object.__new__(cls)
+    for name, value in vars(wrapper).items():
+        if name not in _SITE_FIELDS:
+            object.__setattr__(module, name, value)
+    return module
 
 
 class _FunctionSite(eqx.Module):

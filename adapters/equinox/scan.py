@@ -51,7 +51,7 @@ from bridge.adapter_api import (
 
 from ..shared import jax_internals as internals
 from . import refused
-from .transforms import CHECKPOINT, SCAN, describe, transforms
+from .transforms import CHECKPOINT, SCAN, describe, lift, transforms
 
 
 class Leaves(eqx.Module):
@@ -230,33 +230,28 @@ def call_in_transform(
     args: tuple,
     kwargs: dict,
 ) -> Any:
-    """A call inside `lax.scan` or `jax.checkpoint`: see the module docstring."""
+    """A call inside `lax.scan` or `jax.checkpoint`, perhaps inside the
+    model's own `jax.vmap`s there: see the module docstring."""
     session = context.session
     enclosing = transforms(context.base_trace)
-    where = describe(enclosing)
+    # The model's own vmaps inside the scan or checkpoint (a layer applied per
+    # token): their value is handed out to the body's trace whole.
+    depth = next((i for i, t in enumerate(enclosing) if t != "vmap"), 0)
+    outer = enclosing[depth:]
     site_path = site.path if method is None else f"{site.path}.{method}"
-    unsupported = [t for t in enclosing if t not in (SCAN, CHECKPOINT)]
-    if unsupported or enclosing.count(SCAN) > 1:
+    unsupported = [t for t in outer if t not in (SCAN, CHECKPOINT)]
+    if unsupported or outer.count(SCAN) > 1:
         # Listed, and refused only where selected or patched (`refused`).
-        count = _count(site) if enclosing.count(SCAN) == 1 else None
+        count = _count(site, depth) if outer.count(SCAN) == 1 else None
         origin = InTransform(None, enclosing, _why(site_path, enclosing, unsupported))
         whole = refused.whole_axes(enclosing, count)
         return refused.unreachable(
             session, site, method, module, function, args, kwargs, origin, whole
         )
     count = None
-    if SCAN in enclosing:
-        count = _count(site)
+    if SCAN in outer:
+        count = _count(site, depth)
         if not count:
-            blocked = (
-                f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
-                "called in every iteration, but the scan does not slice its "
-                "parameters (a layer closed over by the scan body, as in an RNN), "
-                "so one epsilon would sum the gradients of all iterations. Select "
-                "sites outside the scan with `at=`, scan over stacked layers "
-                "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
-                "unroll the loop."
-            )
             return refused.unreachable(
                 session,
                 site,
@@ -265,16 +260,118 @@ def call_in_transform(
                 function,
                 args,
                 kwargs,
-                InTransform(None, enclosing, blocked),
+                InTransform(None, enclosing, _not_sliced(site, site_path)),
             )
+    if depth:
+        return _call_mapped(
+            session,
+            site,
+            method,
+            module,
+            function,
+            args,
+            kwargs,
+            count,
+            depth,
+            enclosing,
+        )
     # How the inputs are recorded is learnt once, with the site.
     learnt = _inputs_origin(args, count) if session.recorder.learns_sites() else {}
     origin = InTransform(count, enclosing, **learnt)
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
+    value = _run_sliced(site, count, 0, site_path, enclosing, function, args, kwargs)
+    leaves = site.bridge_leaves.get(call.name)
+    # The patch value and the epsilon come from the tree, not from the session.
+    value = _exit(session, call, value, None if leaves is None else leaves.patch)
+    if count:
+        session.recorder.holds_iterations(call.name, value, count)
+    if call.name not in session.selected:
+        return value
+    _check_leaves(call.name, leaves, enclosing)
+    inputs = None
+    if leaves.inputs is not None:
+        inputs = jax.tree.map(_as_floats, positional_arrays(args))
+    return _recorded(value, inputs, leaves)
+
+
+def _call_mapped(
+    session: Session,
+    site: Any,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    count: int | None,
+    depth: int,
+    enclosing: tuple[str, ...],
+) -> Any:
+    """A call `depth` vmaps of the model's own code deep inside a scan or
+    checkpoint (`jax.vmap(self.linear)(x)` in a scanned layer): the value is
+    handed out of the vmaps to the body's trace whole, mapped axes first
+    (`transforms.lift`), and there it is patched, recorded and perturbed with
+    the call's leaves from the tree, as a call in the body itself is: one
+    iteration's row holds every token."""
+    if session.recorder.learns_sites():
+        # How the inputs are recorded, learnt once, whole like the value.
+        learnt: list = []
+        arrays = positional_arrays(args)
+        if jax.tree.leaves(arrays):
+            lift(arrays, depth, lambda full: learnt.append(full) or full)
+        origin = InTransform(
+            count, enclosing, **_inputs_origin(learnt[0] if learnt else arrays, count)
+        )
+    else:
+        origin = InTransform(count, enclosing)
+    call = session.enter(site.path, method, module, args, origin=origin, record=False)
+    site_path = site.path if method is None else f"{site.path}.{method}"
+    value = _run_sliced(
+        site, count, depth, site_path, enclosing, function, args, kwargs
+    )
+    if not session.recorder.needs_value(call.name):
+        return _exit(session, call, value, None)  # nothing to see: no cost
+    leaves = site.bridge_leaves.get(call.name)
+    selected = call.name in session.selected
+    if selected:
+        _check_leaves(call.name, leaves, enclosing)
+    inputs = positional_arrays(args) if selected and leaves.inputs is not None else None
+
+    def observe(full: tuple, extra: Any) -> tuple:
+        whole, whole_inputs = full
+        patch = None if extra is None else extra.patch
+        whole = _exit(session, call, whole, patch)
+        if count:
+            session.recorder.holds_iterations(call.name, whole, count)
+        if not selected:
+            return whole, whole_inputs
+        floats = None
+        if whole_inputs is not None:
+            floats = jax.tree.map(_as_floats, whole_inputs)
+        return _recorded(whole, floats, extra), whole_inputs
+
+    value, _ = lift(
+        (value, inputs),
+        depth,
+        observe,
+        extra=leaves if leaves is not None else Leaves(),
+    )
+    return value
+
+
+def _run_sliced(
+    site: Any,
+    count: int | None,
+    depth: int,
+    site_path: str,
+    enclosing: tuple[str, ...],
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """`function(*args, **kwargs)`; a call without parameters of its own made
+    from inside it is sliced by the same scan (see `_SLICED`)."""
     token = (
-        _SLICED.set((internals.current_trace(), count))
-        if count and iterations(site)
-        else None
+        _SLICED.set((_body_trace(depth), count)) if count and iterations(site) else None
     )
     try:
         value = function(*args, **kwargs)
@@ -283,26 +380,26 @@ def call_in_transform(
             _SLICED.reset(token)
     if any(isinstance(leaf, eqx.nn.State) for leaf in _leaves_with_state(value)):
         raise BridgeValueError(
-            f"site {site_path!r} is a stateful layer inside {where}: bridge cannot "
-            "thread its eqx.nn.State there. Move it out of the transform."
+            f"site {site_path!r} is a stateful layer inside {describe(enclosing)}: "
+            "bridge cannot thread its eqx.nn.State there. Move it out of the "
+            "transform."
         )
-    leaves = site.bridge_leaves.get(call.name)
-    # The patch value and the epsilon come from the tree, not from the session.
-    value = _exit(session, call, value, None if leaves is None else leaves.patch)
-    if count:
-        session.recorder.holds_iterations(call.name, value, count)
-    if call.name not in session.selected:
-        return value
+    return value
+
+
+def _check_leaves(name: str, leaves: Any, enclosing: tuple[str, ...]) -> None:
     if leaves is None or leaves.recorder is None:
         raise BridgeRuntimeError(
-            f"bridge found no epsilon for site {call.name!r} inside {where}: the "
-            "model called it differently from the discovery pass. This is a bug "
-            "in bridge: please report it."
+            f"bridge found no epsilon for site {name!r} inside "
+            f"{describe(enclosing)}: the model called it differently from the "
+            "discovery pass. This is a bug in bridge: please report it."
         )
-    inputs = None
-    if leaves.inputs is not None:
-        inputs = jax.tree.map(_as_floats, positional_arrays(args))
-    # The value recorded is the patched one, before its epsilon.
+
+
+def _recorded(value: Any, inputs: Any, leaves: Leaves) -> Any:
+    """`value` recorded through the tree with its `inputs` (see `record`),
+    and its epsilon added. The value recorded is the patched one, before its
+    epsilon."""
     floats = record(
         differentiable_part(value), inputs, (leaves.recorder, leaves.inputs)
     )
@@ -310,13 +407,42 @@ def call_in_transform(
     return merge_differentiable(value, floats)
 
 
-def _count(site: Any) -> int | None:
-    """The iterations of the scan slicing this call (see `_SLICED`)."""
+def _body_trace(depth: int) -> Any:
+    """The trace `depth` vmaps out from here: the scan or checkpoint body."""
+    trace = internals.current_trace()
+    for _ in range(depth):
+        trace = internals.parent(trace)
+    return trace
+
+
+def _count(site: Any, depth: int = 0) -> int | None:
+    """The iterations of the scan slicing this call (see `_SLICED`), `depth`
+    vmaps of the model's own code inside the scan body."""
     count = iterations(site)
     sliced = _SLICED.get()
-    if not count and sliced and sliced[0] is internals.current_trace():
+    if not count and sliced and sliced[0] is _body_trace(depth):
         count = sliced[1]
     return count
+
+
+def _not_sliced(site: Any, site_path: str) -> str:
+    """Why a call in every iteration of a scan that does not slice it cannot
+    be a site."""
+    function = getattr(site, "module", None) is None
+    return (
+        f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
+        "called in every iteration, but the scan does not slice its "
+        "parameters (a layer closed over by the scan body, as in an RNN), "
+        "so one epsilon would sum the gradients of all iterations. Select "
+        "sites outside the scan with `at=`, scan over stacked layers "
+        "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
+        "unroll the loop."
+        + (
+            " (eqx.nn.MLP(scan=True) applies its activation so: use scan=False.)"
+            if function
+            else ""
+        )
+    )
 
 
 def _why(site_path: str, enclosing: tuple[str, ...], unsupported: list) -> str:
@@ -329,9 +455,10 @@ def _why(site_path: str, enclosing: tuple[str, ...], unsupported: list) -> str:
             "or select other sites with `at=`."
         )
     detail = (
-        "a jax.vmap of the model's own code inside a scan or checkpoint (an "
-        "epsilon in the tree cannot vary along the mapped axis; eqx.nn.MLP "
-        "with scan=True maps its activation so: use scan=False)"
+        "a jax.lax.scan or jax.checkpoint inside a jax.vmap of the model's own "
+        "code (an epsilon in the tree cannot vary along the mapped axis; "
+        "bridge sees the model's own jax.vmap inside the scan body, not around "
+        "the scan)"
         if "vmap" in unsupported
         else describe((unsupported[0],))
     )

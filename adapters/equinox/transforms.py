@@ -32,7 +32,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from bridge.adapter_api import BridgeRuntimeError, SiteOrigin
+from bridge.adapter_api import BridgeRuntimeError, BridgeValueError, SiteOrigin
 
 from ..shared import jax_internals as internals
 
@@ -134,24 +134,40 @@ def describe(transforms: tuple[str, ...]) -> str:
     return " inside ".join(names.get(t, t) for t in transforms)
 
 
-def lift(tree: Any, depth: int, observe: Callable[[Any], Any]) -> Any:
-    """Hand `tree`, seen inside `depth` vmaps, to `observe` at the probe's trace.
+def lift(tree: Any, depth: int, observe: Callable[..., Any], extra: Any = None) -> Any:
+    """Hand `tree`, seen inside `depth` vmaps, to `observe` at the trace
+    `depth` vmaps out: the probe's trace, or the body of a `lax.scan` or
+    `jax.checkpoint` around those vmaps.
 
-    `observe` gets the full value, mapped axes first, outermost first, and
-    returns the value to go on with, of the same structure and shapes.
+    `observe(full)` gets the full value, mapped axes first, outermost first,
+    and returns the value to go on with, of the same structure and shapes.
+    With `extra` (bridge's leaves of the call in the tree, which the vmaps do
+    not map), it is `observe(full, extra)`, `extra` as it is out there.
     """
     leaves, treedef = jax.tree.flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
+    extra_leaves, extra_treedef = jax.tree.flatten(extra)
 
-    def observe_arrays(full_arrays: list) -> list:
+    def observe_arrays(full_arrays: list, extra_arrays: list) -> list:
         full = list(leaves)
         for i, array in zip(positions, full_arrays, strict=True):
             full[i] = array
-        returned = treedef.flatten_up_to(observe(jax.tree.unflatten(treedef, full)))
+        full_tree = jax.tree.unflatten(treedef, full)
+        if extra is None:
+            observed = observe(full_tree)
+        else:
+            observed = observe(
+                full_tree, jax.tree.unflatten(extra_treedef, extra_arrays)
+            )
+        returned = treedef.flatten_up_to(observed)
         return [returned[i] for i in positions]
 
     arrays = _lift_p.bind(
-        *[leaves[i] for i in positions], observe=observe_arrays, depth=depth
+        *[leaves[i] for i in positions],
+        *extra_leaves,
+        observe=observe_arrays,
+        depth=depth,
+        extra=len(extra_leaves),
     )
     new = list(leaves)
     for i, array in zip(positions, arrays, strict=True):
@@ -159,18 +175,28 @@ def lift(tree: Any, depth: int, observe: Callable[[Any], Any]) -> Any:
     return jax.tree.unflatten(treedef, new)
 
 
-def _lift_batched(axis_size, values, dims, *, observe, depth):
+def _lift_batched(axis_size, values, dims, *, observe, depth, extra):
     """The batching rule: runs one trace out, where the mapped value is whole."""
+    cut = len(values) - extra
+    if any(dim is not None for dim in dims[cut:]):
+        raise BridgeValueError(
+            "bridge cannot see through a jax.vmap of the model's own code that "
+            "maps a layer's parameters inside a jax.lax.scan or jax.checkpoint: "
+            "a site's epsilon there lives in the layer's tree and cannot vary "
+            "along that axis. Select other sites with `at=`."
+        )
     full = [
         jnp.broadcast_to(value, (axis_size, *jnp.shape(value)))
         if dim is None
         else jnp.moveaxis(value, dim, 0)
-        for value, dim in zip(values, dims, strict=True)
+        for value, dim in zip(values[:cut], dims[:cut], strict=True)
     ]
     if depth > 1:
-        out = _lift_p.bind(*full, observe=observe, depth=depth - 1)
+        out = _lift_p.bind(
+            *full, *values[cut:], observe=observe, depth=depth - 1, extra=extra
+        )
     else:
-        out = observe(full)
+        out = observe(full, list(values[cut:]))
     return list(out), [0] * len(out)
 
 
