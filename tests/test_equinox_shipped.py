@@ -3,9 +3,9 @@ under `eqx.filter_jit`, tokens mapped with `jax.vmap`, a `lax.scan` over
 layers stacked by `eqx.filter_vmap` whose body maps a layer per token.
 
 A method wrapped in `eqx.filter_jit` or `jax.jit` is probed through (its
-calls are sites); a site bridge cannot express (a `jax.vmap` inside the scan
-body, a `jax.jit` called inline) is listed, costs the other sites nothing,
-and is refused only where it is selected or patched.
+calls are sites), and so is a layer the scan body maps per token: its site
+holds every iteration, then every token. (A `jax.jit` called elsewhere in
+the model's code: tests/test_equinox_jit.py.)
 
 References do not use bridge: parameter gradients from plain
 `eqx.filter_value_and_grad`, activation gradients from `jax.jvp` of the loss
@@ -23,7 +23,6 @@ import pytest
 from test_equinox import NEEDS_JAXPR_PARENTS
 
 import bridge
-from bridge.adapter_api import BridgeValueError
 
 pytestmark = NEEDS_JAXPR_PARENTS
 
@@ -82,16 +81,6 @@ class Model(eqx.Module):
         return jax.vmap(self.head)(h)
 
 
-class InlineJit(eqx.Module):
-    """A `jax.jit` called in the model's code, not wrapping a method."""
-
-    inner: eqx.nn.Linear
-    outer: eqx.nn.Linear
-
-    def __call__(self, x):
-        return self.outer(jax.jit(lambda x: self.inner(x))(x))
-
-
 class Offset(eqx.Module):
     """The test's own site offset: `layer(x) + offset`. Inside the scan the
     offset is stacked like the layer's parameters, so each step takes its row."""
@@ -106,29 +95,68 @@ class Offset(eqx.Module):
         return self.layer.scaled(x)
 
 
+class BlockByHand(eqx.Module):
+    """`Block` written out by the test, with offsets added to its sublayers'
+    values, or `linear`'s value replaced; stacked like the parameters, so each
+    scan step takes its row."""
+
+    norm: eqx.nn.LayerNorm
+    linear: eqx.nn.Linear
+    norm_offset: jax.Array
+    linear_offset: jax.Array
+    linear_value: jax.Array | None = None
+
+    def __call__(self, x):
+        normed = jax.vmap(self.norm)(x) + self.norm_offset
+        y = jax.vmap(self.linear)(normed)
+        if self.linear_value is not None:
+            y = self.linear_value
+        return x + jax.nn.gelu(y + self.linear_offset)
+
+
+def _by_hand(model, norm_offset=0.0, linear_offset=0.0, linear_value=None):
+    zeros = jnp.zeros((LAYERS, TOKENS, WIDTH))
+    block = BlockByHand(
+        model.blocks.norm,
+        model.blocks.linear,
+        zeros + norm_offset,
+        zeros + linear_offset,
+        linear_value,
+    )
+    return eqx.tree_at(lambda m: m.blocks, model, block)
+
+
 def loss(outputs):
     return jnp.sum(jnp.sin(outputs))
 
 
 MODEL = Model(jax.random.key(0))
-SELECTED = ["embed", "mixer", "mixer.scaled", "blocks", "head"]
+SELECTED = [
+    "embed",
+    "mixer",
+    "mixer.scaled",
+    "blocks",
+    "blocks/norm",
+    "blocks/linear",
+    "head",
+]
 
 
-def _where(site):
-    return {
-        "mixer": lambda m: m.mixer,
-        "blocks": lambda m: m.blocks,
-    }[site]
+def _with_offset(model, site, offset):
+    """`model` with `offset` added at `site`, by hand."""
+    if site == "blocks/norm":
+        return _by_hand(model, norm_offset=offset)
+    if site == "blocks/linear":
+        return _by_hand(model, linear_offset=offset)
+    where = {"mixer": lambda m: m.mixer, "blocks": lambda m: m.blocks}[site]
+    return eqx.tree_at(where, model, Offset(where(model), offset))
 
 
 def _directional(model, site, delta):
     """d/dt of the loss with `t * delta` added at `site`, by hand."""
 
     def at(t):
-        patched = eqx.tree_at(
-            _where(site), model, Offset(_where(site)(model), t * delta)
-        )
-        return loss(patched(X))
+        return loss(_with_offset(model, site, t * delta)(X))
 
     return jax.jvp(at, (0.0,), (1.0,))[1]
 
@@ -149,7 +177,7 @@ def test_sites_lists_every_call_the_vmapped_one_in_the_scan_whole():
         "mixer.scaled": (TOKENS, WIDTH),
         "mixer/linear#1": (WIDTH, TOKENS),
         "blocks": (LAYERS, TOKENS, WIDTH),
-        # refused where selected, listed with the shape it would hold
+        # applied per token inside the scan: every iteration, every token
         "blocks/norm": (LAYERS, TOKENS, WIDTH),
         "blocks/linear": (LAYERS, TOKENS, WIDTH),
         "head": (TOKENS, 3),
@@ -157,7 +185,7 @@ def test_sites_lists_every_call_the_vmapped_one_in_the_scan_whole():
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_probed_through_filter_jit_and_around_the_vmap_in_the_scan(mode):
+def test_probed_through_filter_jit_and_inside_the_vmap_in_the_scan(mode):
     def run(model, x):
         return bridge.probe(model).value_and_grad(loss, x, at=SELECTED)
 
@@ -180,52 +208,44 @@ def test_probed_through_filter_jit_and_around_the_vmap_in_the_scan(mode):
     h = MODEL.mixer(h) + MODEL.mixer.scaled(h)
     dynamic, static = eqx.partition(MODEL.blocks, eqx.is_array)
     for i in range(LAYERS):
-        h = eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static)(h)
+        block = eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static)
+        normed = jax.vmap(block.norm)(h)
+        _close(result.activations["blocks/norm"][i], normed)
+        _close(result.activations["blocks/linear"][i], jax.vmap(block.linear)(normed))
+        h = block(h)
         _close(result.activations["blocks"][i], h)
 
-    for i, site in enumerate(["mixer", "blocks"]):
+    for i, site in enumerate(["mixer", "blocks", "blocks/norm", "blocks/linear"]):
         grad = result.activation_grads[site]
         delta = jax.random.normal(jax.random.key(10 + i), grad.shape)
         _close(jnp.vdot(grad, delta), _directional(MODEL, site, delta), rtol=1e-4)
 
 
-def test_selecting_or_patching_the_vmap_in_the_scan_is_refused_naming_it():
+def test_a_patch_value_of_the_vmap_in_the_scan_gives_each_layer_its_row():
     probe = bridge.probe(MODEL)
-    message = (
-        r"bridge cannot see through a jax.vmap of the model's own code inside a "
-        r"scan or checkpoint .*: site 'blocks/linear' is called inside jax.vmap "
-        r"inside jax.lax.scan\. .*select other sites with `at=`"
+    value = jax.random.normal(jax.random.key(5), (LAYERS, TOKENS, WIDTH))
+    result = probe.value_and_grad(
+        loss, X, at=["blocks/norm", "head"], patch={"blocks/linear": value}
     )
-    with pytest.raises(BridgeValueError, match=message):
-        probe.value_and_grad(loss, X, at=["head", "blocks/linear"])
-    with pytest.raises(BridgeValueError, match=message):
-        probe.value_and_grad(loss, X, at=["head"], patch={"blocks/linear": jnp.sin})
-    with pytest.raises(BridgeValueError, match="site 'blocks/norm' is called"):
-        probe.value_and_grad(loss, X)  # every site, those too
+    reference = _by_hand(MODEL, linear_value=value)
+    _close(result.loss, loss(reference(X)))
+    _close(result.activations["head"], reference(X))
+    delta = jax.random.normal(jax.random.key(6), (LAYERS, TOKENS, WIDTH))
 
+    def at(t):
+        return loss(_by_hand(MODEL, norm_offset=t * delta, linear_value=value)(X))
 
-def test_a_jit_called_inline_is_refused_only_where_selected():
-    keys = jax.random.split(jax.random.key(3), 2)
-    model = InlineJit(
-        eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 2, key=keys[1])
+    _close(
+        jnp.vdot(result.activation_grads["blocks/norm"], delta),
+        jax.jvp(at, (0.0,), (1.0,))[1],
+        rtol=1e-4,
     )
-    x = jax.random.normal(jax.random.key(4), (3,))
-    probe = bridge.probe(model)
-    assert {n: s.shape for n, s in probe.sites(x).items()} == {
-        "inner": (3,),
-        "outer": (2,),
-    }
-    result = probe.value_and_grad(loss, x, at=["outer"])
-    value, grads = eqx.filter_value_and_grad(lambda m: loss(m(x)))(model)
-    _close(result.loss, value)
-    for got, expected in zip(
-        jax.tree.leaves(result.grads), jax.tree.leaves(grads), strict=True
-    ):
-        _close(got, expected)
-    _close(result.activation_grads["outer"], jnp.cos(model(x)))
-    with pytest.raises(
-        BridgeValueError,
-        match=r"bridge cannot see through a jax.jit inside the model: site "
-        r"'inner' is called inside a jax.jit inside the model",
-    ):
-        probe.value_and_grad(loss, x, at=["inner"])
+    # A patch function sees one iteration, every token.
+    doubled = probe.apply(
+        X, at="blocks/linear", patch={"blocks/linear": lambda v: 2 * v}
+    )
+    plain = probe.apply(X, at="blocks/linear")
+    _close(
+        doubled.activations["blocks/linear"][0],
+        2 * plain.activations["blocks/linear"][0],
+    )
