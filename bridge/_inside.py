@@ -81,7 +81,7 @@ from ._errors import (
     BridgeValueError,
 )
 from ._session import INSIDE, current
-from ._sites import Site, site_name
+from ._sites import Site, SiteOrigin, site_name
 
 #: The name the rewritten code imports `tap` from.
 _HERE = __name__
@@ -120,23 +120,21 @@ class SiteSource(NamedTuple):
         return f"{self.file}:{self.line} in {self.function}: {self.code}"
 
 
-@dataclasses.dataclass
-class _Traced:
-    """What one discovery's taps told, by site name: their sources, and the
-    adapters' refusals of those it cannot hand out."""
+@dataclasses.dataclass(frozen=True)
+class _Unreachable(SiteOrigin):
+    """The origin of a local the adapter cannot hand out: `Site.refused`."""
 
-    sources: dict[str, SiteSource] = dataclasses.field(default_factory=dict)
-    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    blocked: str
 
 
-#: The discovery running now, in this context (`Inside.looking`).
-_TRACED: contextvars.ContextVar[_Traced | None] = contextvars.ContextVar(
+#: `{site name: SiteSource}` of the discovery running now, in this context
+#: (`Inside.looking`), as its taps tell them.
+_TRACED: contextvars.ContextVar[dict[str, SiteSource] | None] = contextvars.ContextVar(
     "bridge_inside_traced", default=None
 )
 #: What discoveries found, by their `Site` objects (kept with the discovery
 #: cache's sites, dropped with them).
 _SOURCES: weakref.WeakKeyDictionary[Site, SiteSource] = weakref.WeakKeyDictionary()
-_REFUSED: weakref.WeakKeyDictionary[Site, str] = weakref.WeakKeyDictionary()
 
 
 def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
@@ -158,7 +156,7 @@ def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
     if traced is not None and session.recorder.learns_sites():
         source = _by_key[key].sources[where]
         for entered in _entered(session, before):
-            traced.sources[entered] = source
+            traced[entered] = source
     return tapped
 
 
@@ -178,25 +176,27 @@ def _unreachable(
 ) -> Any:
     """A local the adapter refuses to hand out (it sits inside a transform
     of the model's own code that the adapter cannot see through): listed as
-    a site all the same, its value left as it is; selecting or patching it
-    is refused before any work (`Inside.check_plan`)."""
-    call = session.enter(session.naming.under_enclosing(name), None, None, record=False)
+    a site all the same (`Site.refused`: left out of `at=None`), its value
+    left as it is; selecting or patching it is refused before any work
+    (`bridge._selection.select`, `Inside.check_plan`)."""
+    blocked = (
+        f"it is a local of `inside` that the adapter cannot hand out. {refusal} "
+        "Select other sites with `at=` (the others probe as usual), or move the "
+        "computation out of the transform."
+    )
+    call = session.enter(
+        session.naming.under_enclosing(name),
+        None,
+        None,
+        origin=_Unreachable(blocked),
+        record=False,
+    )
     if call.name in session.selected or call.name in session.patches:
-        raise BridgeNotImplementedError(_refused(call.name, str(refusal)))
+        raise BridgeNotImplementedError(f"site {call.name!r}: {blocked}")
     traced = _TRACED.get()
     if traced is not None and session.recorder.learns_sites():
-        traced.sources[call.name] = _by_key[key].sources[where]
-        traced.refused[call.name] = str(refusal)
+        traced[call.name] = _by_key[key].sources[where]
     return session.exit(call, value, perturb=lambda v: v, record=False)
-
-
-def _refused(name: str, reason: str) -> str:
-    return (
-        f"site {name!r} (a local of `inside`) cannot be selected or patched: "
-        f"the adapter cannot hand it out. {reason} Select other sites with "
-        "`at=` (the others probe as usual), or move the computation out of "
-        "the transform."
-    )
 
 
 def _floating(session: Any, value: Any) -> bool:
@@ -270,7 +270,7 @@ class Inside:
             return
         modules = {site.path for site in sites if site.module is not None}
         for site in sites:
-            source = traced.sources.get(site.name)
+            source = traced.get(site.name)
             if source is None or site.module is not None:
                 continue
             if site.path in modules:
@@ -282,8 +282,6 @@ class Inside:
                     "value with bridge.tap under another name."
                 )
             _SOURCES[site] = source
-            if site.name in traced.refused:
-                _REFUSED[site] = traced.refused[site.name]
 
     @contextlib.contextmanager
     def looking(self, discovering: bool = False) -> Iterator[None]:
@@ -291,7 +289,7 @@ class Inside:
         `Inside`; with `discovering`, its taps tell `discovered` where they
         come from."""
         token = INSIDE.set(self)
-        traced = _TRACED.set(_Traced() if discovering else None)
+        traced = _TRACED.set({} if discovering else None)
         try:
             yield
         finally:
@@ -300,14 +298,14 @@ class Inside:
 
     @staticmethod
     def check_plan(plan: Any) -> None:
-        """Refuse, before any work, a selected or patched local that its
-        adapter cannot hand out (a `CallPlan`'s sites)."""
-        chosen = {site.name for site in plan.chosen}
+        """Refuse, before any work, a patch of a local that its adapter
+        cannot hand out (a `CallPlan`'s; `at` refuses its selection)."""
         for site in plan.discovered:
-            reason = _REFUSED.get(site)
-            asked = site.name in chosen or site.name in plan.patches
-            if reason is not None and asked:
-                raise BridgeNotImplementedError(_refused(site.name, reason))
+            if isinstance(site.origin, _Unreachable) and site.name in plan.patches:
+                raise BridgeNotImplementedError(
+                    f"`patch` names {site.name!r}, a site bridge lists but cannot "
+                    f"probe: {site.refused}"
+                )
 
 
 def sources_of(sites: Sequence[Site]) -> dict[str, SiteSource]:

@@ -811,11 +811,15 @@ def test_a_local_bridge_cannot_hand_out_is_listed_and_refused_where_asked():
     names = list(probe.sites(X))
     assert {"block/hidden", "block/gated", "out"} <= set(names)
     with pytest.raises(
-        bridge.BridgeError, match=r"site 'block/gated'.*jax.checkpoint inside jax.vmap"
+        bridge.BridgeError,
+        match=r"'block/gated', a site bridge lists but cannot probe: .*a local of "
+        r"`inside`.*jax.checkpoint inside jax.vmap",
     ):
         probe.value_and_grad(_loss, X, at="block/gated")
-    with pytest.raises(bridge.BridgeError, match="site 'block/hidden'"):
+    with pytest.raises(bridge.BridgeError, match="`patch` names 'block/hidden'"):
         probe.apply(X, patch={"block/hidden": lambda v: v * 0})
+    # `at=None` leaves them out.
+    assert "block/gated" not in probe.apply(X).activations
     # Every other site probes as usual.
     result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="out"))(X)
     block, out = model.block.linear, model.out

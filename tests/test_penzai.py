@@ -321,3 +321,82 @@ def test_compare_finds_an_unported_model():
     )
     assert report.first_divergence is not None
     assert report.first_divergence.site_b == "sublayers/0"
+
+
+# -- inside=, through the registry ----------------------------------------------------
+
+
+@pz.pytree_dataclass
+class Gate(pz.nn.Layer):
+    """A layer of the user's computing on plain arrays: its locals are sites
+    with `inside=Gate`."""
+
+    def __call__(self, value, /, **side_inputs):
+        raw = value.unwrap("batch", "features")
+        gated = jax.nn.sigmoid(raw) * raw
+        return pz.nx.wrap(gated).tag("batch", "features")
+
+
+@pz.pytree_dataclass
+class OffsetGate(pz.nn.Layer):
+    """`Gate` with `delta` added to `gated` by hand: the reference."""
+
+    delta: jax.Array
+
+    def __call__(self, value, /, **side_inputs):
+        raw = value.unwrap("batch", "features")
+        gated = jax.nn.sigmoid(raw) * raw + self.delta
+        return pz.nx.wrap(gated).tag("batch", "features")
+
+
+def _gated_mlp(gate):
+    def affine(name, inputs, outputs):
+        return pz.nn.Affine.from_config(
+            name=name,
+            init_base_rng=jax.random.key(5),
+            input_axes={"features": inputs},
+            output_axes={"features": outputs},
+        )
+
+    return pz.nn.Sequential([affine("in", 3, 6), gate, affine("out", 6, 2)])
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_inside_through_the_penzai_adapter(jit):
+    """`inside=` is the core's: the adapter (which knows nothing of it, and
+    rebuilds its probe from its children alone) gets it through its pytree,
+    under `jax.jit` too."""
+    model = _gated_mlp(Gate())
+    x = pz.nx.wrap(jax.random.normal(jax.random.key(6), (4, 3))).tag(
+        "batch", "features"
+    )
+    probe = bridge.probe(model, inside=Gate)
+    assert isinstance(probe, penzai_adapter.PenzaiProbe)
+    sites = probe.sites(x)
+    assert [n for n in sites if n.startswith("sublayers/1")] == [
+        "sublayers/1",
+        "sublayers/1/raw",
+        "sublayers/1/gated",
+    ]
+    source = bridge.site_sources(probe, x)["sublayers/1/gated"]
+    assert source.code == "gated = jax.nn.sigmoid(raw) * raw"
+    site = "sublayers/1/gated"
+
+    def run(probe, x):
+        return probe.value_and_grad(_unwrap_loss, x, at=site)
+
+    res = (jax.jit(run) if jit else run)(probe, x)
+    raw = model.sublayers[0](x).unwrap("batch", "features")  # Penzai's own layer
+    np.testing.assert_allclose(
+        res.activations[site], jax.nn.sigmoid(raw) * raw, rtol=1e-5, atol=1e-6
+    )
+    direction = jax.random.normal(jax.random.key(7), raw.shape)
+
+    def at(t):
+        return _unwrap_loss(_gated_mlp(OffsetGate(t * direction))(x))
+
+    loss_value, tangent = jax.jvp(at, (0.0,), (1.0,))
+    np.testing.assert_allclose(res.loss, loss_value, rtol=1e-5)
+    np.testing.assert_allclose(
+        jnp.vdot(res.activation_grads[site], direction), tangent, rtol=1e-4, atol=1e-7
+    )
