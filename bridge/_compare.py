@@ -3,15 +3,31 @@
 Pairs are made as for `transfer` (`bridge._porting`): the parameterised
 modules of both models in call order. Both models run once at the paired
 sites; each pair's activations and activation gradients are brought to the
-canonical layout (channel-last, batch-first) and compared elementwise.
+canonical layout (channel-last, batch-first) and compared, each tensor at its
+own scale (`_differences`).
+
+What a porter could mistake for a divergence is kept out of the pairs:
+- a call whose output never reaches the loss (a model that calls a module
+  twice and drops the first result) is *dead*: found from the computation's
+  structure (`_unreached_in_jax`: which epsilons the loss's jaxpr uses; a
+  PyTorch model's autograd graph), never from a gradient that happens to be
+  zero; reported, never paired;
+- an extra call of a module on one side pairs with the other side's call
+  whose values it matches;
+- float32 rounding, with `dtype="float64"`: both models run in float64, on
+  copies, and what differences stay are the port's.
+
+The report ends with the outputs compared as logits (`_logits_figures`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._errors import BridgeTypeError, BridgeValueError
@@ -26,9 +42,17 @@ from ._porting import (
     porting_module,
     second_inputs,
     untied,
+    with_counterparts,
 )
-from ._report import ComparisonReport, PairComparison
-from ._sites import split_arrays
+from ._report import ComparisonReport, LogitsComparison, PairComparison
+from ._sites import split_arrays, zeros_like_struct
+
+#: The default tolerances by the precision compared in: float32's rounding
+#: after a different order of operations is near 1e-7 of a tensor's largest
+#: element (1e-6 in a deep model), float64's near 1e-16.
+_TOLERANCES = {None: (1e-5, 1e-6), "float64": (1e-10, 1e-12)}
+
+_NAMES = ("probe_a", "probe_b")
 
 
 def compare(
@@ -36,8 +60,10 @@ def compare(
     probe_b: Any,
     loss_fn: Callable[[Any], Any] | tuple[Callable, Callable],
     *args: Any,
-    rtol: float = 1e-5,
-    atol: float = 1e-6,
+    rtol: float | None = None,
+    atol: float | None = None,
+    dtype: str | None = None,
+    logits: Any = None,
     args_b: tuple | None = None,
     kwargs_b: dict | None = None,
     **kwargs: Any,
@@ -55,10 +81,14 @@ def compare(
     A value that broadcasts to the other side's shape by NumPy's rules
     (PyTorch's position embedding `(1, seq, d)` or `(seq, d)` against Flax's
     `(batch, seq, d)`) is compared broadcast, the other side's gradient
-    summed over the broadcast axes. A tied layer (`report.tied`) is not
-    paired; where the counts differ only by repeated calls of a module on one
-    side, those calls are left unpaired (`report.unpaired`) rather than
-    refused.
+    summed over the broadcast axes. Tied LM heads (`report.tied`) do not pair
+    by their weights: where both sides have one, tied to paired modules, they
+    are compared with each other. A call whose output never reaches the loss
+    (`report.dead`: a module called twice, its first result dropped) is never
+    paired. Where the counts differ only by repeated calls of a module on one
+    side, the other side's call pairs with the repeated call whose
+    activations match it best, and the others are left unpaired
+    (`report.unpaired`) rather than refused.
 
     `report.first_divergence` is the first pair in call order whose
     activations differ beyond tolerance — a forward bug shows there, while
@@ -73,14 +103,29 @@ def compare(
         PyTorch model's loss takes torch tensors).
       *args, **kwargs: the call arguments both models accept (the first
         model's, when `args_b`/`kwargs_b` are given).
-      rtol: the relative tolerance: an element agrees when
-        `|a - b| <= atol + rtol * |b|`, as in `numpy.allclose`.
-      atol: the absolute tolerance. The defaults suit float32 models whose
-        operations run in a different order (differences near 1e-7
-        relative); loosen them for deep models or bfloat16. A hyperparameter
-        mismatch shows only as far as it changes numbers: LayerNorm epsilons
-        of 1e-6 and 1e-5 differ visibly only where the normalised variance is
-        small.
+      rtol: the relative tolerance: a tensor agrees when
+        `max|a - b| <= atol + rtol * max|b|`, its difference judged at the
+        scale of the whole tensor (a float32 rounding error on an element
+        near zero is no divergence). Default 1e-5 (1e-10 with
+        `dtype="float64"`): float32 models whose operations run in another
+        order differ near 1e-7 of their largest element; loosen it for deep
+        models or bfloat16. A hyperparameter mismatch shows only as far as it
+        changes numbers: LayerNorm epsilons of 1e-6 and 1e-5 differ visibly
+        only where the normalised variance is small.
+      atol: the absolute tolerance, for tensors near zero throughout. Default
+        1e-6 (1e-12 with `dtype="float64"`).
+      dtype: `None` (the default) runs the models as they are; `"float64"`
+        runs both in float64, on copies (a JAX model's floating parameters,
+        variables and inputs cast, and its modules' `dtype` fields, with x64
+        enabled only for the call; a PyTorch model as `copy.deepcopy(model)
+        .double()`), so that rounding vanishes and what differs is the port's.
+        Code that casts to float32 itself stays float32 there.
+      logits: which outputs to compare as logits at the end of the report
+        (KL divergence and top-1 agreement): `None` (the default) finds them,
+        the outputs' `logits` (a Hugging Face output), else the outputs
+        themselves when they are one floating array whose last axis has two
+        entries or more; a function `outputs -> logits`, or a pair of them,
+        one per model; `False` for none.
       args_b, kwargs_b: the second model's inputs, where they differ from the
         first's: `args_b=(x_nhwc,)` for a JAX port of a PyTorch model that
         takes `x_nchw`. Values are compared in the common layout either way.
@@ -93,17 +138,143 @@ def compare(
       >>> print(report)
       >>> report.first_divergence
     """
-    loss_a, loss_b = _loss_pair(loss_fn)
+    losses = _loss_pair(loss_fn)
+    logits_fns = _logits_pair(logits)
+    precision = _precision(dtype)
+    default_rtol, default_atol = _TOLERANCES[precision]
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
     porting_module(probe_a, "probe_a")
     porting_module(probe_b, "probe_b")
     args_b, kwargs_b = second_inputs(args, kwargs, args_b, kwargs_b)
-    layers_a, tied_a = untied(parameterised_layers(probe_a, "probe_a", args, kwargs)[1])
-    layers_b, tied_b = untied(
-        parameterised_layers(probe_b, "probe_b", args_b, kwargs_b)[1]
+    inputs = (
+        inputs_for(probe_a, args, kwargs),
+        inputs_for(probe_b, args_b, kwargs_b),
     )
-    paired, unpaired = pair_calls(layers_a, layers_b, ("probe_a", "probe_b"))
-    tied = [described_tie(la, "probe_a") for la in tied_a]
-    tied += [described_tie(la, "probe_b") for la in tied_b]
+    tolerances = (rtol, atol)
+    if precision is None:
+        return _compare((probe_a, probe_b), losses, inputs, logits_fns, tolerances)
+    with _x64():
+        probes = tuple(
+            _in_float64(probe, name)
+            for probe, name in zip((probe_a, probe_b), _NAMES, strict=True)
+        )
+        inputs = tuple(_inputs_in_float64(given) for given in inputs)
+        report = _compare(probes, losses, inputs, logits_fns, tolerances, precision)
+    return report
+
+
+def _compare(probes, losses, inputs, logits_fns, tolerances, precision=None):
+    rtol, atol = tolerances
+    layers = [
+        parameterised_layers(probe, name, *given)[1]
+        for probe, name, given in zip(probes, _NAMES, inputs, strict=True)
+    ]
+    dead = [
+        _unreached(probe, name, loss_fn, given, [la.site for la in found if la.site])
+        for probe, name, loss_fn, given, found in zip(
+            probes, _NAMES, losses, inputs, layers, strict=True
+        )
+    ]
+    dead_layers = [
+        (name, layer)
+        for name, found, unreached in zip(_NAMES, layers, dead, strict=True)
+        for layer in found
+        if layer.site in unreached
+    ]
+    own, tied = zip(
+        *(
+            untied([la for la in found if la.site not in unreached])
+            for found, unreached in zip(layers, dead, strict=True)
+        ),
+        strict=True,
+    )
+    own_a, own_b = with_counterparts(*own)
+    ties = [
+        described_tie(layer, name)
+        for name, side in zip(_NAMES, tied, strict=True)
+        for layer in side
+    ]
+    left_out = ties + [
+        f"{_described(layer, name)}, dead" for name, layer in dead_layers
+    ]
+    paired, unpaired = pair_calls(own_a, own_b, _NAMES, left_out)
+    _check_kinds(paired)
+    pairs = [(a, b) for a, b in paired if a.site and b.site]
+    tie_pairs = _paired_ties(*tied, paired)
+    partners = {id(a): (b, "probe_b") for a, b in tie_pairs}
+    partners |= {id(b): (a, "probe_a") for a, b in tie_pairs}
+    ties = [
+        tie
+        + (
+            f"; compared with {label(partners[id(layer)][0])} of "
+            f"{partners[id(layer)][1]}"
+            if id(layer) in partners
+            else ""
+        )
+        for tie, layer in zip(
+            ties, [layer for side in tied for layer in side], strict=True
+        )
+    ]
+    extra = [(name, layer) for name, layer in unpaired if layer.site]
+    sites = tuple(
+        [pair[side].site for pair in (*pairs, *tie_pairs)]
+        + [layer.site for name, layer in extra if name == _NAMES[side]]
+        for side in (0, 1)
+    )
+    result_a, result_b = _run_both(probes, losses, sites, inputs, logits_fns)
+    results = (result_a, result_b)
+    pairs, unpaired = _matched_by_value(pairs, unpaired, results)
+    order = {id(layer): n for n, layer in enumerate(layers[0])}
+    compared = sorted(
+        [(a, b, a.kind) for a, b in pairs] + [(a, b, "tied") for a, b in tie_pairs],
+        key=lambda pair: order[id(pair[0])],
+    )
+    rows = [
+        _compare_pair(a, b, result_a, result_b, rtol, atol, kind)
+        for a, b, kind in compared
+    ]
+    dtypes = {
+        str(np.asarray(leaf).dtype)
+        for a, b, _ in compared
+        for layer, result in ((a, result_a), (b, result_b))
+        for leaf in _common(layer, result.activations[layer.site])
+    }
+    lower = ()
+    if precision is not None:
+        lower = tuple(
+            f"{label(layer)} of {name}"
+            for a, b, _ in compared
+            for name, layer, result in (
+                ("probe_a", a, result_a),
+                ("probe_b", b, result_b),
+            )
+            if any(
+                np.asarray(leaf).dtype != np.float64
+                for leaf in _common(layer, result.activations[layer.site])
+            )
+        )
+    figures = _logits_figures(result_a.aux, result_b.aux, logits_fns)
+    return ComparisonReport(
+        rows,
+        float(result_a.loss),
+        float(result_b.loss),
+        rtol,
+        atol,
+        tied=tuple(ties),
+        unpaired=tuple(_described(layer, name) for name, layer in unpaired),
+        dead=tuple(_described(layer, name) for name, layer in dead_layers),
+        dtype=precision or "/".join(sorted(dtypes)) or "float32",
+        lower_precision=lower,
+        logits=figures,
+    )
+
+
+def _described(layer: Layer, name: str) -> str:
+    return f"{label(layer)} ({layer.described}) of {name}"
+
+
+def _check_kinds(paired: list[tuple[Layer, Layer]]) -> None:
     for layer_a, layer_b in paired:
         if layer_a.kind != layer_b.kind:
             raise BridgeValueError(
@@ -113,31 +284,26 @@ def compare(
                 "compare pairs parameterised modules in call order: check that "
                 "both models call the same layers in the same order."
             )
-    # Compared where both sides have a value: the root module is no site (its
-    # output is the models' outputs), nor is an inner projection of a fused
-    # layer (PyTorch's `nn.MultiheadAttention` query/key/value).
-    pairs = [(a, b) for a, b in paired if a.site and b.site]
-    result_a, result_b = _run_both(
-        (probe_a, probe_b),
-        (loss_a, loss_b),
-        ([a.site for a, _ in pairs], [b.site for _, b in pairs]),
-        (inputs_for(probe_a, args, kwargs), inputs_for(probe_b, args_b, kwargs_b)),
-    )
-    rows = [
-        _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol)
-        for layer_a, layer_b in pairs
-    ]
-    return ComparisonReport(
-        rows,
-        float(result_a.loss),
-        float(result_b.loss),
-        rtol,
-        atol,
-        tied=tuple(tied),
-        unpaired=tuple(
-            f"{label(layer)} ({layer.described}) of {name}" for name, layer in unpaired
-        ),
-    )
+
+
+def _paired_ties(tied_a, tied_b, paired) -> list[tuple[Layer, Layer]]:
+    """The tied layers of both sides tied to modules that pair (PyTorch's
+    `lm_head` holding `embed_tokens`'s tensor, Flax's `attend` of the
+    embedding paired with it): compared with each other, their weights
+    moved with their owners'."""
+    partner = {}
+    for a, b in paired:
+        partner.setdefault(a.path, b.path)
+    found, taken = [], set()
+    for a in tied_a:
+        for n, b in enumerate(tied_b):
+            if n in taken or not (a.site and b.site):
+                continue
+            if partner.get(a.tied) == b.tied:
+                found.append((a, b))
+                taken.add(n)
+                break
+    return found
 
 
 def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
@@ -152,27 +318,289 @@ def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
     return pair_
 
 
-def _run_both(probes, loss_fns, sites, inputs):
-    """Both models' `value_and_grad` at their paired sites: JAX models under one
-    `jax.jit` (no parameter baked in), a PyTorch model eagerly in PyTorch."""
+# -- dead calls -----------------------------------------------------------------
+
+
+def _unreached(probe, name, loss_fn, inputs, names) -> set[str]:
+    """The sites among `names` whose output has no path to the loss, from
+    the computation's structure: a library's porting module may say
+    (`unreached(probe, loss_fn, names, args, kwargs)`: PyTorch's autograd
+    graph); a JAX model's jaxpr says otherwise."""
+    names = list(dict.fromkeys(names))
+    if not names:
+        return set()
+    args, kwargs = inputs
+    finder = getattr(porting_module(probe, name), "unreached", None)
+    if finder is not None:
+        return set(finder(probe, loss_fn, names, args, kwargs))
+    if getattr(probe, "runs_in_jax", False):
+        return _unreached_in_jax(probe, loss_fn, names, args, kwargs)
+    return set()
+
+
+def _unreached_in_jax(probe, loss_fn, names, args, kwargs) -> set[str]:
+    """The loss as a function of a zero epsilon at each site, traced
+    (`jax.make_jaxpr`: no FLOPs); a site is dead where the loss's jaxpr,
+    dead code eliminated, does not use its epsilon. A zero gradient is not
+    taken as a sign: a live site's gradient may be zero by value."""
+    plan = probe._plan(names, None, args, kwargs, loss_fn)
+    epsilons = {site.name: zeros_like_struct(site.value_struct) for site in plan.chosen}
+    dynamic, rebuild = split_arrays((plan.args, plan.kwargs))
+
+    def loss_of(epsilons, trainable, dynamic):
+        call_args, call_kwargs = rebuild(dynamic)
+        outputs = probe._call(
+            trainable,
+            call_args,
+            call_kwargs,
+            chosen=plan.chosen,
+            epsilons=epsilons,
+            discovered=plan.discovered,
+        )[0]
+        return loss_fn(outputs)
+
+    closed = jax.make_jaxpr(loss_of)(epsilons, probe._trainable(), dynamic)
+    used = _used_inputs(closed.jaxpr)
+    flat = jax.tree_util.tree_flatten_with_path(epsilons)[0]
+    reached = {path[0].key for (path, _), use in zip(flat, used, strict=False) if use}
+    with_leaves = {path[0].key for path, _ in flat}
+    return {name for name in with_leaves if name not in reached}
+
+
+def _used_inputs(jaxpr: Any) -> list[bool]:
+    """Which of `jaxpr`'s inputs its outputs depend on: JAX's own dead code
+    elimination, which sees into the jaxprs of `jit`, `scan`, ...; where it
+    is not at hand, a walk back from the outputs that counts every input of
+    an equation whose output is used (more inputs used, never fewer)."""
+    try:
+        from jax._src.interpreters import partial_eval
+
+        return list(partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1])
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover
+        from jax.extend.core import Var
+
+        needed = {v for v in jaxpr.outvars if isinstance(v, Var)}
+        for equation in reversed(jaxpr.eqns):
+            if equation.effects or any(v in needed for v in equation.outvars):
+                needed.update(v for v in equation.invars if isinstance(v, Var))
+        return [v in needed for v in jaxpr.invars]
+
+
+def _matched_by_value(pairs, unpaired, results):
+    """Where a module is called more often on one side, the other side's
+    call pairs with the call whose activations are nearest its own (for
+    equal distances, the first): `(pairs, unpaired)`."""
+    pairs, unpaired = list(pairs), list(unpaired)
+    for n, (name, extra) in enumerate(unpaired):
+        if not extra.site:
+            continue
+        side = _NAMES.index(name)
+        for k, pair in enumerate(pairs):
+            mine, other = pair[side], pair[1 - side]
+            if mine.path != extra.path:
+                continue
+            theirs = _values(other, results[1 - side])
+            if _distance(_values(extra, results[side]), theirs) < _distance(
+                _values(mine, results[side]), theirs
+            ):
+                pairs[k] = (extra, other) if side == 0 else (other, extra)
+                unpaired[n] = (name, mine)
+            break
+    return pairs, unpaired
+
+
+def _values(layer: Layer, result: Any) -> list[np.ndarray]:
+    return _common(layer, result.activations[layer.site])
+
+
+def _distance(values: list, theirs: list) -> float:
+    """The largest relative difference of two sites' activations, `inf`
+    where they cannot be compared."""
+    if len(values) != len(theirs):
+        return float("inf")
+    values, theirs, _, _ = _broadcast(values, theirs, values, theirs)
+    if [np.shape(v) for v in values] != [np.shape(v) for v in theirs]:
+        return float("inf")
+    relative = _differences(values, theirs, 0.0, 0.0)[1]
+    return float("inf") if np.isnan(relative) else relative
+
+
+# -- float64 --------------------------------------------------------------------
+
+
+def _precision(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    try:
+        name = np.dtype(str(dtype).removeprefix("torch.")).name
+    except TypeError:
+        name = None
+    if name != "float64":
+        raise BridgeValueError(
+            '`dtype` must be None (the models as they are) or "float64" (both '
+            f"models run in float64, on copies); got {dtype!r}."
+        )
+    return name
+
+
+@contextlib.contextmanager
+def _x64() -> Iterator[None]:
+    """x64 enabled for the block only (this thread's; the global flag is left
+    as it was)."""
+    try:
+        context = jax.enable_x64(True)
+    except (AttributeError, TypeError):  # pragma: no cover - older JAX
+        from jax.experimental import enable_x64
+
+        context = enable_x64()
+    with context:
+        yield
+
+
+def _in_float64(probe: Any, name: str) -> Any:
+    """A probe of a float64 copy of the model: the library's own
+    `in_float64` where its porting module has one (PyTorch's `.double()`,
+    the Flax libraries' `dtype` fields), else the probe's floating leaves
+    cast."""
+    own = getattr(porting_module(probe, name), "in_float64", None)
+    if own is not None:
+        return own(probe)
+    if getattr(probe, "runs_in_jax", False):
+        return jax.tree.map(_float64, probe)
+    raise BridgeTypeError(
+        f"`{name}` is a {type(probe).__name__}, which compare cannot run in "
+        'float64: its porting module has no `in_float64`. Leave dtype="float64" '
+        "out, or cast the model yourself."
+    )
+
+
+def _float64(leaf: Any) -> Any:
+    if type(leaf).__module__.split(".")[0] == "torch":
+        return leaf.double() if leaf.is_floating_point() else leaf
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        return leaf
+    if isinstance(leaf, np.ndarray | np.generic):
+        return np.asarray(leaf, np.float64)
+    return jnp.asarray(leaf, jnp.float64)
+
+
+def _inputs_in_float64(inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+    return jax.tree.map(_float64, inputs)
+
+
+# -- logits ---------------------------------------------------------------------
+
+
+def _logits_pair(logits: Any) -> tuple[Any, Any] | None:
+    """`None` (no logits), or a function per model (`_AUTO`: found)."""
+    if logits is False:
+        return None
+    if logits is None:
+        return (_AUTO, _AUTO)
+    pair_ = tuple(logits) if isinstance(logits, tuple | list) else (logits,) * 2
+    if len(pair_) != 2 or not all(callable(f) for f in pair_):
+        raise BridgeTypeError(
+            "`logits` must be None (found in the outputs), False (none), a "
+            "function `outputs -> logits`, or a pair `(logits_a, logits_b)` of "
+            f"them; got {logits!r}."
+        )
+    return pair_
+
+
+def _AUTO(outputs: Any) -> Any:
+    """The outputs' logits: a `logits` field or key (a Hugging Face output),
+    else the outputs themselves when they are one floating array whose last
+    axis has two entries or more; else `None`."""
+    found = getattr(outputs, "logits", None)
+    if found is None and isinstance(outputs, dict):
+        found = outputs.get("logits")
+    if found is None and _floating(outputs) and np.ndim(outputs) >= 1:
+        found = outputs if outputs.shape[-1] >= 2 else None
+    return found if _floating(found) else None
+
+
+def _floating(value: Any) -> bool:
+    if type(value).__module__.split(".")[0] == "torch":
+        return hasattr(value, "is_floating_point") and value.is_floating_point()
+    dtype = getattr(value, "dtype", None)
+    return (
+        dtype is not None
+        and hasattr(value, "shape")
+        and jnp.issubdtype(dtype, jnp.floating)
+    )
+
+
+def _with_logits(loss_fn: Callable, logits_fn: Any) -> Callable:
+    """`loss_fn` returning the logits as its aux."""
+    return lambda outputs: (loss_fn(outputs), logits_fn(outputs))
+
+
+def _host(value: Any) -> np.ndarray:
+    if type(value).__module__.split(".")[0] == "torch":
+        return value.detach().cpu().double().numpy()
+    return np.asarray(value, np.float64)
+
+
+def _logits_figures(logits_a: Any, logits_b: Any, logits_fns) -> Any:
+    """KL divergence and top-1 agreement of the two models' logits, over
+    every position (each index of all axes but the last); `None` where
+    there are none, or (found, not given) where their shapes differ."""
+    if logits_fns is None or logits_a is None or logits_b is None:
+        return None
+    a, b = _host(logits_a), _host(logits_b)
+    if a.shape != b.shape:
+        if logits_fns[0] is _AUTO:
+            return None
+        raise BridgeValueError(
+            f"The logits given by `logits` have shapes {a.shape} and {b.shape}: "
+            "compare needs the same positions and classes on both sides."
+        )
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    log_p, log_q = _log_softmax(a), _log_softmax(b)
+    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+    top1 = np.argmax(a, axis=-1) == np.argmax(b, axis=-1)
+    return LogitsComparison(float(np.mean(kl)), float(np.mean(top1)), len(a))
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+# -- running both models --------------------------------------------------------
+
+
+def _run_both(probes, loss_fns, sites, inputs, logits_fns=None):
+    """Both models' `value_and_grad` at their paired sites, the logits as
+    aux: JAX models under one `jax.jit` (no parameter baked in), a PyTorch
+    model eagerly in PyTorch."""
     from ._probe import ProbeBase
 
+    if logits_fns is not None:
+        loss_fns = tuple(
+            _with_logits(loss_fn, logits_fn)
+            for loss_fn, logits_fn in zip(loss_fns, logits_fns, strict=True)
+        )
+    has_aux = logits_fns is not None
     runs = list(zip(probes, loss_fns, sites, inputs, strict=True))
     in_jax = [isinstance(probe, ProbeBase) and probe.runs_in_jax for probe in probes]
     if all(in_jax):
-        return _jitted(runs)
+        return _jitted(runs, has_aux)
     return tuple(
-        _jitted([run])[0] if jax_run else _value_and_grad(*run)
+        _jitted([run], has_aux)[0] if jax_run else _value_and_grad(*run, has_aux)
         for run, jax_run in zip(runs, in_jax, strict=True)
     )
 
 
-def _value_and_grad(probe, loss_fn, names, inputs):
+def _value_and_grad(probe, loss_fn, names, inputs, has_aux=False):
     args, kwargs = inputs
-    return probe.value_and_grad(loss_fn, *args, at=_exactly(names), **kwargs)
+    return probe.value_and_grad(
+        loss_fn, *args, at=_exactly(names), has_aux=has_aux, **kwargs
+    )
 
 
-def _jitted(runs: list) -> tuple:
+def _jitted(runs: list, has_aux: bool = False) -> tuple:
     """`_value_and_grad` of each run, all under one `jax.jit`, the inputs'
     arrays traced."""
 
@@ -183,7 +611,7 @@ def _jitted(runs: list) -> tuple:
     @jax.jit
     def run(probes, dynamic):
         return tuple(
-            _value_and_grad(probe, loss_fn, names, inputs)
+            _value_and_grad(probe, loss_fn, names, inputs, has_aux)
             for probe, (loss_fn, names), inputs in zip(
                 probes, losses_and_sites, rebuild(dynamic), strict=True
             )
@@ -199,7 +627,10 @@ def _exactly(names: Sequence[str]) -> list[str] | Callable:
     return list(dict.fromkeys(names))
 
 
-def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
+# -- one pair -------------------------------------------------------------------
+
+
+def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol, kind):
     values_a = _common(layer_a, result_a.activations[layer_a.site])
     values_b = _common(layer_b, result_b.activations[layer_b.site])
     grads_a = _common(layer_a, result_a.activation_grads[layer_a.site])
@@ -220,13 +651,15 @@ def _compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol):
         )
     act_abs, act_rel, act_ok = _differences(values_a, values_b, rtol, atol)
     grad_abs, grad_rel, grad_ok = _differences(grads_a, grads_b, rtol, atol)
-    hyperparameters = differing_hyperparameters(
-        layer_a.hyperparameters, layer_b.hyperparameters
+    hyperparameters = (
+        {}
+        if kind == "tied"  # a Linear against an embedding's `attend`
+        else differing_hyperparameters(layer_a.hyperparameters, layer_b.hyperparameters)
     )
     return PairComparison(
         layer_a.site,
         layer_b.site,
-        layer_a.kind,
+        kind,
         tuple(shapes_a[0]) if shapes_a else (),
         act_abs,
         act_rel,
@@ -285,17 +718,26 @@ def _common(layer: Layer, value: Any) -> list[np.ndarray]:
 def _differences(
     values_a: list, values_b: list, rtol: float, atol: float
 ) -> tuple[float, float, bool]:
+    """`(largest |a - b|, that over the largest |b|, agree)` over the leaves.
+
+    A leaf agrees when `max|a - b| <= atol + rtol * max|b|`: its difference
+    is judged at the scale of the whole tensor, not element by element. A
+    float32 result summed in another order differs by a few units of
+    rounding of its *largest* elements, and that difference lands on every
+    element, those near zero too, where an elementwise `rtol * |b|` is no
+    room at all (a false alarm that depends on the CPU's vector width). A
+    port's bug moves elements by far more than that rounding.
+    """
     largest_abs, largest_b, agree = 0.0, 0.0, True
     for a, b in zip(values_a, values_b, strict=True):
         if a.size == 0:
             continue
         a, b = a.astype(np.float64), b.astype(np.float64)
-        difference = np.abs(a - b)
-        largest_abs = max(largest_abs, float(difference.max()))
-        largest_b = max(largest_b, float(np.abs(b).max()))
-        agree = agree and bool(np.all(difference <= atol + rtol * np.abs(b)))
+        difference = float(np.max(np.abs(a - b)))
+        scale = float(np.max(np.abs(b)))
+        largest_abs = max(largest_abs, difference)
+        largest_b = max(largest_b, scale)
+        # A NaN difference compares false: it disagrees.
+        agree = agree and difference <= atol + rtol * scale
     relative = largest_abs / largest_b if largest_b > 0 else largest_abs
     return largest_abs, relative, agree
-
-
-# -- hyperparameters ------------------------------------------------------------

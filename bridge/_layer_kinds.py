@@ -218,8 +218,22 @@ class LayerKinds:
         return bool(call.own) or isinstance(call.module, self.kept_without_weights)
 
     def layers(self, calls: Iterable[ParameterisedCall]) -> list[Layer]:
-        """A `Layer` of each call of a parameterised module, in order."""
-        return [self.layer(call) for call in calls if self.keeps(call)]
+        """A `Layer` of each call of a parameterised module, in order. An
+        embedding called again through another method than `__call__` (Flax's
+        `attend`: an LM head tied to the embedding) is `tied` to itself, as
+        PyTorch's head holding the embedding's tensor is."""
+        found, called = [], set()
+        for call in calls:
+            if not self.keeps(call):
+                continue
+            layer = self.layer(call)
+            method = call.site.method
+            if layer.kind == "embed" and method not in (None, "__call__"):
+                if call.site.path in called:
+                    layer = dataclasses.replace(layer, tied=call.site.path)
+            called.add(call.site.path)
+            found.append(layer)
+        return found
 
     def layer(self, call: ParameterisedCall) -> Layer:
         listed, _, converter = self._listed(call.module)

@@ -69,8 +69,14 @@ class Layer:
         `padding`, ...), for `compare` to list where a pair differs.
       tied: the path of the module whose weights these are, `""` when they
         are the layer's own (a tied LM head holds the embedding's tensor; the
-        other library's tied head may own nothing): such a layer is not
-        paired, and `compare` reports it.
+        other library's tied head may own nothing, or be a call of the
+        embedding's `attend`): such a layer is not paired by its weights;
+        `compare` compares it with the other side's tied layer, if any, and
+        reports it.
+      optional: weights one library keeps where the other may have none (a
+        PyTorch module's buffers, `final_logits_bias`): the layer pairs only
+        with a layer of the same kind and shapes (the same names) on the
+        other side, and is left out where there is none.
     """
 
     site: str
@@ -83,6 +89,7 @@ class Layer:
     locations: Any = None
     hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     tied: str = ""
+    optional: bool = False
 
 
 #: The libraries `transfer` and `compare` know, for error messages.
@@ -119,6 +126,29 @@ def untied(layers: Sequence[Layer]) -> tuple[list[Layer], list[Layer]]:
     return [la for la in layers if not la.tied], [la for la in layers if la.tied]
 
 
+def with_counterparts(
+    layers_a: Sequence[Layer], layers_b: Sequence[Layer]
+) -> tuple[list[Layer], list[Layer]]:
+    """Both lists without the optional layers (a PyTorch buffer) that have no
+    layer of the same kind and weight shapes on the other side: a buffer
+    the other library holds as a parameter (a logits bias) pairs with it by
+    its name; one the other library computes (a table of sinusoids) is left
+    out."""
+
+    def signature(layer: Layer) -> tuple:
+        shapes = {
+            name: None if value is None else tuple(np.shape(value))
+            for name, value in layer.weights.items()
+        }
+        return layer.kind, tuple(sorted(shapes.items()))
+
+    def kept(layers: Sequence[Layer], others: Sequence[Layer]) -> list[Layer]:
+        present = {signature(layer) for layer in others}
+        return [la for la in layers if not la.optional or signature(la) in present]
+
+    return kept(layers_a, layers_b), kept(layers_b, layers_a)
+
+
 def described_tie(layer: Layer, name: str) -> str:
     return f"{label(layer)} ({layer.described}) of {name}, tied to {layer.tied!r}"
 
@@ -134,12 +164,16 @@ def first_calls(layers: Sequence[Layer]) -> list[Layer]:
 
 
 def pair(
-    layers_a: Sequence[Layer], layers_b: Sequence[Layer], names: tuple[str, str]
+    layers_a: Sequence[Layer],
+    layers_b: Sequence[Layer],
+    names: tuple[str, str],
+    left_out: Sequence[str] = (),
 ) -> list[tuple[Layer, Layer]]:
     """Pair two lists of layers in order (within a parent module's calls by
     kind, shapes and names where the two orders differ: `bridge._pairing`);
     raise when the counts differ, naming the first pair whose kinds differ or
-    else the first layer left over."""
+    else the first layer left over, and the layers `left_out` of the count
+    (tied heads; for `compare`, calls that never reach the loss)."""
     if len(layers_a) != len(layers_b):
         mismatch = next(
             (
@@ -162,22 +196,26 @@ def pair(
             f"{names[0]} has {len(layers_a)} ({_listed(layers_a)}), {names[1]} has "
             f"{len(layers_b)} ({_listed(layers_b)}). {mismatch} Check that both "
             "models have the same layers, called in the same order on these inputs."
+            + (f" Not counted: {'; '.join(left_out)}." if left_out else "")
         )
     return paired_in_groups(layers_a, layers_b, names)
 
 
 def pair_calls(
-    layers_a: Sequence[Layer], layers_b: Sequence[Layer], names: tuple[str, str]
+    layers_a: Sequence[Layer],
+    layers_b: Sequence[Layer],
+    names: tuple[str, str],
+    left_out: Sequence[str] = (),
 ) -> tuple[list[tuple[Layer, Layer]], list[tuple[str, Layer]]]:
     """`(pairs, [(name, layer) of each call left unpaired])`: `pair`, but where
     the counts differ only by repeated calls of a module on one side (a Flax
-    model computing a value it never uses), those calls are left unpaired
-    rather than refused. Equal counts pair in order, as `pair` does."""
+    module whose `__call__` calls its base class's), those calls are left
+    unpaired rather than refused. Equal counts pair in order, as `pair` does."""
     if len(layers_a) != len(layers_b):
         aligned = _aligned(layers_a, layers_b, names)
         if aligned is not None:
             return aligned
-    return pair(layers_a, layers_b, names), []
+    return pair(layers_a, layers_b, names, left_out), []
 
 
 def _aligned(layers_a, layers_b, names):
@@ -315,10 +353,18 @@ def transfer(
     )
     # A tied layer moves nothing of its own: its owner's weights move, and a
     # tied destination shares the tensor written to its owner.
+    source_own, source_tied = untied(source_layers)
+    target_own, target_tied = untied(target_layers)
+    source_own, target_own = with_counterparts(source_own, target_own)
+    names = ("the source (src_probe)", "the destination (dst_probe)")
     pairs = pair(
-        first_calls(untied(source_layers)[0]),
-        first_calls(untied(target_layers)[0]),
-        ("the source (src_probe)", "the destination (dst_probe)"),
+        first_calls(source_own),
+        first_calls(target_own),
+        names,
+        left_out=[
+            *(described_tie(la, names[0]) for la in source_tied),
+            *(described_tie(la, names[1]) for la in target_tied),
+        ],
     )
     updates = []
     for source_layer, target_layer in pairs:

@@ -53,6 +53,23 @@ class PairComparison(NamedTuple):
         return self.activations_agree and self.grads_agree
 
 
+class LogitsComparison(NamedTuple):
+    """The two models' outputs compared as logits (`ComparisonReport.logits`).
+
+    Attributes:
+      kl_divergence: `KL(softmax(a) || softmax(b))` at each position (each
+        index of all axes but the last), averaged over the positions; in
+        nats, computed in float64.
+      top1_agreement: the fraction of positions whose largest logit is at the
+        same class in both models.
+      positions: how many positions were compared.
+    """
+
+    kl_divergence: float
+    top1_agreement: float
+    positions: int
+
+
 class HyperparameterDifference(NamedTuple):
     """A hyperparameter that differs at a pair: `(pair, name, a, b)`."""
 
@@ -76,9 +93,23 @@ class ComparisonReport:
         when every pair agrees.
       tied: each layer left out of the pairing because its weights are
         another module's (a tied LM head: PyTorch's `lm_head` holds the
-        embedding's tensor; a Flax tied head owns no parameters at all).
+        embedding's tensor; a Flax tied head owns no parameters at all, or
+        is the embedding's `attend`); where both sides have one, tied to
+        modules that pair, the two are compared (a row of kind `tied`).
       unpaired: each repeated call of a module on one side only (a Flax
-        model computing a value it never uses), left without a partner.
+        module whose `__call__` calls its base class's), left without a
+        partner: the other side's call pairs with the one whose activations
+        match it best.
+      dead: each call whose output never reaches the loss (a module called
+        twice, its first result dropped), found from the computation's
+        structure; never paired.
+      dtype: the precision the models ran in: `"float64"` with
+        `compare(..., dtype="float64")`, else the dtypes of the compared
+        activations (`"float32"`).
+      lower_precision: in a float64 run, the sites whose activations were
+        not float64 (a model casting to float32 itself).
+      logits: the outputs compared as logits (`LogitsComparison`: KL
+        divergence and top-1 agreement), `None` where there are none.
     """
 
     rows: list[PairComparison]
@@ -88,6 +119,20 @@ class ComparisonReport:
     atol: float
     tied: tuple[str, ...] = ()
     unpaired: tuple[str, ...] = ()
+    dead: tuple[str, ...] = ()
+    dtype: str = "float32"
+    lower_precision: tuple[str, ...] = ()
+    logits: LogitsComparison | None = None
+
+    @property
+    def kl_divergence(self) -> float | None:
+        """`logits.kl_divergence`, `None` where no logits were compared."""
+        return None if self.logits is None else self.logits.kl_divergence
+
+    @property
+    def top1_agreement(self) -> float | None:
+        """`logits.top1_agreement`, `None` where no logits were compared."""
+        return None if self.logits is None else self.logits.top1_agreement
 
     @property
     def agree(self) -> bool:
@@ -186,11 +231,23 @@ class ComparisonReport:
                 f"pair{'s' if count > 1 else ''} (marked ^)"
             )
         header = (
-            f"loss A {self.loss_a:.6g}, loss B {self.loss_b:.6g}; "
+            f"loss A {self.loss_a:.6g}, loss B {self.loss_b:.6g}; {self.dtype}; "
             f"rtol={self.rtol:g}, atol={self.atol:g}; {summary}"
         )
         notes = [f"tied, not paired: {layer}" for layer in self.tied]
         notes += [f"unpaired extra call: {layer}" for layer in self.unpaired]
+        notes += [
+            f"dead (its output never reaches the loss), not paired: {layer}"
+            for layer in self.dead
+        ]
+        notes += [f"not float64: {site}" for site in self.lower_precision]
+        if self.logits is not None:
+            logits = self.logits
+            notes.append(
+                f"outputs as logits ({logits.positions} positions): "
+                f"KL(A || B) {logits.kl_divergence:.3g}, top-1 agreement "
+                f"{logits.top1_agreement:.2%}"
+            )
         return "\n".join([header, *table, *notes])
 
     def plot(self, path: str | os.PathLike | None = None) -> Any:

@@ -177,7 +177,7 @@ def _torch_twin():
     )
 
 
-def test_an_extra_call_on_one_side_is_reported_not_refused():
+def test_a_dead_call_on_one_side_is_reported_not_refused():
     x = np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)
     model = _DeadCall()
     flax_probe = bridge.probe(model, model.init(jax.random.key(0), x))
@@ -198,9 +198,13 @@ def test_an_extra_call_on_one_side_is_reported_not_refused():
         ("2", "second"),
     ]
     assert report.first_divergence is None, str(report)
-    assert len(report.unpaired) == 1 and "'first#1'" in report.unpaired[0]
-    assert "of probe_b" in report.unpaired[0]
-    assert "unpaired extra call: site 'first#1'" in str(report)
+    # Its output never reaches the loss: dead, from the jaxpr, never paired.
+    assert report.unpaired == ()
+    assert len(report.dead) == 1 and "'first#1'" in report.dead[0]
+    assert "of probe_b" in report.dead[0]
+    assert "dead (its output never reaches the loss), not paired: site 'first#1'" in (
+        str(report)
+    )
 
 
 def test_counts_differing_by_a_first_call_still_raise():
@@ -303,7 +307,12 @@ def test_bert_compare_of_the_converted_pair_agrees(fixture, request):
         atol=ATOL,
     )
     assert report.first_divergence is None, str(report)
-    assert len(report.rows) == 21  # 3 embeddings + LayerNorm, 2 x 8, pooler
+    assert len(report.rows) == 20  # 3 embeddings + LayerNorm, 2 x 8
+    # The loss reads `last_hidden_state`: the pooler is dead on both sides.
+    assert [dead.split(" (")[0] for dead in report.dead] == [
+        "site 'pooler.dense'",
+        "site 'pooler/dense'",
+    ]
     assert [(row.site_a, row.site_b) for row in report.rows[1:3]] == [
         ("embeddings.token_type_embeddings", "embeddings/token_type_embeddings"),
         ("embeddings.position_embeddings", "embeddings/position_embeddings"),

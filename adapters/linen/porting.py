@@ -11,10 +11,12 @@ names.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
@@ -226,3 +228,63 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
         lambda key_path: tuple(key_name(key) for key in key_path),
     )
     return type(probe)(probe.module, variables, probe.vmap)
+
+
+# -- for compare ----------------------------------------------------------------
+
+
+def as_float64(tree: Any) -> Any:
+    """`tree` with its floating arrays in float64 (under x64: `compare`'s
+    `dtype="float64"`); other leaves unchanged."""
+
+    def cast(leaf: Any) -> Any:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            return leaf
+        return jnp.asarray(leaf, jnp.float64)
+
+    return jax.tree.map(cast, tree)
+
+
+#: A module's attributes that set the dtype it computes or creates weights in.
+_DTYPE_FIELDS = ("dtype", "param_dtype")
+
+
+def is_floating_dtype(value: Any) -> bool:
+    try:
+        return value is not None and jnp.issubdtype(value, jnp.floating)
+    except TypeError:
+        return False
+
+
+def module_in_float64(module: nn.Module) -> nn.Module:
+    """A clone of `module` whose `dtype` and `param_dtype` fields that name a
+    floating dtype are float64, those of the modules it holds as fields too
+    (Hugging Face's Flax models pass their `dtype` down): the computation
+    follows float64 weights where the module does not cast itself."""
+    changes = {}
+    for field in dataclasses.fields(module):
+        if field.name in ("parent", "name") or not hasattr(module, field.name):
+            continue
+        value = getattr(module, field.name)
+        if field.name in _DTYPE_FIELDS and is_floating_dtype(value):
+            changes[field.name] = jnp.float64
+        elif isinstance(value, nn.Module):
+            changes[field.name] = module_in_float64(value)
+        elif isinstance(value, list | tuple) and any(
+            isinstance(item, nn.Module) for item in value
+        ):
+            changes[field.name] = type(value)(
+                module_in_float64(item) if isinstance(item, nn.Module) else item
+                for item in value
+            )
+    return module.clone(**changes) if changes else module
+
+
+def in_float64(probe: Any) -> Any:
+    """A probe of the module in float64 (`module_in_float64`) with float64
+    variables; the probe given is unchanged."""
+    new = type(probe)(
+        module_in_float64(probe.module), as_float64(probe.variables), probe.vmap
+    )
+    return new._looking_inside(probe._inside)

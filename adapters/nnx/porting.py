@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from bridge.adapter_api import (
@@ -28,6 +29,7 @@ from bridge.adapter_api import (
 )
 
 from ..linen import porting as flax
+from .internals import iter_modules
 
 
 def _leaf_path(key_path: tuple) -> tuple[str, ...]:
@@ -98,3 +100,22 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     params = replace_leaves(probe.params, replacements["params"], _leaf_path)
     rest = replace_leaves(probe.rest, replacements["rest"], _leaf_path)
     return type(probe)(probe.graphdef, params, rest, probe.vmap)
+
+
+# -- for compare ----------------------------------------------------------------
+
+
+def in_float64(probe: Any) -> Any:
+    """A probe of a float64 copy of the module: its floating variables in
+    float64, and each submodule's `dtype` and `param_dtype` that name a
+    floating dtype set to float64 (on the copy); the probe given is
+    unchanged."""
+    params, rest = flax.as_float64((probe.params, probe.rest))
+    module = nnx.merge(probe.graphdef, params, rest, copy=True)
+    for _, submodule in iter_modules(module):
+        for name in ("dtype", "param_dtype"):
+            if flax.is_floating_dtype(getattr(submodule, name, None)):
+                setattr(submodule, name, jnp.float64)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    new = type(probe)(graphdef, params, rest, probe.vmap, probe.equinox_attributes)
+    return new._looking_inside(probe._inside)

@@ -18,6 +18,16 @@ flattened row-major. The query, key and value layers have no site of their
 own (`site=""`: their weights move, nothing is compared); the output layer
 has the attention's site, whose first output (batch-first) is compared.
 
+A weight-normed module (`torch.nn.utils.parametrizations.weight_norm`:
+`parametrizations.weight.original0`/`original1`; the older
+`torch.nn.utils.weight_norm`: `weight_g`/`weight_v`) is a layer of kind
+`weights:bias,weight_g,weight_v`: as Hugging Face's converter moves them, by
+name and unchanged, to a JAX module holding `weight_g`, `weight_v` and
+`bias` (Flax Wav2Vec2's positional convolution). A module holding floating
+buffers but no parameter (a language model's `final_logits_bias`) is an
+`optional` layer: it pairs with a layer of the other model holding the same
+names as parameters, and is left out where there is none.
+
 The new probe holds a deep copy of the module: the user's is never changed.
 """
 
@@ -34,6 +44,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
+from torch.nn.utils.parametrize import ParametrizationList
 
 from bridge.adapter_api import (
     AsGiven,
@@ -79,9 +90,17 @@ def _array(tensor: torch.Tensor | None) -> np.ndarray | None:
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     """Each call of a module owning parameters itself (or a BatchNorm), in call
     order; an `nn.MultiheadAttention` call gives four layers. A module holding
-    only tensors of a module called before it is `tied` to that module."""
+    only tensors of a module called before it is `tied` to that module. A
+    module holding floating buffers and no parameter is an `optional` layer;
+    the parameters of a weight norm belong to the module normed."""
     found, owners = [], {}
-    for call in filter(KINDS.keeps, _calls(probe, sites)):
+    for call in _calls(probe, sites):
+        if _weight_norm_of(call.module) is not None:
+            continue  # its `original0/1` are its module's `weight_g/v`
+        if not KINDS.keeps(call) and _weight_normed(call) is None:
+            if call.statistics:
+                found.append(dataclasses.replace(KINDS.layer(call), optional=True))
+            continue
         if _fused_attention(call.module):
             found.extend(_attention_layers(call))
             continue
@@ -89,6 +108,48 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
         tied = _tied_to(call, owners)
         found.append(dataclasses.replace(layer, tied=tied) if tied else layer)
     return found
+
+
+def _weight_norm_of(module: nn.Module) -> ParametrizationList | None:
+    """A weight norm's `ParametrizationList` (the module `.parametrizations.
+    weight` that computes the weight), else `None`."""
+    from torch.nn.utils.parametrizations import _WeightNorm
+
+    if isinstance(module, ParametrizationList) and len(module) == 1:
+        return module if isinstance(module[0], _WeightNorm) else None
+    return None
+
+
+def _weight_normed(call: ParameterisedCall) -> Converted | None:
+    """A weight-normed module as `weight_g`, `weight_v` and `bias`, moved by
+    name as Hugging Face's converter moves them; `None` for any other."""
+    module = call.module
+    parametrizations = getattr(module, "parametrizations", None)
+    weight_norm = (
+        _weight_norm_of(parametrizations["weight"])
+        if isinstance(parametrizations, nn.ModuleDict) and "weight" in parametrizations
+        else None
+    )
+    if weight_norm is not None:  # torch.nn.utils.parametrizations.weight_norm
+        at = "parametrizations.weight."
+        found = {
+            "weight_g": Weight(
+                _array(weight_norm.original0), (*call.at, f"{at}original0")
+            ),
+            "weight_v": Weight(
+                _array(weight_norm.original1), (*call.at, f"{at}original1")
+            ),
+        }
+    elif "weight_g" in call.own and "weight_v" in call.own:  # nn.utils.weight_norm
+        found = {name: call.weight(name, _array) for name in ("weight_g", "weight_v")}
+    else:
+        return None
+    weights = {name: call.weight(name, _array) for name in call.own}
+    weights.update(found)
+    converted = weight_by_weight(call, weights)
+    if isinstance(module, _ConvNd):  # channel-first, as the convolution's own
+        converted = dataclasses.replace(converted, to_common=_channel_last)
+    return converted
 
 
 def _tied_to(call: ParameterisedCall, owners: dict[int, str]) -> str:
@@ -151,6 +212,9 @@ def _as_is(value: Any) -> np.ndarray:
 
 
 def _linear(call: ParameterisedCall) -> Converted:
+    normed = _weight_normed(call)
+    if normed is not None:
+        return normed
     weights = {
         "kernel": call.weight("weight", _kernel, _transposed),
         "bias": call.weight("bias", _array),
@@ -168,6 +232,9 @@ def _conv1d(call: ParameterisedCall) -> Converted:
 
 
 def _conv(call: ParameterisedCall) -> Converted:
+    normed = _weight_normed(call)
+    if normed is not None:
+        return normed
     module = call.module
     to_hwio, to_oihw = channel_first_kernel_axes(module.weight.ndim - 2)
     kernel = call.weight(
@@ -428,3 +495,38 @@ def _as_numpy(value: Any) -> np.ndarray:
 
 def _to_torch(value: np.ndarray) -> torch.Tensor:
     return torch.tensor(value)  # a copy: JAX's arrays are read-only
+
+
+# -- for compare ----------------------------------------------------------------
+
+
+def unreached(
+    probe: Any, loss_fn: Any, names: list[str], args: tuple, kwargs: dict
+) -> set[str]:
+    """The sites among `names` whose value has no path to the loss in
+    autograd's graph (a call whose output the model drops): one forward pass,
+    and one `torch.autograd.grad` with `allow_unused=True`, which answers
+    `None`, not zeros, for a value the loss does not use."""
+    plan = probe._plan(list(names), None, args, kwargs, loss_fn)
+    outputs, session, _, _ = probe._run_model(plan, with_inputs=False, catch=True)
+    with torch.enable_grad():
+        loss = loss_fn(outputs)
+    wrt = session.inputs_to_differentiate()
+    found = (
+        torch.autograd.grad(loss, wrt, allow_unused=True)
+        if isinstance(loss, torch.Tensor) and loss.requires_grad
+        else [None] * len(wrt)
+    )
+    session.receive(list(found))
+    dead = set()
+    for name, tree in session.slots.items():
+        slots = jax.tree.leaves(tree)  # none at integer leaves
+        if slots and all(slot.grad is None for slot in slots):
+            dead.add(name)
+    return dead
+
+
+def in_float64(probe: Any) -> Any:
+    """A probe of a float64 deep copy of the module (`.double()`): the
+    user's module is unchanged."""
+    return type(probe)(copy.deepcopy(probe.module).double())
