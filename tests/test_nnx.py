@@ -629,49 +629,75 @@ class TapInScan(ScannedStack):
 
 
 @pytest.mark.parametrize(
-    "builder, error, message",
+    "builder, site, shape, message",
     [
         (
             BroadcastScan,
-            ValueError,
-            "cannot see through this nnx.scan around 'cell': it broadcasts",
+            "cell",
+            (3, 5, 4),
+            "nnx.scan around site 'cell': it broadcasts",
         ),
         (
             BroadcastParamsScan,
-            ValueError,
-            "cannot see through this nnx.scan around 'cell': it broadcasts",
+            "cell",
+            (3, 5, 4),
+            "nnx.scan around site 'cell': it broadcasts",
         ),
+        # The mapped axis first, as the model's own vmaps' axes always are.
         (
             BroadcastVmap,
-            ValueError,
-            "cannot see through this nnx.vmap around 'cell': it broadcasts",
+            "cell",
+            (3, 5, 4),
+            "nnx.vmap around site 'cell': it broadcasts",
         ),
         (
             CarriedInVmap,
-            NotImplementedError,
-            "'cell' keeps its parameters' full shape inside nnx.scan .* "
-            "called inside nnx.vmap inside nnx.scan",
+            "cell",
+            (3, 5, 4),
+            "nnx.vmap around site 'cell': it broadcasts",
         ),
-        (NestedCarriedScans, NotImplementedError, "'cell' .* inside nested scans"),
+        (
+            NestedCarriedScans,
+            "cell",
+            (3, 2, 5, 4),
+            "nnx.scan around site 'cell': the scan carries .* inside nested scans",
+        ),
         pytest.param(
             TreeModeRemat,
-            NotImplementedError,
-            "graph=False or graph_updates=False",
+            "cell",
+            (3, 5, 4),
+            "an NNX transform with graph=False or graph_updates=False around "
+            "site 'cell'",
             marks=pytest.mark.skipif(
                 "graph_updates" not in inspect.signature(nnx.remat).parameters,
                 reason="nnx.remat(graph_updates=...): flax >= 0.12.6",
             ),
         ),
-        (InnerJit, NotImplementedError, r"\('cell'\) is called inside nnx.jit"),
-        (TapInScan, NotImplementedError, r"bridge.tap\('hidden', ...\).*nnx.scan"),
+        (InnerJit, "cell", (3, 5, 4), "nnx.jit around site 'cell'"),
+        (
+            TapInScan,
+            "hidden",
+            (3, 5, 4),
+            r"nnx.scan around site 'hidden': bridge.tap\('hidden', ...\)",
+        ),
     ],
 )
-def test_a_transform_bridge_cannot_see_through_raises_naming_it(
-    builder, error, message
+def test_a_transform_bridge_cannot_see_through_is_listed_and_refused_naming_it(
+    builder, site, shape, message
 ):
     x = _inputs(3, 5, 4) if builder is not TapInScan else STACK_X
-    with pytest.raises(error, match=message):
-        bridge.probe(_build(builder)).sites(x)
+    model = _build(builder)
+    probe = bridge.probe(model)
+    assert probe.sites(x)[site].shape == shape
+    with pytest.raises(bridge.BridgeError, match="cannot see through " + message):
+        probe.value_and_grad(loss_fn, x, at=site)
+    with pytest.raises(bridge.BridgeError, match=message):
+        probe.apply(x, patch={site: jnp.zeros(shape)})
+    # Every other site probes as usual, and `at=None` leaves this one out.
+    res = probe.value_and_grad(loss_fn, x)
+    assert site not in res.activations
+    _, plain = plain_step(nnx.clone(model), x)
+    assert_tree_allclose(res.grads, plain)
 
 
 def test_errors_name_the_fix():

@@ -508,12 +508,7 @@ class _Interceptor:
         call.origin = _Origin(
             path, tap=tap, blocked=unexpressible.reason(call.name, transform, why, fix)
         )
-        value = run()
-        iterations = None
-        if transform == "nn.scan" and unexpressible.scans(self.base) == 1:
-            frames = jax_internals.scan_frames(self.stop)
-            iterations = frames[0][0] if len(frames) == 1 else None
-        return unexpressible.listed(session, call, value, self.base, iterations)
+        return unexpressible.listed(session, call, run(), self.base, self.stop)
 
     def _site(self, run, call_args, module, method, frame, tap=None):
         """The call `run()` of `module`'s `method` as a site; a `bridge.tap`

@@ -30,6 +30,8 @@ raises `NotImplementedError` naming it.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import jax
@@ -37,7 +39,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge.adapter_api import (
-    BridgeNotImplementedError,
     add_epsilon,
     carrier_name,
     differentiable_part,
@@ -55,6 +56,42 @@ def keeps_shape(module: nnx.Module, outside: nnx.Module) -> bool:
     return _param_shapes(module) == _param_shapes(outside)
 
 
+def has_params(module: nnx.Module) -> bool:
+    """Whether the module (or a submodule) has parameters of its own."""
+    return bool(_param_shapes(module))
+
+
+def broadcast_by_scan(stop: Any, outside: nnx.Module) -> bool:
+    """Whether the innermost `nnx.scan` running now broadcasts the module
+    whose copy outside it is `outside` (`None` for its parameters): among the
+    states its graph-mode wrapper split as broadcast (its `broadcast_deque`
+    local, read up to the frame `stop`) is one of the module's parameter
+    arrays. False where that cannot be read (a carried module keeps the
+    same shapes; the scan's markers tell them apart, `discover`)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame is not stop:
+        code = frame.f_code
+        if code.co_name == "scan_wrapper" and code.co_filename.endswith(_NNX_ITERATION):
+            broadcast = frame.f_locals.get("broadcast_deque")
+            try:
+                leaves = jax.tree.leaves(list(broadcast))
+            except TypeError:
+                return False
+            ids = {id(leaf) for leaf in leaves}
+            return any(
+                id(internals.get_value(variable)) in ids
+                for _, variable in nnx.iter_graph(outside)
+                if isinstance(variable, nnx.Param)
+                and not isinstance(variable, BridgeVariable)
+            )
+        frame = frame.f_back
+    return False
+
+
+#: The file of NNX's scan, whose wrapper splits the modules it broadcasts.
+_NNX_ITERATION = os.path.join("nnx", "transforms", "iteration.py")
+
+
 def discover(run, module, marker, step_key, call, names, method, args, kwargs, session):
     """Discovery of a call whose module nnx.scan did not slice: the site
     holds every step, `(length, *value shape)`, as the scan's ys would.
@@ -68,11 +105,21 @@ def discover(run, module, marker, step_key, call, names, method, args, kwargs, s
             if inner
             else "inside nested scans (nnx.scan or lax.scan inside nnx.scan)"
         )
-        raise BridgeNotImplementedError(
-            f"'{call.path}' keeps its parameters' full shape inside nnx.scan "
-            f"(the scan carries or broadcasts it) and is called {where}; "
-            "bridge gives the sites of a carried module directly inside one "
-            "nnx.scan only. Select sites outside it with `at=`."
+        # Listed, and refused where selected or patched.
+        return run.refused(
+            call,
+            (
+                "nnx.scan",
+                "the scan carries the module (its parameters keep their full "
+                f"shape there), and it is called {where}, where the carried "
+                "route of bridge's variables does not reach",
+                "call the carried module directly inside one nnx.scan",
+            ),
+            method,
+            module,
+            args,
+            kwargs,
+            session,
         )
     length, reverse = frames[0]
     # Dropped if the scan broadcasts the module.

@@ -9,9 +9,11 @@ recording in bridge's own `nnx.Param` subclasses on the module, which the
 transform carries exactly as it carries the module's parameters: an epsilon
 placed on the copy before the call is sliced per iteration going in, and a
 recording made inside comes out stacked, `(iterations, *value shape)`, read
-back from the copy after the call. A transform that would not carry them (a
-module broadcast with `in_axes=None`, `graph=False` or `graph_updates=False`,
-`nnx.jit`, loops) raises an error naming it rather than drop or sum a site.
+back from the copy after the call. A call inside a transform that would not
+carry them (a module broadcast with `in_axes=None`, `graph=False` or
+`graph_updates=False`, `nnx.jit`, loops and branches) is listed, with its
+whole shape, and refused only where selected or patched, naming the
+innermost such transform (`bridge.adapters.shared.unexpressible`).
 
 A module that `nnx.scan` carries rather than slices is
 `bridge.adapters.nnx.carried`; bridge's variables on the copy are
@@ -20,6 +22,7 @@ A module that `nnx.scan` carries rather than slices is
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -34,7 +37,7 @@ from bridge.adapter_api import (
     carrier_name,
 )
 
-from ..shared import jax_internals
+from ..shared import jax_internals, unexpressible
 from . import carried, internals
 from .variables import PATH_ATTRIBUTE as PATH_ATTRIBUTE
 from .variables import Carried, Origin, Recording
@@ -45,6 +48,51 @@ jax_internals.require_scan_frame("Flax NNX")
 #: NNX transforms (their update-context tags) that carry a module's `Param`
 #: variables in and out, mapped or not, so they carry bridge's too.
 _CARRYING = {"scan": "nnx.scan", "vmap": "nnx.vmap", "remat": "nnx.remat"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused(Origin):
+    """A call inside an NNX transform bridge cannot see through there:
+    `blocked` says why, naming it."""
+
+    blocked: str | None = None
+
+
+#: Why a site inside each NNX transform cannot be expressed, and what to do.
+_REFUSALS = {
+    "nnx.while_loop": (
+        "how many iterations run is known only when the model runs, so no "
+        "epsilon or recording can be shaped for them",
+        "write the loop as an nnx.scan of fixed length",
+    ),
+    "nnx.fori_loop": (
+        "it carries the module through its iterations as one value, so one "
+        "epsilon would serve every iteration and their gradients would be summed",
+        "write the loop as an nnx.scan over stacked layers",
+    ),
+    "nnx.cond": (
+        "which branch runs is known only when the model runs, so a call in a "
+        "branch may not run at all",
+        "compute both branches and pick with jnp.where",
+    ),
+    "nnx.switch": (
+        "which branch runs is known only when the model runs, so a call in a "
+        "branch may not run at all",
+        "compute every branch and pick with jnp.where",
+    ),
+    "nnx.jit": (
+        "bridge does not carry its variables through an nnx.jit inside the model",
+        "call the module outside it (a jax.jit around the whole step is fine)",
+    ),
+}
+
+#: The reason of a call inside an NNX transform in tree mode.
+_TREE_MODE = (
+    "an NNX transform with graph=False or graph_updates=False",
+    "it runs the module as a pytree, which carries none of bridge's variables "
+    "on the module",
+    "use the transform in graph mode (the default)",
+)
 
 
 class NeedsCarried(Exception):
@@ -78,6 +126,8 @@ class Run:
     ):
         self.modules = modules
         self.stop = stop  # the frame of the probe's own call of the model
+        # The trace of that call: the model's own transforms run inside it.
+        self.base = jax_internals.current_trace()
         self.ids = {id(module): path for path, module in modules.items()}
         self.outer = internals.active_transforms()
         self.first_lifted: tuple[str, tuple[str, ...]] | None = None
@@ -104,6 +154,7 @@ class Run:
         def inside_transform(site: Site) -> bool:
             return isinstance(site.origin, Origin) and bool(site.origin.transforms)
 
+        unexpressible.refuse_patched(session)
         carrier = session.carrier
         for placed in carrier.to_carry_in(inside_transform, inside_transform):
             module = self.modules[placed.site.origin.path]
@@ -114,18 +165,23 @@ class Run:
                 setattr(module, placed.name, Carried(placed.value))
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
-        """`bridge.tap` in the model's code: refused inside an NNX transform,
-        where the value is a tracer of the transform's trace."""
+        """`bridge.tap` in the model's code. Inside an NNX transform, where the
+        value is a tracer of the transform's trace, it is listed and refused
+        where selected or patched: bridge does not carry taps out of NNX
+        transforms yet."""
         transforms = self.transforms()
-        if transforms:
-            raise BridgeNotImplementedError(
-                f"bridge.tap({name!r}, ...) is called inside "
-                f"{transform_name(transforms[-1])} in the model's own code; "
-                "bridge does not carry taps out of NNX transforms yet. Tap the "
-                "value outside the transform, or select the call of the module "
-                "that computes it."
-            )
-        return session.taps.tap_here(name, value)
+        if not transforms:
+            return session.taps.tap_here(name, value)
+        path = session.naming.under_enclosing(name)
+        call = session.enter(path, None, None, origin=Refused(path), record=False)
+        why = (
+            transform_name(transforms[-1]),
+            f"bridge.tap({name!r}, ...) is called there, and bridge does not "
+            "carry taps out of NNX transforms yet",
+            "tap the value outside the transform, or select the call of the "
+            "module that computes it",
+        )
+        return self.refused(call, why, lambda _: value, None, (), {}, session)
 
     def transforms(self) -> tuple[str, ...]:
         """The NNX transforms of the model's own code running now."""
@@ -150,23 +206,26 @@ class Run:
         path = vars(module).get(PATH_ATTRIBUTE)
         transforms = self.transforms()
         unsupported = [t for t in transforms if t not in _CARRYING]
-        if path is None or not transforms or unsupported:
-            named = ", ".join(transform_name(t) for t in unsupported)
+        if path is None:
             raise BridgeNotImplementedError(
-                f"A {type(module).__name__} submodule"
-                + (f" ('{path}')" if path else "")
-                + " is called inside "
-                + (
-                    named
-                    if unsupported
-                    else "an NNX transform with graph=False or graph_updates=False"
-                )
-                + " in the model's own code; bridge sees through nnx.scan, "
-                "nnx.vmap and nnx.remat (graph mode, the default) only, and will "
-                "not silently drop the calls. Select sites outside it, or use "
-                "one of those transforms."
+                f"A {type(module).__name__} submodule that is not one of the "
+                "model's own is called inside "
+                + (", ".join(transform_name(t) for t in transforms) or "a transform")
+                + " in the model's own code: bridge cannot tell which site it is. "
+                "Call the model's own submodules there."
+            )
+        if not transforms or unsupported:
+            # Listed, and refused where selected or patched.
+            return self._refused(
+                module, site_method, method, args, kwargs, session, path, unsupported
             )
         names = tuple(_CARRYING[t] for t in transforms)
+        if session.recorder.learns_sites():
+            broadcast = self._broadcast(module, path, names[-1])
+            if broadcast is not None:
+                return self._listed(
+                    module, site_method, method, args, kwargs, session, path, broadcast
+                )
         call = session.enter(
             path, site_method, module, args, origin=Origin(path, names), record=False
         )
@@ -219,6 +278,80 @@ class Run:
             setattr(module, key, Recording(session.carrier.to_carry_out(value, args)))
             session.carrier.defer(call.name, (path, key, names))
         return value
+
+    def _refused(self, module, site_method, method, args, kwargs, session, path, tags):
+        """A call inside NNX transforms that do not carry bridge's variables
+        (`tags`, outermost first; none in tree mode): listed, refused where
+        selected or patched, naming the innermost that is no `nnx.jit` (or
+        that one, where it is the only)."""
+        names = [transform_name(t) for t in tags]
+        named = [n for n in names if n != "nnx.jit"] or names
+        if named:
+            transform = named[-1]
+            why, fix = _REFUSALS.get(
+                transform,
+                (
+                    "bridge carries its variables through nnx.scan, nnx.vmap and "
+                    "nnx.remat only",
+                    "use one of those transforms",
+                ),
+            )
+        else:
+            transform, why, fix = _TREE_MODE
+        why = (transform, why, fix)
+        return self._listed(
+            module, site_method, method, args, kwargs, session, path, why
+        )
+
+    def _broadcast(self, module, path: str, innermost: str) -> tuple | None:
+        """The reason of a call whose module the innermost `nnx.vmap` or
+        `nnx.scan` broadcasts (`in_axes=None` for it, or `None` for its
+        parameters in `nnx.StateAxes`): its parameters keep their full shape,
+        which a vmap gives only a broadcast module, and a scan also a carried
+        one (told apart by what the scan broadcasts,
+        `carried.broadcast_by_scan`). `None` otherwise, or where it cannot be
+        told (a module without parameters: the scan's markers or NNX's own
+        error tell, `hand_over` and `explain`)."""
+        outside = self.modules[path]
+        if innermost not in ("nnx.vmap", "nnx.scan") or not carried.has_params(module):
+            return None
+        if not carried.keeps_shape(module, outside):
+            return None
+        if innermost == "nnx.scan" and not carried.broadcast_by_scan(
+            self.stop, outside
+        ):
+            return None
+        return (
+            innermost,
+            "it broadcasts the module (in_axes=None for it, or None for its "
+            "parameters in nnx.StateAxes), so one epsilon would serve every "
+            + ("iteration" if innermost == "nnx.scan" else "mapped example")
+            + " and their gradients would be summed",
+            "map the module over its stacked parameters (in_axes=0)"
+            + (
+                ", or carry it (nnx.Carry for it in nnx.StateAxes)"
+                if innermost == "nnx.scan"
+                else ""
+            ),
+        )
+
+    def _listed(self, module, site_method, method, args, kwargs, session, path, why):
+        """Call `method` as the model does, listed as a refused site (see
+        `bridge.adapters.shared.unexpressible`)."""
+        call = session.enter(
+            path, site_method, module, args, origin=Refused(path), record=False
+        )
+        return self.refused(call, why, method, module, args, kwargs, session)
+
+    def refused(self, call, why, method, module, args, kwargs, session):
+        """Run the call entered as `call` as the model does, listed as refused
+        for `why`: `(transform, reason, fix)`."""
+        transform, reason, fix = why
+        call.origin = Refused(
+            call.path, blocked=unexpressible.reason(call.name, transform, reason, fix)
+        )
+        value = method(module, *args, **kwargs)
+        return unexpressible.listed(session, call, value, self.base, self.stop)
 
     def hand_over(self, session: Session) -> None:
         """Give the session the values recorded inside transforms, as they left."""

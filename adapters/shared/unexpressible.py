@@ -90,35 +90,47 @@ def mapped_sizes(base: Any) -> tuple[int, ...] | None:
     return tuple(reversed(sizes))
 
 
-def scans(base: Any) -> int:
-    """How many scans run between here and `base`."""
-    return sum(name(trace) in SCANS for trace in traces(base))
+def iterations(base: Any, stop: Any) -> tuple[int, ...]:
+    """The lengths of the scans between here and `base`, outermost first,
+    read from `lax.scan`'s frames on the Python call stack up to `stop` (the
+    adapter's own call of the model); none where their count does not match
+    the scans' traces (a library tracing a scan's body outside `lax.scan`)."""
+    count = sum(name(trace) in SCANS for trace in traces(base))
+    if not count:
+        return ()
+    try:
+        frames = jax_internals.scan_frames(stop)
+    except ImportError:
+        return ()
+    if len(frames) != count:
+        return ()
+    return tuple(length for length, _ in reversed(frames))
 
 
-def listed(
-    session: Session,
-    call: Any,
-    value: Any,
-    base: Any,
-    iterations: int | None = None,
-) -> Any:
+def listed(session: Session, call: Any, value: Any, base: Any, stop: Any) -> Any:
     """Finish a refused call: discovery lists it with its whole value, the
     model's own vmaps' axes in front (outermost first), stacked over the
-    enclosing scan's `iterations` where given; a run changes nothing (a
-    selected or patched refused site was refused before the run). Returns
-    the value the model goes on with, `value` itself."""
+    iterations of the scans around it (outermost first, read up to the frame
+    `stop`: see `iterations`); a run changes nothing (a selected or patched
+    refused site was refused before the run). Returns the value the model
+    goes on with, `value` itself."""
     if not session.recorder.learns_sites():
         session.exit(call, value, perturb=lambda v: v, record=False)
         return value
     sizes = mapped_sizes(base) or ()
-    whole = jax.tree.map(
-        lambda v: jnp.broadcast_to(v, (*sizes, *jnp.shape(v))) if is_array(v) else v,
+    whole = _broadcast(value, sizes)
+    session.exit(call, whole, perturb=lambda v: v, record=False)
+    for length in reversed(iterations(base, stop)):  # innermost first
+        session.recorder.holds_iterations(call.name, whole, length)
+        whole = _broadcast(whole, (length,))
+    return value
+
+
+def _broadcast(value: Any, leading: tuple[int, ...]) -> Any:
+    return jax.tree.map(
+        lambda v: jnp.broadcast_to(v, (*leading, *jnp.shape(v))) if is_array(v) else v,
         value,
     )
-    session.exit(call, whole, perturb=lambda v: v, record=False)
-    if iterations:
-        session.recorder.holds_iterations(call.name, whole, iterations)
-    return value
 
 
 def refuse_patched(session: Session) -> None:
