@@ -226,15 +226,19 @@ def test_linen_multi_head_attention_pattern(monkeypatch, jit):
 HEADS = 2
 
 
-def _by_hand(project, out, x, delta, key_size):
+def _by_hand(project, out, x, delta, key_size, mixed_delta=None):
     """Multi-head attention written out: `project(name, x)` gives
     `(batch, seq, heads, key_size)`; `delta` added to the pattern
-    `(batch, heads, q, k)`; `out` the output projection."""
+    `(batch, heads, q, k)`, `mixed_delta` to the heads' outputs `(batch,
+    seq, heads, key_size)`; `out` the output projection. Returns `(outputs,
+    pattern)`, or with `mixed_delta` given `(outputs, heads' outputs)`."""
     query, key, value = (project(name, x) for name in ("query", "key", "value"))
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(key_size)
     pattern = jax.nn.softmax(logits) + delta
     mixed = jnp.einsum("bhqk,bkhd->bqhd", pattern, value)
-    return out(mixed.reshape(*mixed.shape[:2], -1)), pattern
+    mixed = mixed if mixed_delta is None else mixed + mixed_delta
+    outputs = out(mixed.reshape(*mixed.shape[:2], -1))
+    return outputs, (pattern if mixed_delta is None else mixed)
 
 
 def _check_pattern(result, site, by_hand):
@@ -347,6 +351,76 @@ def test_nnx_attention_weights_function(jit):
         return mixed @ kernel + model.out.bias[...][None, None]
 
     _check_pattern(result, site, lambda delta: _by_hand(project, out, X, delta, size))
+
+
+def _nnx_projections(model):
+    def project(name, x):
+        layer = getattr(model, name)
+        projected = jnp.einsum("bsd,dhk->bshk", x, layer.kernel[...])
+        return projected + layer.bias[...][None, None]
+
+    def out(mixed):
+        kernel = model.out.kernel[...].reshape(-1, WIDTH)
+        return mixed @ kernel + model.out.bias[...][None, None]
+
+    return project, out
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nnx_attention_class(jit):
+    """`inside=nnx.MultiHeadAttention`: the heads' outputs `x`, before the
+    output projection `out` (the submodule's own site, once)."""
+    if not nnx_supported():
+        pytest.skip("this flax has no NNX bridge probes")
+    from flax import nnx
+
+    model = nnx.MultiHeadAttention(HEADS, WIDTH, WIDTH, decode=False, rngs=nnx.Rngs(4))
+    probe = bridge.probe(model, inside=nnx.MultiHeadAttention)
+    names = list(probe.sites(X))
+    assert names[-2:] == ["x", "out"]
+    assert bridge.site_sources(probe, X)["x"].code.startswith("x = self.attention_fn(")
+
+    def step(x):
+        return probe.value_and_grad(_loss, x, at="x")
+
+    result = (jax.jit(step) if jit else step)(X)
+    project, out = _nnx_projections(model)
+    size = WIDTH // HEADS
+
+    def by_hand(delta):
+        return _by_hand(project, out, X, 0.0, size, mixed_delta=delta)
+
+    _check_pattern(result, "x", by_hand)
+
+
+def test_equinox_attention_class():
+    """`inside=eqx.nn.MultiheadAttention`: its `attn`, the heads' outputs
+    (`#1`: reshaped), per example under `vmap=True`, batch first."""
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        mha: eqx.nn.MultiheadAttention
+
+        def __call__(self, x):
+            return self.mha(x, x, x)
+
+    mha = eqx.nn.MultiheadAttention(HEADS, WIDTH, key=jax.random.key(2))
+    probe = bridge.probe(Model(mha), vmap=True, inside=eqx.nn.MultiheadAttention)
+    sources = bridge.site_sources(probe, X)
+    assert sources["mha/attn"].code.startswith("attn = jax.vmap(")
+    assert sources["mha/attn#1"].code == "attn = attn.reshape(query_seq_length, -1)"
+    result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="mha/attn"))(X)
+    size = WIDTH // HEADS
+
+    def project(name, x):
+        weight = getattr(mha, f"{name}_proj").weight
+        return (x @ weight.T).reshape(*x.shape[:2], HEADS, size)
+
+    def by_hand(delta):
+        out = lambda m: m @ mha.output_proj.weight.T  # noqa: E731
+        return _by_hand(project, out, X, 0.0, size, mixed_delta=delta)
+
+    _check_pattern(result, "mha/attn", by_hand)
 
 
 # -- closures, super(), lifted transforms -----------------------------------------
