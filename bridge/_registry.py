@@ -114,8 +114,10 @@ def probe(
         site, `<module path>/<name>` (in a function, `<calling module
         path>/<function name>/<name>`), as if written `bridge.tap("name",
         expr)` — attention scores and patterns of library-shipped attention
-        without editing it. Only floating arrays are sites. The classes and
-        functions are left as they were; without `inside`, nothing is
+        without editing it. Only a class's methods are rewritten, and only
+        floating arrays of rank >= 1 are sites; `bridge.site_sources` says
+        which assignment each one is. Works through any adapter. The classes
+        and functions are left as they were; without `inside`, nothing is
         rewritten.
 
     Example:

@@ -902,3 +902,52 @@ def test_a_local_bridge_cannot_hand_out_is_listed_and_refused_where_asked():
     _close(result.activation_grads["out"], WEIGHTS)
     want = eqx.filter_grad(lambda m: _loss(jax.vmap(m)(X)))(model)
     jax.tree.map(_close, result.grads, want)
+
+
+# -- JAX's cached traces, sources that changed ---------------------------------------
+
+
+def _checkpointed(h):
+    scaled = h * 2.0
+    gated = jnp.tanh(scaled)
+    return gated
+
+
+class _Checkpointing(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        # A module-level function: JAX keeps its trace by the function object.
+        return nn.Dense(WIDTH)(jax.checkpoint(_checkpointed)(x))
+
+
+def test_a_selected_local_never_recorded_raises():
+    """`jax.checkpoint` keeps the trace discovery made of the function and
+    reuses it in the run, so the rewritten code does not run again: the run
+    raises rather than return a zero gradient in silence. The other sites
+    probe as usual."""
+    model = _Checkpointing()
+    variables = model.init(jax.random.key(0), X[:1])  # another shape: traced anew
+    probe = bridge.probe(model, variables, inside=_checkpointed)
+    assert "_checkpointed/gated" in probe.sites(X)
+    with pytest.raises(bridge.BridgeError, match=r"\['_checkpointed/gated'\] were not"):
+        probe.value_and_grad(_loss, X, at="_checkpointed/gated")
+    result = probe.value_and_grad(_loss, X, at="Dense_0")
+    _close(result.activation_grads["Dense_0"], WEIGHTS)
+
+
+def test_a_source_that_no_longer_compiles_is_refused(tmp_path, monkeypatch):
+    import importlib
+
+    path = tmp_path / "edited_model.py"
+    path.write_text("def scaled(x):\n    y = x * 2.0\n    return y\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    edited = importlib.import_module("edited_model")
+    path.write_text("def scaled(x):\n    y = x *\n    return y\n")  # edited since
+    model = LinenModel()
+    variables = model.init(jax.random.key(0), X)
+    with pytest.raises(
+        bridge.BridgeError, match="bridge cannot rewrite scaled"
+    ) as error:
+        bridge.probe(model, variables, inside=edited.scaled)
+    assert isinstance(error.value, ValueError)
+    assert edited.scaled(1.0) == 2.0  # left as it was
