@@ -626,9 +626,15 @@ def test_a_site_inside_hk_fori_loop_is_refused_and_sites_outside_work():
     x = _inputs(5, 8)
     model = Model(looped, (x,), True, apply_rng=False, rng=None)
     probe = bridge.probe(model.transformed, model.params, model.state)
-    with pytest.raises(ValueError, match="bridge cannot see through hk.fori_loop"):
-        probe.value_and_grad(mse, x)
-    res = probe.value_and_grad(mse, x, at="embed")
+    # Listed with every iteration (a fori_loop of static bounds is a scan).
+    assert probe.sites(x)["cell"].shape == (3, 5, 8)
+    with pytest.raises(
+        ValueError, match="bridge cannot see through hk.fori_loop around site 'cell'"
+    ):
+        probe.value_and_grad(mse, x, at="cell")
+    # `at=None` leaves it out.
+    res = probe.value_and_grad(mse, x)
+    assert list(res.activations) == ["embed"]
     loss, grads = jax.value_and_grad(lambda params: mse(model.apply(params, (x,))[0]))(
         model.params
     )
@@ -713,7 +719,7 @@ def test_a_tap_inside_a_layer_stack_or_hk_scan_is_stacked_over_iterations(stack,
     )
 
 
-def test_a_tap_inside_hk_fori_loop_is_an_error_not_a_summed_site():
+def test_a_tap_inside_hk_fori_loop_is_refused_not_a_summed_site():
     def looped(x):
         body = lambda i, x: x + bridge.tap("h", jnp.tanh(x))  # noqa: E731
         return hk.fori_loop(0, 2, body, x)
@@ -721,10 +727,11 @@ def test_a_tap_inside_hk_fori_loop_is_an_error_not_a_summed_site():
     transformed = hk.without_apply_rng(hk.transform(looped))
     x = _inputs(4, 8)
     probe = bridge.probe(transformed, transformed.init(jax.random.key(0), x))
+    assert probe.sites(x)["h"].shape == (2, 4, 8)  # every iteration
     with pytest.raises(
-        NotImplementedError, match=r"bridge.tap\('h'\) is called inside hk.fori_loop"
+        ValueError, match="bridge cannot see through hk.fori_loop around site 'h'"
     ):
-        probe.sites(x)
+        probe.value_and_grad(mse, x, at="h")
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])

@@ -63,6 +63,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import guests as _guests
+from ..shared import jax_internals, unexpressible
 from . import internals
 from . import transforms as haiku_state
 
@@ -179,6 +180,7 @@ class HaikuProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
+        unexpressible.refuse_patched(session)
         placed = haiku_state.placed(session)
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True, placed)
@@ -273,6 +275,7 @@ class _Interceptor:
     ):
         self.session = session
         self.apply_frame = apply_frame  # where the walks up the stack stop
+        self.base = jax_internals.current_trace()  # the trace of that apply
         self.state_route = state_route
         self.placed = placed  # sites whose patch value rides in state
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
@@ -325,16 +328,26 @@ class _Interceptor:
         a `bridge.tap` named `tap` inside the module running now."""
         session = self.session
         prefix = self.prefixes.get(where.stack_call, "")
-        origin = haiku_state.Origin(
-            _joined(prefix, hk.experimental.current_name()),
-            where.lifted and where.blocked is None,
-            where.blocked,
-            where.scan if where.blocked is None else None,
-            tap=tap,
-        )
+        bundle = _joined(prefix, hk.experimental.current_name())
+        if where.blocked is not None:
+            # Listed, and refused where selected or patched.
+            origin = haiku_state.Origin(bundle, tap=tap)
+            call = session.enter(
+                name,
+                None if method == "__call__" else method,
+                module,
+                call_args,
+                origin=origin,
+                record=False,
+            )
+            call.origin = haiku_state.refused(origin, call.name, where.blocked)
+            return unexpressible.listed(
+                session, call, run(), self.base, self.apply_frame
+            )
+        origin = haiku_state.Origin(bundle, where.lifted, scan=where.scan, tap=tap)
         if origin.lifted and not self.state_route:
             session.recorder.fall_back()  # discovery: again, through state
-        inside = origin.lifted or origin.blocked is not None
+        inside = origin.lifted
         call = session.enter(
             name,
             None if method == "__call__" else method,
@@ -343,8 +356,6 @@ class _Interceptor:
             origin=origin,
             record=not inside,
         )
-        if inside:
-            haiku_state.check_reachable(call.name, origin, session)
         value = run()
         if not self.state_route:
             return session.exit(call, value)  # the session's own epsilon

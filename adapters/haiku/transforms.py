@@ -26,7 +26,6 @@ import jax.numpy as jnp
 
 from bridge.adapter_api import (
     BridgeNotImplementedError,
-    BridgeValueError,
     Session,
     Site,
     SiteOrigin,
@@ -37,6 +36,7 @@ from bridge.adapter_api import (
     positional_arrays,
 )
 
+from ..shared import unexpressible
 from . import internals
 
 
@@ -72,8 +72,9 @@ class Origin(SiteOrigin):
     `bundle` is the state bundle, keyed like the module's params as `apply`
     sees them (`__layer_stack_no_per_layer/lin`). `lifted` is true inside
     `layer_stack`, `hk.scan`, `hk.remat` or `hk.jit`, whose values must leave
-    through state; `blocked` names a transform whose values cannot leave it
-    per call. Inside `hk.scan`, whose state is one carry for every iteration,
+    through state; `blocked` says why a call inside a transform whose values
+    cannot leave it per call is refused where selected or patched, naming it
+    (`refused`). Inside `hk.scan`, whose state is one carry for every iteration,
     `scan` is `(length, reverse)`: the carry holds the whole stacked epsilon,
     patch value and recording, and a step counter picks the iteration's row;
     `value` and `inputs` are the abstract value (floating leaves) and
@@ -153,18 +154,60 @@ def _set_row(rows: Any, row: Any, values: Any) -> Any:
     return jax.tree.map(lambda r, v: r.at[row].set(v), rows, values)
 
 
-def check_reachable(name: str, origin: Origin, session: Session) -> None:
-    if origin.blocked is None or (
-        name not in session.selected and name not in session.patches
-    ):
-        return
-    raise BridgeValueError(
-        f"bridge cannot see through {origin.blocked} around site {name!r}: "
-        f"Haiku carries state through {origin.blocked} as one value for "
-        "every iteration (or mapped example), so one epsilon would serve "
-        "them all and their gradients would be summed. Select sites outside "
-        "it with `at=`; a stack of layers written with "
-        "hk.experimental.layer_stack is supported."
+#: Why a site inside each Haiku transform cannot be expressed, and what to do.
+_REFUSALS = {
+    "hk.vmap": (
+        "Haiku carries state through hk.vmap as one value for every mapped "
+        "example, so one epsilon would serve them all and their gradients "
+        "would be summed",
+        "probe the unmapped function with bridge.probe(..., vmap=True)",
+    ),
+    "hk.scan": (
+        "Haiku's state there is one carry for nested scans (or for a scan "
+        "inside a layer stack), where bridge cannot pick one iteration's row",
+        "scan one level deep, or stack layers with hk.experimental.layer_stack",
+    ),
+    "hk.fori_loop": (
+        "Haiku carries state through hk.fori_loop as one value for every "
+        "iteration, so one epsilon would serve them all and their gradients "
+        "would be summed",
+        "write the loop as hk.scan, or stack layers with hk.experimental.layer_stack",
+    ),
+    "hk.while_loop": (
+        "how many iterations run is known only when the model runs, so no "
+        "epsilon or recording can be shaped for them",
+        "write the loop as hk.scan of fixed length",
+    ),
+    "hk.cond": (
+        "which branch runs is known only when the model runs, so a call in a "
+        "branch may not run at all",
+        "compute both branches and pick with jnp.where",
+    ),
+    "hk.switch": (
+        "which branch runs is known only when the model runs, so a call in a "
+        "branch may not run at all",
+        "compute every branch and pick with jnp.where",
+    ),
+    "hk.lift": (
+        "an inner transform the model lifts keeps state of its own, which "
+        "bridge's does not reach",
+        "probe the lifted function on its own",
+    ),
+}
+
+
+def refused(origin: Origin, name: str, transform: str) -> Origin:
+    """`origin` of site `name`, which bridge cannot express inside
+    `transform` (`hk.vmap`, `hk.while_loop`, ...): its `blocked` says why."""
+    why, fix = _REFUSALS.get(
+        transform,
+        (
+            f"a call inside {transform} runs where bridge's state does not reach",
+            "move the call out of it",
+        ),
+    )
+    return dataclasses.replace(
+        origin, blocked=unexpressible.reason(name, transform, why, fix)
     )
 
 
@@ -172,17 +215,12 @@ def tap_handler(session: Session, stop: Any, in_transform: Any) -> Any:
     """The session's tap handler. A tap inside `layer_stack`, `hk.scan` or
     `hk.remat` is a site whose values ride in the state of the module calling
     it (`in_transform(name, value, where)`), as that module's own do; one
-    inside a transform that cannot carry them raises."""
+    inside a transform that cannot carry them is listed there and refused
+    where selected or patched."""
 
     def tap(name: str, value: Any) -> Any:
         where = internals.enclosing(stop)
-        if where.blocked is not None:
-            raise BridgeNotImplementedError(
-                f"bridge.tap({name!r}) is called inside {where.blocked}, which "
-                "carries state as one value for every iteration: bridge cannot "
-                "see through it. Tap outside it."
-            )
-        if where.lifted:
+        if where.lifted or where.blocked is not None:
             return in_transform(name, value, where)
         return session.taps.tap_here(name, value)
 
