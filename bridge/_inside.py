@@ -247,6 +247,12 @@ class Inside:
         names = ", ".join(r.function.__qualname__ for r in self.rewrites)
         return f"Inside({names})"
 
+    def __copy__(self) -> Inside:
+        return self  # one set of rewrites, counted once (`_Rewrite.acquire`)
+
+    def __deepcopy__(self, memo: dict) -> Inside:
+        return self
+
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         """The rewritten code in place while the model runs; the original

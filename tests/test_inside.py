@@ -10,6 +10,7 @@ inserted by the test (`monkeypatch`), eager and jitted.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import threading
@@ -817,6 +818,7 @@ def test_inside_through_a_registered_adapter(registered, jit):
     # Rebuilt from its leaves, as `jax.jit` and discovery rebuild it.
     leaves, treedef = jax.tree.flatten(probe)
     assert list(jax.tree.unflatten(treedef, leaves).sites(X)) == sites
+    assert list(copy.deepcopy(probe).sites(X)) == sites
 
     def step(probe, x):
         return probe.value_and_grad(_loss, x, at="layer/hidden")
