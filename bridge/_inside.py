@@ -426,9 +426,10 @@ def looking_inside(probe: Any, inside: Inside | None) -> Any:
     probes rebuilt from their leaves would not look inside."""
     if inside is not None and not isinstance(probe, _LooksInside):
         base = type(probe)
+        made = _subclass(base, probe)
         try:
-            object.__setattr__(probe, "__class__", _subclass(base, probe))
-        except (TypeError, ValueError) as error:
+            object.__setattr__(probe, "__class__", made)
+        except TypeError as error:  # a layout the subclass cannot share
             raise BridgeTypeError(_cannot_carry(base, error)) from None
     object.__setattr__(probe, "_inside", inside)
     return probe
@@ -470,16 +471,20 @@ def _subclass(base: type, probe: Any) -> type:
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
         }
-        made = type(base)(base.__name__, (_LooksInside, base), namespace)
+        try:
+            made = type(base)(base.__name__, (_LooksInside, base), namespace)
+        except (TypeError, ValueError) as error:
+            raise BridgeTypeError(_cannot_carry(base, error)) from None
         if not jax.tree_util.treedef_is_leaf(_one_level(probe)[1]):
             try:
                 _register(made, base)
             except ValueError:  # registered already, by its metaclass
-                raise TypeError(
+                why = (
                     "its subclasses are pytrees registered by their metaclass "
                     f"({type(base).__qualname__}, as an equinox.Module's are), "
                     "whose flattening keeps only the class's own fields"
-                ) from None
+                )
+                raise BridgeTypeError(_cannot_carry(base, why)) from None
         _SUBCLASSES[base] = made
         return made
 
