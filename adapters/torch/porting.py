@@ -463,7 +463,7 @@ def _unchanged(value: Any) -> Any:
 def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     """A new probe of a deep copy of the module, with the given canonical
     weights written in (cast to each tensor's dtype, on its device)."""
-    module = copy.deepcopy(probe.module)
+    module = deep_copy(probe.module)
     with torch.no_grad():
         for _, (path, attribute, *rows), value in placed(updates):
             owner = module.get_submodule(path) if path else module
@@ -472,6 +472,29 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
             new = _to_torch(_as_numpy(value))
             target.copy_(new.reshape(target.shape).to(target.dtype))
     return type(probe)(module)
+
+
+def deep_copy(module: nn.Module) -> nn.Module:
+    """`copy.deepcopy(module)`, also of a module weight-normed the old way
+    (`torch.nn.utils.weight_norm`), whose `weight` is a tensor computed from
+    `weight_g` and `weight_v` that `deepcopy` refuses: the copy's is
+    computed afresh from its own, as the weight norm's forward pre-hook
+    computes it at each call."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    computed, memo = [], {}
+    for path, owner in module.named_modules():
+        for hook in owner._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm):
+                tensor = getattr(owner, hook.name, None)
+                if isinstance(tensor, torch.Tensor) and not tensor.is_leaf:
+                    memo[id(tensor)] = None
+                    computed.append((path, hook))
+    copied = copy.deepcopy(module, memo)
+    for path, hook in computed:
+        owner = copied.get_submodule(path) if path else copied
+        setattr(owner, hook.name, hook.compute_weight(owner))
+    return copied
 
 
 def _named_tensor(owner: nn.Module, name: str) -> torch.Tensor:
@@ -529,4 +552,4 @@ def unreached(
 def in_float64(probe: Any) -> Any:
     """A probe of a float64 deep copy of the module (`.double()`): the
     user's module is unchanged."""
-    return type(probe)(copy.deepcopy(probe.module).double())
+    return type(probe)(deep_copy(probe.module).double())
