@@ -1,0 +1,318 @@
+"""A trace-pattern fuzzer: layers inside `jax.jit` (a cached trace),
+`jax.checkpoint`, a `lax.scan` traced twice, `lax.cond` and `jax.vmap`, in all
+four libraries.
+
+Hypothesis draws a stack of one to three layers (`fuzz_models.Layer`): a
+module call, a `bridge.tap`, or both, each layer optionally inside one
+transform of the model's own code, and which site to select (`at=None` or
+one) and to patch (none, or one by a value or a function). Every site passes
+through a hook the test owns (`fuzz_models.hook`), which shifts or replaces its
+value; references come from it with plain JAX, never from bridge:
+
+- `probe.sites` lists exactly the sites that run, in call order, with the
+  shapes the hooks saw: no phantom `#1` for a body JAX traced twice, none
+  missing for a trace JAX had cached;
+- each site's activation is the value the hook saw, its activation gradient
+  is `jax.grad` with respect to the hook's offset, and `vdot(gradient, delta)`
+  is `jax.jvp` of the loss along an offset `delta` at that site alone;
+- parameter gradients and the loss are those of the unprobed model under
+  `jax.grad` (with a patch, of the model whose hook replaced the value);
+- a site bridge cannot express is refused with a `BridgeError` naming the
+  transform that holds it (the contract's `cond`, and a `scan` that gives its
+  epsilon no route), and only when selected or patched: with `at=None` it is
+  left out and every other site is probed.
+
+A silent zero, a missing activation or a phantom site fails.
+
+`BRIDGE_FUZZ_EXAMPLES=200 pytest tests/test_trace_fuzz.py` runs more examples.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fuzz_models import WRAPS, Layer, Spec, build, layer_of, patch_key
+from helpers import assert_tree_allclose, tree_vdot
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from reliability import ACTIVATIONS, LIBRARIES, loss_fn, random_values
+
+import bridge
+
+for _library in ("flax.linen", "flax.nnx", "equinox", "haiku"):
+    # Imported now, not inside an example (see test_properties.py).
+    pytest.importorskip(_library)
+
+EXAMPLES = int(os.environ.get("BRIDGE_FUZZ_EXAMPLES", "3"))
+#: Shrinking a failure costs minutes; `BRIDGE_FUZZ_SHRINK=1` asks for it.
+SHRINK = os.environ.get("BRIDGE_FUZZ_SHRINK") == "1"
+
+# A failing Hypothesis test makes its pytest plugin touch a deprecated name
+# while it reports; the suite's `error` filter would turn that into an
+# INTERNALERROR that hides the failure.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning"
+)
+
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if SHRINK else []),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+layers = st.builds(
+    Layer,
+    module=st.booleans(),
+    tap=st.booleans(),
+    width=st.integers(1, 4),
+    act=st.sampled_from(sorted(ACTIVATIONS)),
+    wrap=st.sampled_from(WRAPS),
+    native=st.booleans(),
+    iterations=st.integers(1, 2),
+).filter(lambda layer: layer.module or layer.tap)
+
+specs = st.builds(
+    Spec,
+    layers=st.lists(layers, min_size=1, max_size=3).map(tuple),
+    in_dim=st.integers(1, 4),
+    batch=st.integers(1, 3),
+    out=st.integers(1, 3),
+)
+
+#: `at=`: `None` (every site), or the index of one site (modulo their number).
+selections = st.one_of(st.none(), st.integers(0, 8))
+#: `patch=`: none, or `(index of a site, "value" | "function")`.
+patches = st.one_of(
+    st.none(), st.tuples(st.integers(0, 8), st.sampled_from(["value", "function"]))
+)
+
+
+def patch_function(value):
+    return 1.5 * value - 0.25
+
+
+# -- references, from the test's own hooks ---------------------------------------
+
+
+def site_structs(built):
+    """Each site's shape and dtype, as the hooks saw it."""
+    return jax.eval_shape(
+        lambda p, x: built.forward(p, x, {})[1], built.params, built.x
+    )
+
+
+def reference(built, patch_values, deltas):
+    """Loss, parameter gradients, the hooks' values, the gradient with respect
+    to a zero offset at every site, and `jax.jvp` of the loss along each
+    `deltas[name]` alone (one tangent per site, `jax.jacfwd`)."""
+    structs = site_structs(built)
+    order = sorted(deltas)
+
+    @jax.jit
+    def run(params, x, patch_values, deltas):
+        def loss_of(params, offsets):
+            outputs, recorded = built.forward(params, x, {**patch_values, **offsets})
+            return loss_fn(outputs), recorded
+
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), structs)
+        (loss, recorded), (grads, offset_grads) = jax.value_and_grad(
+            loss_of, argnums=(0, 1), has_aux=True
+        )(params, zeros)
+
+        def along(t):
+            offsets = {name: t[k] * deltas[name] for k, name in enumerate(order)}
+            return loss_of(params, offsets)[0]
+
+        directional = jax.jacfwd(along)(jnp.zeros(len(order), jnp.float32))
+        return {
+            "loss": loss,
+            "grads": grads,
+            "activations": recorded,
+            "activation_grads": offset_grads,
+            "directional": dict(zip(order, directional, strict=True)),
+        }
+
+    return run(built.params, built.x, patch_values, deltas)
+
+
+# -- what bridge may refuse ---------------------------------------------------------
+
+
+#: The transforms inside which bridge may refuse a site, with a `BridgeError`
+#: that names the site and the transform (one of these words): a `cond`
+#: (the contract: its branch may not run), a scan (where the site's epsilon
+#: has no route: a tap, parameters every step shares), a checkpoint, and a
+#: library's own vmap that broadcasts the parameters (`nn.vmap`, `nnx.vmap`,
+#: `hk.vmap`). Never a `jax.jit` (the contract: traced through), never a
+#: `jax.vmap` (the contract: the site holds the mapped value), never a site
+#: outside any transform.
+REFUSABLE = {
+    "cond": ("cond",),
+    "scan": ("scan",),
+    "checkpoint": ("checkpoint", "remat"),
+    "vmap": ("vmap",),
+}
+
+
+def may_refuse(library, layer):
+    if layer is None or layer.wrap not in REFUSABLE:
+        return False
+    return layer.wrap != "vmap" or (layer.native and library != "equinox")
+
+
+def assert_refusal(error, library, spec, site):
+    """`error` is bridge refusing `site` as the contract allows: a
+    `BridgeError` naming the site and the transform that holds it."""
+    message = str(error)
+    layer = layer_of(spec, library, site)
+    where = "no transform" if layer is None or layer.wrap is None else layer.wrap
+    if layer is not None and layer.native:
+        where = f"the library's own {where}"
+    assert isinstance(error, bridge.BridgeError), repr(error)
+    assert may_refuse(library, layer), (
+        f"site {site!r} (inside {where}) was refused, but bridge must probe it: "
+        f"{message}"
+    )
+    assert site in message, f"the refusal does not name site {site!r}: {message}"
+    words = REFUSABLE[layer.wrap]
+    assert any(re.search(rf"\b{word}\b", message) for word in words), (
+        f"the refusal of {site!r} does not name the {layer.wrap} around it: {message}"
+    )
+
+
+def refused_alone(built, site):
+    """Whether selecting `site` alone is refused (asserting the refusal is one
+    the contract allows); raised before any work, so run eagerly."""
+    try:
+        built.probe.value_and_grad(loss_fn, built.x, at=site)
+    except bridge.BridgeError as error:
+        assert_refusal(error, built.library, built.spec, site)
+        return True
+    return False
+
+
+def value_and_grad(built, mode, at, patch):
+    def run(probe):
+        return probe.value_and_grad(loss_fn, built.x, at=at, patch=patch)
+
+    return (jax.jit(run) if mode == "jit" else run)(built.probe)
+
+
+# -- the check ----------------------------------------------------------------------
+
+
+def check(library, spec, mode, at=None, patch=None):
+    """Probe a model of `spec` in `library` and check it against the hooks.
+
+    `at`: `None`, or a site (a name, or an index into the sites). `patch`:
+    `None`, or `(site, "value" | "function")`.
+    """
+    built = build(library, spec)
+    names = built.names
+    structs = site_structs(built)
+    assert sorted(structs) == sorted(names)  # the test's own model
+
+    # Listed: every site that runs, in call order, with its true shape.
+    listed = built.probe.sites(built.x)
+    assert list(listed) == names, f"sites listed {list(listed)}, ran {names}"
+    for name in names:
+        assert (listed[name].shape, listed[name].dtype) == (
+            structs[name].shape,
+            structs[name].dtype,
+        ), f"site {name!r} listed as {listed[name]}, its value is {structs[name]}"
+
+    if isinstance(at, int):
+        at = names[at % len(names)]
+    patched = None
+    if patch is not None:
+        patched, kind = patch
+        patched = names[patched % len(names)] if isinstance(patched, int) else patched
+    selected = names if at is None else [at]
+
+    # The hooks' values without a patch (a patch function's input).
+    plain = reference(built, {}, {})
+    patch_arg, patch_values = None, {}
+    if patched is not None:
+        if kind == "value":
+            value = random_values(structs[patched], 7)
+            patch_arg = {patched: value}
+        else:
+            value = patch_function(plain["activations"][patched])
+            patch_arg = {patched: patch_function}
+        patch_values = {patch_key(patched): value}
+
+    try:
+        res = value_and_grad(built, mode, at, patch_arg)
+    except bridge.BridgeError as error:
+        # Only a site selected by name or patched may be refused here: one
+        # that `at=None` selects is left out instead.
+        culprits = [s for s in {at, patched} if s is not None and s in str(error)]
+        assert culprits, f"refused, naming no selected or patched site: {error}"
+        for site in culprits:
+            assert_refusal(error, library, spec, site)
+        return "refused"
+
+    if patched is not None and patched not in res.activations:
+        assert refused_alone(built, patched), (
+            f"patched site {patched!r} neither probed nor refused"
+        )
+    got = set(res.activations)
+    assert set(res.activation_grads) == got
+    assert got <= set(selected), f"sites not selected: {sorted(got - set(selected))}"
+    for name in selected:
+        if name not in got:
+            # At=None leaves out what bridge cannot express: it must say so
+            # when the site is asked for alone.
+            assert at is None and refused_alone(built, name), (
+                f"selected site {name!r} is missing from the result"
+            )
+
+    deltas = {
+        name: random_values(structs[name], i) for i, name in enumerate(sorted(got))
+    }
+    expected = reference(built, patch_values, deltas)
+
+    np.testing.assert_allclose(res.loss, expected["loss"], rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(res.grads, expected["grads"], rtol=1e-4, atol=1e-6)
+    for name in sorted(got):
+        np.testing.assert_allclose(
+            res.activations[name],
+            expected["activations"][name],
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"activation of {name}",
+        )
+        grad, want = res.activation_grads[name], expected["activation_grads"][name]
+        assert not (np.all(np.asarray(grad) == 0) and np.any(np.asarray(want) != 0)), (
+            f"silent zero: the gradient at {name} is zero, the reference's is not"
+        )
+        np.testing.assert_allclose(
+            grad, want, rtol=1e-4, atol=1e-6, err_msg=f"activation gradient of {name}"
+        )
+        np.testing.assert_allclose(
+            tree_vdot(grad, deltas[name]),
+            expected["directional"][name],
+            rtol=2e-4,
+            atol=1e-6,
+            err_msg=f"d loss/d {name} . delta against jax.jvp",
+        )
+    return "probed"
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("library", LIBRARIES)
+@FUZZ
+@given(data=st.data())
+def test_trace_patterns(library, mode, data):
+    spec = data.draw(specs.filter(lambda spec: spec.valid_for(library)), label="spec")
+    at = data.draw(selections, label="at")
+    patch = data.draw(patches, label="patch")
+    check(library, spec, mode, at, patch)
