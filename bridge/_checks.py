@@ -107,6 +107,11 @@ def resolve_patches(
                 f"{', ...' if len(sites) > 8 else ''}."
             )
         for site in matched:
+            if site.refused:
+                raise BridgeValueError(
+                    f"patch key {pattern!r} names {site.name!r}, a site bridge "
+                    f"lists but cannot probe: {site.refused}"
+                )
             if callable(replacement):
                 _check_patch_function(site, replacement, arrays)
             else:
