@@ -1118,3 +1118,57 @@ def test_a_vmap_inside_a_scanned_layer_holds_iterations_then_batch_then_tokens(
     _near(patched.activations["layers/mix"], values["layers/mix"])
     grads = jax.grad(lambda o: _mlp_loss(by_hand(model, x, o, replacement)[0]))(offsets)
     _near(patched.activation_grads["layers/mix"], grads["layers/mix"])
+
+
+class Heads(eqx.Module):
+    """A scanned layer that maps a stack of heads (an ensemble) itself."""
+
+    heads: eqx.nn.Linear
+
+    def __call__(self, x):
+        out = jax.vmap(lambda head: head(x))(self.heads)
+        return x + jnp.tanh(out.sum(0))
+
+
+def _stack_of_heads(key, heads=3):
+    def make(k):
+        make_head = lambda k: eqx.nn.Linear(WIDTH, WIDTH, key=k)  # noqa: E731
+        return Heads(eqx.filter_vmap(make_head)(jax.random.split(k, heads)))
+
+    return ScansItsLayers(eqx.filter_vmap(make)(jax.random.split(key, LAYERS)))
+
+
+def _heads_by_hand(model, x, offset):
+    """One example, `offset` (one row per layer) added to the heads' value."""
+
+    def step(h, xs):
+        layer, off = xs
+        out = jax.vmap(lambda head: head(h))(layer.heads) + off
+        return h + jnp.tanh(out.sum(0)), out
+
+    return jax.lax.scan(step, x, (model.layers, offset))
+
+
+@NEEDS_JAXPR_PARENTS
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stack_of_heads_the_scanned_layer_maps_holds_every_head(mode):
+    model = _stack_of_heads(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+    probe = bridge.probe(model, vmap=True)
+    assert probe.sites(x)["layers/heads"].shape == (LAYERS, BATCH, 3, WIDTH)
+    res = _run(
+        mode,
+        lambda p, x: p.value_and_grad(_mlp_loss, x, at="layers/heads"),
+        probe,
+        x,
+    )
+
+    def by_hand(offset):  # the batch after the iterations
+        return jax.vmap(
+            lambda x, o: _heads_by_hand(model, x, o), in_axes=(0, 1), out_axes=(0, 1)
+        )(x, offset)
+
+    offset = jnp.zeros((LAYERS, BATCH, 3, WIDTH))
+    _near(res.activations["layers/heads"], by_hand(offset)[1])
+    grad = jax.grad(lambda o: _mlp_loss(by_hand(o)[0]))(offset)
+    _near(res.activation_grads["layers/heads"], grad)

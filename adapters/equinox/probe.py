@@ -1,16 +1,24 @@
 """Equinox: tree surgery on a copy of the model.
 
 Each submodule of the model (at its pytree path, `layers/0`) is replaced with
-a wrapper module that reports its calls to the probe's session, and so is each
+a wrapper that reports its calls to the probe's session, and so is each
 function-valued field such as `eqx.nn.MLP.activation` (`activation`,
-`activation#1`, …). The surgery happens on the copy the probe builds inside
-its traced function: the user's model is never changed. The epsilon of a
-selected call is the session's own, added to the call's value.
+`activation#1`, …). A wrapper is an instance of a subclass of the module's
+own class with the same fields (`_site_class`): the surgery is invisible to
+the model's code, whose `isinstance` checks, attribute and property reads,
+private methods and unwrapping functions (a `Parameterize`-style parameter
+wrapper that the model never calls but unwraps) see the module they expect.
+Only calls are sites: `__call__`, and every other method the model calls on
+a submodule from outside, private ones included (`base._log_prob`). The
+surgery happens on the copy the probe builds inside its traced function:
+the user's model is never changed. The epsilon of a selected call is the
+session's own, added to the call's value.
 
 A wrapper reports its call from where it runs (`bridge.adapters.equinox.calls`):
 calls inside JAX transforms of the model's own code (its `jax.vmap`s, a
-`lax.scan` over stacked layers, `jax.checkpoint`) are the work of
-`bridge.adapters.equinox.transforms` and `bridge.adapters.equinox.scan`.
+`lax.scan` over stacked layers, `jax.checkpoint`, and the model's vmaps
+inside those) are the work of `bridge.adapters.equinox.transforms` and
+`bridge.adapters.equinox.scan`.
 """
 
 from __future__ import annotations
@@ -385,18 +393,18 @@ def _method_names(cls: type, fields: set[str]) -> list[str]:
             dunder = name.startswith("__") and name.endswith("__")
             if (dunder and name != "__call__") or name in fields or name in _NOT_SITES:
                 continue
-            if _is_method(attribute):
-                names.setdefault(name)
+            if not isinstance(attribute, staticmethod | classmethod | property | type):
+                if _is_method(getattr(cls, name, None)):
+                    names.setdefault(name)
     return list(names)
 
 
 def _is_method(attribute: Any) -> bool:
-    """A class attribute that binds to its instance: a function, or a
-    decorated one (`eqx.filter_jit`, `jax.jit`)."""
-    return (
-        callable(attribute)
-        and hasattr(type(attribute), "__get__")
-        and not isinstance(attribute, staticmethod | classmethod | type)
+    """A method as its class holds it: a function (equinox < 0.12 wraps it in
+    a descriptor that gives the function back), or a callable that binds to
+    its instance (`eqx.filter_jit`, `jax.jit` on a method)."""
+    return inspect.isfunction(attribute) or (
+        callable(attribute) and hasattr(type(attribute), "__get__")
     )
 
 

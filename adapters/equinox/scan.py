@@ -17,9 +17,19 @@ backwards: the recorders enter through a `custom_vjp` identity whose backward
 pass returns the recorded value and inputs themselves as the recorders'
 cotangents, and `run_with_tree_leaves` pulls them out with one `jax.vjp` of the
 model (`call_in_transform`). Inputs that are not floating-point travel as
-float32 numbers that a cotangent carries exactly (`_as_floats`). A call inside
-a transform this cannot express (`lax.cond`, `while_loop`, a `jax.jit` inside
-the model, a `vmap` inside the scan, a layer closed over by the scan body
+float32 numbers that a cotangent carries exactly (`_as_floats`).
+
+A layer the scan body applies per token with the model's own `jax.vmap`
+(`jax.vmap(self.linear)(x)` in a scanned block) sees one token, yet its
+site holds every token: its value is handed out of those vmaps to the
+body's trace whole, mapped axes first (`transforms.lift`), and there it is
+patched, recorded and perturbed with the call's leaves as a call in the body
+itself is (`_call_mapped`). The site is `(iterations, *mapped axes, *value)`,
+and with `vmap=True` the probe's batch axis after the iterations.
+
+A call inside a transform this cannot express (`lax.cond`, `while_loop`, a
+`jax.jit` called in the model's code, a scan or checkpoint inside the
+model's own `jax.vmap`, nested scans, a layer closed over by the scan body
 rather than scanned over) is listed, and raises an error naming it where it
 is selected or patched (`bridge.adapters.equinox.refused`): a site is never
 silently missing or summed over iterations, nor does it block the others.

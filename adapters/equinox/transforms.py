@@ -16,7 +16,9 @@ eager or jitted (`lift`).
 
 Inside `lax.scan` over stacked layers and inside `jax.checkpoint` no value
 can be handed out: that route, through the tree, is
-`bridge.adapters.equinox.scan`.
+`bridge.adapters.equinox.scan`. The model's own vmaps inside a scan body
+hand their value out the same way, to the body's trace, where that route
+takes it on (`lift` with the call's leaves from the tree as `extra`).
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`, the one
 place that touches JAX's private modules.
@@ -32,7 +34,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from bridge.adapter_api import BridgeRuntimeError, BridgeValueError, SiteOrigin
+from bridge.adapter_api import BridgeRuntimeError, SiteOrigin
 
 from ..shared import jax_internals as internals
 
@@ -178,25 +180,25 @@ def lift(tree: Any, depth: int, observe: Callable[..., Any], extra: Any = None) 
 def _lift_batched(axis_size, values, dims, *, observe, depth, extra):
     """The batching rule: runs one trace out, where the mapped value is whole."""
     cut = len(values) - extra
-    if any(dim is not None for dim in dims[cut:]):
-        raise BridgeValueError(
-            "bridge cannot see through a jax.vmap of the model's own code that "
-            "maps a layer's parameters inside a jax.lax.scan or jax.checkpoint: "
-            "a site's epsilon there lives in the layer's tree and cannot vary "
-            "along that axis. Select other sites with `at=`."
-        )
     full = [
         jnp.broadcast_to(value, (axis_size, *jnp.shape(value)))
         if dim is None
         else jnp.moveaxis(value, dim, 0)
         for value, dim in zip(values[:cut], dims[:cut], strict=True)
     ]
+    # The call's leaves are whole where this vmap closes over them; where it
+    # maps them (the model maps a stack of layers: `jax.vmap(lambda head:
+    # head(x))(self.heads)`), they are mapped as the layers' value is.
+    leaves = [
+        value if dim is None else jnp.moveaxis(value, dim, 0)
+        for value, dim in zip(values[cut:], dims[cut:], strict=True)
+    ]
     if depth > 1:
         out = _lift_p.bind(
-            *full, *values[cut:], observe=observe, depth=depth - 1, extra=extra
+            *full, *leaves, observe=observe, depth=depth - 1, extra=extra
         )
     else:
-        out = observe(full, list(values[cut:]))
+        out = observe(full, leaves)
     return list(out), [0] * len(out)
 
 
