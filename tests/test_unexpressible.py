@@ -1,0 +1,565 @@
+"""A site bridge cannot express never blocks the others, in every library.
+
+Each case is an unexpressible call (inside a `while_loop`, a `cond`, a scan
+or vmap that broadcasts its parameters) between ordinary layers, a head
+after it. `sites()` lists it with its whole shape (the model's own mapped
+axes in front, a scan's iterations first); selecting or patching it raises
+a `bridge.BridgeError` naming the innermost transform that holds it;
+`at=None` leaves it out, and every other site's values and gradients equal
+independent references (plain `jax.grad` for the parameters, the bias
+identity or a gradient taken by hand for the activations), eager and under
+`jax.jit`. Reverse-mode differentiation through a `while_loop` is JAX's own
+limit: a model with one is checked forward (`probe.apply`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bridge
+
+
+def loss_fn(y):
+    return jnp.mean(jnp.sin(y) + y**2)
+
+
+def assert_close(actual, expected):
+    """Equal at the tensor's own scale, on any CPU."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, (a.shape, b.shape)
+        scale = float(np.max(np.abs(b))) if b.size else 0.0
+        error = float(np.max(np.abs(a - b))) if b.size else 0.0
+        assert error <= 1e-5 * scale + 1e-6, (error, scale)
+
+
+def shapes(struct):
+    return jax.tree.map(lambda s: tuple(s.shape), struct)
+
+
+def both_ways(run, *args):
+    """`run(*args)` eager and under `jax.jit`."""
+    return [run(*args), jax.jit(run)(*args)]
+
+
+def assert_refused(probe, args, site, message, kwargs=None):
+    """Selecting or patching `site` raises, naming the transform."""
+    kwargs = kwargs or {}
+    with pytest.raises(bridge.BridgeError, match=message):
+        probe.value_and_grad(loss_fn, *args, at=site, **kwargs)
+    with pytest.raises(bridge.BridgeError, match=message):
+        probe.apply(*args, at=site, **kwargs)
+    with pytest.raises(bridge.BridgeError, match=message):
+        probe.apply(*args, patch={site: lambda v: v}, **kwargs)
+
+
+def bias_sum(grad, leading):
+    """d loss / d bias from a dense layer's output gradient: summed over the
+    `leading` axes."""
+    return grad.sum(axis=tuple(range(leading)))
+
+
+# -- Flax Linen ------------------------------------------------------------------
+
+nn = pytest.importorskip("flax.linen")
+
+
+class LinenRNN(nn.Module):
+    """`nn.RNN` scans its cell with `variable_broadcast='params'`."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="embed")(x)
+        h = nn.RNN(nn.OptimizedLSTMCell(5, name="cell"), name="rnn")(h)
+        return nn.Dense(2, name="head")(h)
+
+
+class _Recurrent(nn.Module):
+    @nn.compact
+    def __call__(self, c, x):
+        c = nn.tanh(nn.Dense(4, name="mix")(c) + x)
+        return c, c
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return nn.tanh(nn.Dense(4, name="dense")(h)), None
+
+
+class LinenScans(nn.Module):
+    """A scan that broadcasts its parameters beside one that slices them."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="embed")(x)
+        recurrent = nn.scan(
+            _Recurrent,
+            variable_broadcast="params",
+            split_rngs={"params": False},
+            in_axes=1,
+            out_axes=1,
+        )
+        _, h = recurrent(name="recurrent")(jnp.zeros((x.shape[0], 4)), h)
+        stack = nn.scan(
+            _Layer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=2,
+        )
+        h, _ = stack(name="stack")(h, None)
+        return nn.Dense(2, name="head")(h)
+
+
+class LinenVmap(nn.Module):
+    """`nn.vmap` broadcasting its parameters over the time axis."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="embed")(x)
+        shared = nn.vmap(
+            nn.Dense,
+            variable_axes={"params": None},
+            split_rngs={"params": False},
+            in_axes=1,
+            out_axes=1,
+        )
+        return nn.Dense(2, name="head")(jnp.tanh(shared(4, name="shared")(h)))
+
+
+class LinenCond(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="embed")(x)
+        left, right = nn.Dense(4, name="left"), nn.Dense(4, name="right")
+        if self.is_initializing():
+            left(h), right(h)
+        h = nn.cond(
+            jnp.sum(h) > 0, lambda _, h: left(h), lambda _, h: right(h), self, h
+        )
+        return nn.Dense(2, name="head")(jnp.tanh(h))
+
+
+class LinenWhile(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="embed")(x)
+        step = nn.Dense(4, name="step")
+        if self.is_initializing():
+            step(h)
+
+        def body(module, carry):
+            i, h = carry
+            return i + 1, jnp.tanh(module(h))
+
+        _, h = nn.while_loop(lambda _, c: c[0] < 3, body, step, (0, h))
+        return nn.Dense(2, name="head")(h)
+
+
+def _linen(module, x):
+    variables = jax.jit(module.init)(jax.random.key(0), x)
+    return bridge.probe(module, variables), variables["params"]
+
+
+def _linen_plain(module, params, x):
+    """The loss and parameter gradients of the plain model (compiled: an
+    LSTM's eager gradient takes seconds)."""
+    return jax.jit(
+        jax.value_and_grad(lambda p: loss_fn(module.apply({"params": p}, x)))
+    )(params)
+
+
+def test_linen_rnn_cell_is_listed_and_refused_while_the_rest_probes():
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    module = LinenRNN()
+    probe, params = _linen(module, x)
+    sites = probe.sites(x)
+    # Every step's call, stacked: (steps, batch, features); carry, then output.
+    assert shapes(sites["cell"]) == (((3, 2, 5), (3, 2, 5)), (3, 2, 5))
+    assert shapes(sites["cell/hi"])[0] == (3, 5, 5)
+    assert_refused(probe, (x,), "cell", r"nn.scan around site 'cell': it broadcasts")
+    assert_refused(probe, (x,), "cell/hi", "nn.scan around site 'cell/hi'")
+    with pytest.raises(bridge.BridgeError, match="nn.scan"):
+        probe.value_and_grad(loss_fn, x, at=nn.OptimizedLSTMCell)
+    loss, grads = _linen_plain(module, params, x)
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == {"embed", "rnn", "head"}
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(res.grads, grads)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
+        assert_close(bias_sum(grad["head"], 2), grads["head"]["bias"])
+
+        def after_rnn(h):
+            return loss_fn(nn.Dense(2).apply({"params": params["head"]}, h))
+
+        by_hand = jax.grad(after_rnn)(res.activations["rnn"])
+        assert_close(grad["rnn"], by_hand)
+
+
+def test_linen_broadcast_scan_is_refused_and_a_sliced_scan_beside_it_probes():
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    module = LinenScans()
+    probe, params = _linen(module, x)
+    sites = probe.sites(x)
+    assert shapes(sites["recurrent/mix"]) == (3, 2, 4)  # (steps, batch, features)
+    assert shapes(sites["stack/dense"]) == (2, 2, 3, 4)  # (layers, batch, ...)
+    assert_refused(probe, (x,), "recurrent/mix", "nn.scan around site")
+    loss, grads = _linen_plain(module, params, x)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x)
+
+    for res in both_ways(run, probe, x):
+        assert "recurrent/mix" not in res.activations
+        assert_close(res.grads, grads)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
+        # One bias per layer of the sliced stack.
+        layers = grad["stack/dense"].sum(axis=(1, 2))
+        assert_close(layers, grads["stack"]["dense"]["bias"])
+
+
+def test_linen_vmap_broadcasting_params_is_refused_and_the_rest_probes():
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    module = LinenVmap()
+    probe, params = _linen(module, x)
+    # The mapped (time) axis first, as the model's own mapped axes always are.
+    assert shapes(probe.sites(x)["shared"]) == (3, 2, 4)
+    assert_refused(probe, (x,), "shared", "nn.vmap around site 'shared'")
+    loss, grads = _linen_plain(module, params, x)
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == {"embed", "head"}
+        assert_close(res.grads, grads)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
+        assert_close(bias_sum(grad["head"], 2), grads["head"]["bias"])
+
+
+def test_linen_cond_branches_are_refused_and_the_rest_probes():
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    module = LinenCond()
+    probe, params = _linen(module, x)
+    sites = probe.sites(x)
+    assert shapes(sites["left"]) == shapes(sites["right"]) == (3, 4)
+    assert_refused(probe, (x,), "left", "nn.cond around site 'left'")
+    loss, grads = _linen_plain(module, params, x)
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == {"embed", "head"}
+        assert_close(res.grads, grads)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["embed"], 1), grads["embed"]["bias"])
+        assert_close(bias_sum(grad["head"], 1), grads["head"]["bias"])
+
+
+def test_linen_while_loop_is_refused_and_the_rest_is_recorded():
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    module = LinenWhile()
+    probe, params = _linen(module, x)
+    assert shapes(probe.sites(x)["step"]) == (3, 4)
+    assert_refused(probe, (x,), "step", "nn.while_loop around site 'step'")
+    embed = nn.Dense(4).bind({"params": params["embed"]})(x)
+    outputs = module.apply({"params": params}, x)
+    for fwd in both_ways(lambda p, x: p.apply(x), probe, x):
+        assert set(fwd.activations) == {"embed", "head"}
+        assert_close(fwd.activations["embed"], embed)
+        assert_close(fwd.activations["head"], outputs)
+        assert_close(fwd.outputs, outputs)
+
+
+# -- Flax NNX --------------------------------------------------------------------
+
+nnx = pytest.importorskip("flax.nnx")
+
+
+class NnxModel(nnx.Module):
+    """`embed`, then `inner` (and `other`) inside the transform `kind`, then
+    `head`."""
+
+    def __init__(self, kind, rngs):
+        self.kind = kind
+        self.embed = nnx.Linear(3, 4, rngs=rngs)
+        self.inner = nnx.Linear(4, 4, rngs=rngs)
+        self.other = nnx.Linear(4, 4, rngs=rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.embed(x)
+        if self.kind == "cond":
+            h = nnx.cond(
+                jnp.sum(h) > 0, lambda a, b, h: a(h), lambda a, b, h: b(h),
+                self.inner, self.other, h,
+            )  # fmt: skip
+        elif self.kind == "scan":  # an RNN: one cell for every step
+            cell = nnx.scan(
+                lambda cell, c, x: (jnp.tanh(cell(c) + x),) * 2,
+                in_axes=(None, nnx.Carry, 1),
+                out_axes=(nnx.Carry, 1),
+            )
+            h = cell(self.inner, jnp.zeros_like(h[:, 0]), h)[1]
+        elif self.kind == "vmap":  # one module for every step
+            mapped = nnx.vmap(lambda m, h: m(h), in_axes=(None, 1), out_axes=1)
+            h = mapped(self.inner, h)
+        elif self.kind == "while":
+            h = nnx.while_loop(
+                lambda c: c[0] < 3,
+                lambda c: (c[0] + 1, c[1], jnp.tanh(c[1](c[2]))),
+                (0, self.inner, h),
+            )[2]
+        return self.head(jnp.tanh(h))
+
+
+@pytest.mark.parametrize(
+    "kind, refused, shape",
+    [
+        ("cond", ["inner", "other"], (5, 4)),
+        ("scan", ["inner"], (3, 5, 4)),  # (steps, batch, features)
+        ("vmap", ["inner"], (3, 5, 4)),  # the mapped (time) axis first
+    ],
+)
+def test_nnx_refused_site_is_listed_and_the_rest_probes(kind, refused, shape):
+    x = jax.random.normal(jax.random.key(1), (5, 3) if kind == "cond" else (5, 3, 3))
+    model = NnxModel(kind, nnx.Rngs(0))
+    probe = bridge.probe(model)
+    sites = probe.sites(x)
+    for site in refused:
+        assert shapes(sites[site]) == shape
+        assert_refused(probe, (x,), site, f"nnx.{kind} around site '{site}'")
+    loss, grads = nnx.value_and_grad(lambda m: loss_fn(m(x)))(nnx.clone(model))
+    leading = x.ndim - 1
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == {"embed", "head"}
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(res.grads, grads)
+        grad = res.activation_grads
+        bias = {name: grads[name]["bias"][...] for name in ("embed", "head")}
+        assert_close(bias_sum(grad["embed"], leading), bias["embed"])
+        assert_close(bias_sum(grad["head"], leading), bias["head"])
+
+
+def test_nnx_while_loop_is_refused_and_the_rest_is_recorded():
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    model = NnxModel("while", nnx.Rngs(0))
+    probe = bridge.probe(model)
+    assert shapes(probe.sites(x)["inner"]) == (5, 4)
+    assert_refused(probe, (x,), "inner", "nnx.while_loop around site 'inner'")
+    outputs = nnx.clone(model)(x)
+    for fwd in both_ways(lambda p, x: p.apply(x), probe, x):
+        assert set(fwd.activations) == {"embed", "head"}
+        assert_close(fwd.activations["embed"], model.embed(x))
+        assert_close(fwd.outputs, outputs)
+
+
+# -- Haiku -------------------------------------------------------------------------
+
+hk = pytest.importorskip("haiku")
+
+
+def _haiku_model(kind):
+    def forward(x):
+        h = hk.Linear(4, name="embed")(x)
+        inner, other = hk.Linear(4, name="inner"), hk.Linear(4, name="other")
+        if hk.running_init():  # every branch's and loop's parameters
+            h = inner(h) + other(h)
+        elif kind == "cond":
+            h = hk.cond(jnp.sum(h) > 0, inner, other, h)
+        elif kind == "vmap":  # one module for every example
+            h = hk.vmap(inner, split_rng=False)(h)
+        elif kind == "while":
+            h = hk.while_loop(
+                lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(inner(c[1]))), (0, h)
+            )[1]
+        return hk.Linear(2, name="head")(jnp.tanh(h))
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+@pytest.mark.parametrize(
+    "kind, refused", [("cond", ["inner", "other"]), ("vmap", ["inner"])]
+)
+def test_haiku_refused_site_is_listed_and_the_rest_probes(kind, refused):
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    transformed = _haiku_model(kind)
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params)
+    sites = probe.sites(x)
+    for site in refused:
+        assert shapes(sites[site]) == (5, 4)  # batch first, also inside hk.vmap
+        assert_refused(probe, (x,), site, f"hk.{kind} around site '{site}'")
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(transformed.apply(p, x)))(params)
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == {"embed", "head"}
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(res.grads, grads)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["embed"], 1), grads["embed"]["b"])
+        assert_close(bias_sum(grad["head"], 1), grads["head"]["b"])
+
+
+def test_haiku_while_loop_is_refused_and_the_rest_is_recorded():
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    transformed = _haiku_model("while")
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params)
+    assert shapes(probe.sites(x)["inner"]) == (5, 4)
+    assert_refused(probe, (x,), "inner", "hk.while_loop around site 'inner'")
+    outputs = transformed.apply(params, x)
+    for fwd in both_ways(lambda p, x: p.apply(x), probe, x):
+        assert set(fwd.activations) == {"embed", "head"}
+        assert_close(fwd.outputs, outputs)
+        assert_close(fwd.activations["head"], outputs)
+
+
+# -- Equinox -------------------------------------------------------------------------
+
+eqx = pytest.importorskip("equinox")
+
+
+def _rk4(field, y0, dt=0.1, steps=4):
+    """Fixed-step RK4 in a `lax.while_loop`, as ODE solvers loop."""
+
+    def step(carry):
+        i, y = carry
+        k1 = field(y)
+        k2 = field(y + dt / 2 * k1)
+        k3 = field(y + dt / 2 * k2)
+        k4 = field(y + dt * k3)
+        return i + 1, y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+
+    return jax.lax.while_loop(lambda c: c[0] < steps, step, (0, y0))[1]
+
+
+@eqx.filter_jit
+def _filter_jit_solve(field, y0):
+    """A hand-written ODE solve, as diffrax's `diffeqsolve` is built: the
+    solver's loop inside a jit of its own (here `eqx.filter_jit`)."""
+    return _rk4(field, y0)
+
+
+def _jax_jit_solve(field, y0):
+    """The same under `jax.jit`, the vector field applied to a batch of
+    states by the solver's own `jax.vmap`."""
+    return jax.jit(lambda y0: _rk4(jax.vmap(field), y0))(y0)
+
+
+class NeuralOde(eqx.Module):
+    encoder: eqx.nn.Linear
+    field: eqx.nn.MLP
+    head: eqx.nn.Linear
+
+    def __init__(self, key, batched):
+        keys = jax.random.split(key, 3)
+        linear = eqx.nn.Linear if not batched else _Batched
+        self.encoder = linear(4, 3, key=keys[0])
+        self.field = eqx.nn.MLP(3, 3, 8, 1, activation=jnp.tanh, key=keys[1])
+        self.head = linear(3, 2, key=keys[2])
+
+    def __call__(self, x):
+        solve = _jax_jit_solve if isinstance(self.head, _Batched) else _filter_jit_solve
+        return self.head(solve(self.field, self.encoder(x)))
+
+
+class _Batched(eqx.nn.Linear):
+    """A Linear over a batch, as a model without `vmap=True` takes it."""
+
+    def __call__(self, x):
+        return jax.vmap(super().__call__)(x)
+
+
+@pytest.mark.parametrize("vmap", [True, False], ids=["probe_vmap", "model_vmap"])
+def test_equinox_ode_solver_sites_are_listed_batch_first_and_refused_naming_the_loop(
+    vmap,
+):
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    model = NeuralOde(jax.random.key(0), batched=not vmap)
+    probe = bridge.probe(model, vmap=vmap)
+    sites = probe.sites(x)
+    # Batch first, the vector field's own per-neuron vmap after it; every RK4
+    # stage of the loop's body is one call.
+    assert shapes(sites["field"]) == (5, 3)
+    assert shapes(sites["field/layers/0"]) == (5, 8)
+    assert shapes(sites["field/activation"]) == (5, 8)
+    assert shapes(sites["field#3"]) == (5, 3)
+    # The loop is named, never the solver's jit around it.
+    message = r"through jax.lax.while_loop around site 'field'"
+    assert_refused(probe, (x,), "field", message)
+    with pytest.raises(bridge.BridgeError) as refusal:
+        probe.apply(x, at="field/activation#2")
+    assert "through jax.lax.while_loop around site 'field/activation#2'" in str(
+        refusal.value
+    )
+    assert "through a jax.jit" not in str(refusal.value)
+    # Every other site is recorded (reverse mode through a while_loop is
+    # JAX's own limit: the run is checked forward).
+    outputs = jax.vmap(model)(x) if vmap else model(x)
+    encoded = jax.vmap(model.encoder)(x) if vmap else model.encoder(x)
+    for fwd in both_ways(lambda p, x: p.apply(x), probe, x):
+        assert set(fwd.activations) == {"encoder", "head"}
+        assert_close(fwd.activations["encoder"], encoded)
+        assert_close(fwd.activations["head"], outputs)
+        assert_close(fwd.outputs, outputs)
+
+
+class EqxModel(eqx.Module):
+    """`encoder`, then a `lax.cond` of two layers or an RNN cell the scan
+    closes over, then `head`: one example (probed with `vmap=True`)."""
+
+    kind: str = eqx.field(static=True)
+    encoder: eqx.nn.Linear
+    left: eqx.nn.Linear
+    right: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, kind, key):
+        keys = jax.random.split(key, 4)
+        self.kind = kind
+        self.encoder = eqx.nn.Linear(3, 4, key=keys[0])
+        self.left = eqx.nn.Linear(4, 4, key=keys[1])
+        self.right = eqx.nn.Linear(4, 4, key=keys[2])
+        self.head = eqx.nn.Linear(4, 2, key=keys[3])
+
+    def __call__(self, x):
+        h = self.encoder(x)
+        if self.kind == "cond":
+            h = jax.lax.cond(
+                h[0] > 0, lambda h: self.left(h), lambda h: self.right(h), h
+            )
+        else:
+            step = lambda c, _: (jnp.tanh(self.left(c) + h), None)  # noqa: E731
+            h = jax.lax.scan(step, h, None, length=3)[0]
+        return self.head(jnp.tanh(h))
+
+
+@pytest.mark.parametrize(
+    "kind, refused, shape, transform",
+    [
+        ("cond", ["left", "right"], (5, 4), "jax.lax.cond"),
+        ("rnn", ["left"], (3, 5, 4), "this jax.lax.scan"),  # (steps, batch, ...)
+    ],
+)
+def test_equinox_refused_site_is_listed_and_the_rest_probes(
+    kind, refused, shape, transform
+):
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    model = EqxModel(kind, jax.random.key(0))
+    probe = bridge.probe(model, vmap=True)
+    sites = probe.sites(x)
+    for site in refused:
+        assert shapes(sites[site]) == shape
+        assert_refused(probe, (x,), site, f"through {transform}")
+
+    def plain(model):
+        return loss_fn(jax.vmap(model)(x))
+
+    loss, grads = eqx.filter_value_and_grad(plain)(model)
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == {"encoder", "head"}
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(eqx.filter(res.grads, eqx.is_array), grads)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["encoder"], 1), grads.encoder.bias)
+        assert_close(bias_sum(grad["head"], 1), grads.head.bias)
