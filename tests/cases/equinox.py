@@ -388,6 +388,52 @@ def shared_forward(model, x, hook, state=None):
     return hook("coder.decode", hook("coder/dec", model.coder.dec(jnp.tanh(z))))
 
 
+# -- tree surgery the model cannot see: a private method, a parameter wrapper ---
+
+
+class Masked(eqx.Module):
+    """A parameter wrapper the model never calls: its function unwraps it."""
+
+    weight: jax.Array
+    mask: jax.Array
+
+
+def unwrap(p):
+    return p.weight * p.mask if isinstance(p, Masked) else p
+
+
+class Gaussian(eqx.Module):
+    loc: jax.Array
+    _log_scale: jax.Array
+
+    def _log_prob(self, z):
+        return -0.5 * ((z - self.loc) / jnp.exp(self._log_scale)) ** 2 - self._log_scale
+
+
+class MaskedFlow(eqx.Module):
+    """A flow-style model: a masked weight, then the base's private density."""
+
+    w: Masked
+    shift: eqx.nn.Linear
+    base: Gaussian
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w = Masked(jax.random.normal(k1, (3, 3)), jnp.tril(jnp.ones((3, 3))))
+        self.shift = eqx.nn.Linear(3, 3, key=k2)
+        self.base = Gaussian(jax.random.normal(k3, (3,)), 0.1 * jnp.arange(3.0))
+
+    def __call__(self, x):
+        return self.base._log_prob(jnp.tanh(self.shift(unwrap(self.w) @ x)))
+
+
+def flow_forward(model, x, hook, state=None):
+    y = hook("shift", model.shift((model.w.weight * model.w.mask) @ x))
+    base = model.base
+    z = (jnp.tanh(y) - base.loc) / jnp.exp(base._log_scale)
+    return hook("base._log_prob", -0.5 * z**2 - base._log_scale)
+
+
 def _batchnorm_case():
     model, state = eqx.nn.make_with_state(BatchNormNet)(jax.random.key(0))
     return equinox_case(
@@ -489,5 +535,13 @@ CASES = {
         ],
         shared_forward,
         bias_sites=("coder/enc", "coder/dec"),
+    ),
+    "flow": lambda: equinox_case(
+        MaskedFlow(jax.random.key(0)),
+        (_inputs(4, 3),),
+        ["shift", "base._log_prob"],
+        flow_forward,
+        vmap=True,
+        bias_sites=("shift",),
     ),
 }
