@@ -52,6 +52,10 @@ import bridge
 
 WRAPS = (None, "jit", "checkpoint", "scan", "cond", "vmap")
 
+#: The carry a scan layer starts its total with: a Python `0`, which the
+#: body turns into a float, so that JAX traces the body twice.
+SCAN_START = 0
+
 #: Where a library cannot run a module call inside a transform of the
 #: model's own (its parameters would be created there at `init`).
 NO_MODULE_INSIDE = {"linen": {"cond"}, "haiku": {"cond"}}
@@ -128,12 +132,24 @@ def patch_key(name: str) -> str:
     return "patch:" + name
 
 
+def patch_function_key(name: str) -> str:
+    return "patch_function:" + name
+
+
+def patch_function(value: jax.Array) -> jax.Array:
+    """What a patch by a function does to a site's value."""
+    return 1.5 * value - 0.25
+
+
 def hook(name: str, value: jax.Array, iv: dict, rec: dict) -> jax.Array:
-    """The site's value, replaced by `iv["patch:" + name]` and shifted by
-    `iv[name]` where given; recorded in `rec`."""
+    """The site's value, replaced by `iv["patch:" + name]` (or by
+    `patch_function` of it where `iv` has `"patch_function:" + name`), then
+    shifted by `iv[name]` where given; recorded in `rec`."""
     patch = iv.get(patch_key(name))
     if patch is not None:
         value = patch.astype(value.dtype)
+    if patch_function_key(name) in iv:
+        value = patch_function(value)
     offset = iv.get(name)
     if offset is not None:
         value = value + offset
@@ -143,7 +159,7 @@ def hook(name: str, value: jax.Array, iv: dict, rec: dict) -> jax.Array:
 
 def own(iv: dict, names: list[str]) -> dict:
     """The entries of `iv` that belong to the sites `names`."""
-    keys = {*names, *map(patch_key, names)}
+    keys = {*names, *map(patch_key, names), *map(patch_function_key, names)}
     return {k: v for k, v in iv.items() if k in keys}
 
 
@@ -283,7 +299,9 @@ def jax_layer(
         else:
             arrays, make = None, lambda _: module
         step = scan_step(lambda sliced, h, iv: run(make(sliced), h, iv))
-        carry, rec = jax.lax.scan(step, (h, 0), (arrays, iv), length=layer.iterations)
+        carry, rec = jax.lax.scan(
+            step, (h, SCAN_START), (arrays, iv), length=layer.iterations
+        )
         return unscanned(carry), rec
     raise ValueError(wrap)
 
@@ -375,7 +393,7 @@ def _linen(spec: Spec, seed: int) -> Built:
                 split_rngs={"params": False},
                 length=layer.iterations,
             )
-            carry, rec = scanned(mdl, (h, 0), iv)
+            carry, rec = scanned(mdl, (h, SCAN_START), iv)
             return unscanned(carry), rec
         raise ValueError(wrap)
 
@@ -472,7 +490,7 @@ def _nnx(spec: Spec, seed: int) -> Built:
                 in_axes=(0, nnx.Carry, 0),
                 out_axes=(nnx.Carry, 0),
                 length=layer.iterations,
-            )(module, (h, 0), iv)
+            )(module, (h, SCAN_START), iv)
             return unscanned(carry), rec
         raise ValueError(wrap)
 
@@ -616,7 +634,7 @@ def _equinox(spec: Spec, seed: int) -> Built:
         # The reference maps the model over the batch: a scanned site's
         # steps come after the batch axis, where the contract puts them first.
         return {
-            k: jnp.swapaxes(v, 0, 1) if k.removeprefix("patch:") in scanned else v
+            k: jnp.swapaxes(v, 0, 1) if k.split(":")[-1] in scanned and v.ndim else v
             for k, v in tree.items()
         }
 
@@ -677,7 +695,7 @@ def _haiku(spec: Spec, seed: int) -> Built:
             step = scan_step(lambda _, h, iv: run(h, iv))
             carry, rec = hk.scan(
                 lambda carry, iv: step(carry, (None, iv)),
-                (h, 0),
+                (h, SCAN_START),
                 iv,
                 length=layer.iterations,
             )

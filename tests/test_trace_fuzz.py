@@ -36,7 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from fuzz_models import WRAPS, Layer, Spec, build, layer_of, patch_key
+from fuzz_models import (
+    WRAPS,
+    Layer,
+    Spec,
+    build,
+    layer_of,
+    patch_function,
+    patch_function_key,
+    patch_key,
+)
 from helpers import assert_tree_allclose, tree_vdot
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -48,7 +57,7 @@ for _library in ("flax.linen", "flax.nnx", "equinox", "haiku"):
     # Imported now, not inside an example (see test_properties.py).
     pytest.importorskip(_library)
 
-EXAMPLES = int(os.environ.get("BRIDGE_FUZZ_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("BRIDGE_FUZZ_EXAMPLES", "2"))
 #: Shrinking a failure costs minutes; `BRIDGE_FUZZ_SHRINK=1` asks for it.
 SHRINK = os.environ.get("BRIDGE_FUZZ_SHRINK") == "1"
 
@@ -93,10 +102,6 @@ selections = st.one_of(st.none(), st.integers(0, 8))
 patches = st.one_of(
     st.none(), st.tuples(st.integers(0, 8), st.sampled_from(["value", "function"]))
 )
-
-
-def patch_function(value):
-    return 1.5 * value - 0.25
 
 
 # -- references, from the test's own hooks ---------------------------------------
@@ -237,17 +242,15 @@ def check(library, spec, mode, at=None, patch=None):
         patched = names[patched % len(names)] if isinstance(patched, int) else patched
     selected = names if at is None else [at]
 
-    # The hooks' values without a patch (a patch function's input).
-    plain = reference(built, {}, {})
     patch_arg, patch_values = None, {}
-    if patched is not None:
-        if kind == "value":
-            value = random_values(structs[patched], 7)
-            patch_arg = {patched: value}
-        else:
-            value = patch_function(plain["activations"][patched])
-            patch_arg = {patched: patch_function}
-        patch_values = {patch_key(patched): value}
+    if patched is not None and kind == "value":
+        value = random_values(structs[patched], 7)
+        patch_arg, patch_values = {patched: value}, {patch_key(patched): value}
+    elif patched is not None:
+        patch_arg = {patched: patch_function}
+        # A marker the hook's transforms slice and map like the value.
+        marker = jnp.zeros(structs[patched].shape, structs[patched].dtype)
+        patch_values = {patch_function_key(patched): marker}
 
     try:
         res = value_and_grad(built, mode, at, patch_arg)
@@ -260,10 +263,12 @@ def check(library, spec, mode, at=None, patch=None):
             assert_refusal(error, library, spec, site)
         return "refused"
 
-    if patched is not None and patched not in res.activations:
-        assert refused_alone(built, patched), (
-            f"patched site {patched!r} neither probed nor refused"
-        )
+    leaked = [
+        path
+        for path, leaf in jax.tree_util.tree_leaves_with_path(res)
+        if isinstance(leaf, jax.core.Tracer)
+    ]
+    assert not leaked, f"the result holds tracers that escaped their trace: {leaked}"
     got = set(res.activations)
     assert set(res.activation_grads) == got
     assert got <= set(selected), f"sites not selected: {sorted(got - set(selected))}"
@@ -315,4 +320,129 @@ def test_trace_patterns(library, mode, data):
     spec = data.draw(specs.filter(lambda spec: spec.valid_for(library)), label="spec")
     at = data.draw(selections, label="at")
     patch = data.draw(patches, label="patch")
+    check(library, spec, mode, at, patch)
+
+
+# -- minimal reproductions of what the fuzzer found ----------------------------------
+
+
+def _one(**layer):
+    return Spec(layers=(Layer(**layer),))
+
+
+def _two(first, second):
+    return Spec(layers=(Layer(**first), Layer(**second)))
+
+
+TAP = {"module": False, "tap": True}
+MODULE = {"module": True, "tap": False}
+
+
+def _case(library, spec, id, mode="jit", at=None, patch=None):
+    return pytest.param(library, spec, mode, at, patch, id=id)
+
+
+NATIVE_VMAP = {**MODULE, "wrap": "vmap", "native": True}
+
+#: The smallest models found to fail, one per kind of failure and library,
+#: as `(library, spec, mode, at, patch)`.
+REPRODUCTIONS = [
+    # A tap inside a jitted function whose trace is cached is not listed.
+    *(
+        _case(lib, _one(**TAP, wrap="jit"), f"{lib}-tap-in-cached-jax.jit")
+        for lib in ("linen", "nnx", "haiku")
+    ),
+    _case("nnx", _one(**TAP, wrap="jit", native=True), "nnx-tap-in-cached-nnx.jit"),
+    # A tap inside a transform makes Equinox's `probe.sites` raise, which
+    # blocks every other site.
+    *(
+        _case("equinox", _one(**TAP, wrap=wrap), f"equinox-tap-in-{name}-blocks-all")
+        for wrap, name in (("jit", "jax.jit"), ("checkpoint", "jax.checkpoint"))
+    ),
+    # A module called inside a jitted function whose trace is cached is
+    # refused, naming the jit (NNX's `jax.jit`: naming "an NNX transform with
+    # graph=False").
+    _case("equinox", _one(**MODULE, wrap="jit"), "equinox-module-in-cached-jax.jit"),
+    _case(
+        "equinox",
+        _one(**MODULE, wrap="jit", native=True),
+        "equinox-module-in-cached-eqx.filter_jit",
+    ),
+    _case("nnx", _one(**MODULE, wrap="jit"), "nnx-module-in-cached-jax.jit"),
+    _case(
+        "nnx", _one(**MODULE, wrap="jit", native=True), "nnx-module-in-cached-nnx.jit"
+    ),
+    # An NNX module handed to `jax.checkpoint` as an argument is refused,
+    # naming "an NNX transform with graph=False", not the checkpoint.
+    _case(
+        "nnx",
+        _one(**MODULE, wrap="checkpoint"),
+        "nnx-module-argument-of-jax.checkpoint",
+    ),
+    # A scan body traced twice (its carry starts as a Python 0) lists each of
+    # its sites twice, the second a phantom `#1` (Linen's `nn.scan`: `#2` too).
+    *(
+        _case(lib, _one(**MODULE, wrap="scan"), f"{lib}-module-in-retraced-scan")
+        for lib in ("linen", "nnx", "equinox", "haiku")
+    ),
+    _case("haiku", _one(**TAP, wrap="scan"), "haiku-tap-in-retraced-scan"),
+    # NNX's `nnx.scan` over a stack of modules, its body traced twice:
+    # `probe.sites` raises ("its values did not come out with the module's
+    # parameters"), which blocks every site.
+    _case(
+        "nnx",
+        _one(**MODULE, wrap="scan", native=True),
+        "nnx-module-in-retraced-nnx.scan-blocks-all",
+    ),
+    # A tap inside `jax.checkpoint` or `lax.cond`, and an NNX module inside
+    # `lax.cond`: the value escapes its trace (an UnexpectedTracerError under
+    # `jax.jit`; eagerly, a DynamicJaxprTracer returned as the activation).
+    *(
+        _case(lib, _one(**TAP, wrap="checkpoint"), f"{lib}-tap-in-jax.checkpoint-leaks")
+        for lib in ("linen", "nnx", "haiku")
+    ),
+    _case(
+        "linen",
+        _one(**TAP, wrap="checkpoint"),
+        "linen-tap-in-jax.checkpoint-leaks-eagerly",
+        mode="eager",
+    ),
+    _case("linen", _one(**TAP, wrap="cond"), "linen-tap-in-lax.cond-leaks"),
+    _case(
+        "nnx", _one(**MODULE, wrap="cond"), "nnx-module-in-lax.cond-leaks", mode="eager"
+    ),
+    # A site inside the model's own `jax.vmap` is listed with the shape of one
+    # mapped example, not of the mapped value (the mapped axis first).
+    *(
+        _case(lib, _one(**MODULE, wrap="vmap"), f"{lib}-module-in-jax.vmap-shape")
+        for lib in ("linen", "nnx", "haiku")
+    ),
+    _case("haiku", _one(**TAP, wrap="vmap"), "haiku-tap-in-jax.vmap-shape"),
+    # Linen: with an `nn.vmap` in the model, the sites inside other lifted
+    # transforms are refused naming that vmap (an `nn.remat` before it, an
+    # `nn.jit` after it), or left out of the listing (an `nn.jit` before it;
+    # an `nn.scan` after an `nn.jit` does the same).
+    _case(
+        "linen",
+        _two({**MODULE, "wrap": "checkpoint", "native": True}, NATIVE_VMAP),
+        "linen-nn.remat-site-refused-naming-a-later-nn.vmap",
+        at="layer0",
+    ),
+    _case(
+        "linen",
+        _two(NATIVE_VMAP, {**MODULE, "wrap": "jit", "native": True}),
+        "linen-nn.jit-site-refused-naming-an-earlier-nn.vmap",
+        at="layer1",
+    ),
+    _case(
+        "linen",
+        _two({**MODULE, "wrap": "jit", "native": True}, NATIVE_VMAP),
+        "linen-nn.jit-site-lost-before-an-nn.vmap",
+        mode="eager",
+    ),
+]
+
+
+@pytest.mark.parametrize("library, spec, mode, at, patch", REPRODUCTIONS)
+def test_reproduction(library, spec, mode, at, patch):
     check(library, spec, mode, at, patch)
