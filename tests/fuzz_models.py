@@ -189,6 +189,18 @@ def body(i: int, layer: Layer, mod_name: str, call, h, iv) -> tuple[jax.Array, d
 # -- the transforms -----------------------------------------------------------------
 
 
+#: The keys of `cached_jit` functions, one entry each time JAX traces one.
+JIT_TRACES: list[tuple] = []
+
+
+def _counted(key: tuple, fn: Callable) -> Callable:
+    def traced(*args):
+        JIT_TRACES.append(key)
+        return fn(*args)
+
+    return traced
+
+
 @functools.cache
 def cached_jit(kind: str, i: int, layer: Layer, mod_name: str) -> Callable:
     """The jitted function of layer `i`, made once: its trace is cached.
@@ -196,11 +208,12 @@ def cached_jit(kind: str, i: int, layer: Layer, mod_name: str) -> Callable:
     `kind`: `jax` (`jax.jit` of `(module, h, iv)`), `tail` (`jax.jit` of the
     activation and tap, `(h, iv)`), `eqx` (`eqx.filter_jit`), `nnx`
     (`nnx.jit`), `linen` (`nn.jit` of `(mdl, h, iv)`, `mdl` the model)."""
-    run = functools.partial(body, i, layer, mod_name)
+    key = (kind, i, layer, mod_name)
+    run = _counted(key, functools.partial(body, i, layer, mod_name))
     if kind == "jax":
         return jax.jit(run)
     if kind == "tail":
-        return jax.jit(functools.partial(tail, i, layer))
+        return jax.jit(_counted(key, functools.partial(tail, i, layer)))
     if kind == "eqx":
         import equinox as eqx
 

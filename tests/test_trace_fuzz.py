@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 
+import fuzz_models
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -321,6 +322,20 @@ def test_trace_patterns(library, mode, data):
     at = data.draw(selections, label="at")
     patch = data.draw(patches, label="patch")
     check(library, spec, mode, at, patch)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_jitted_functions_inside_the_models_are_warm(library, native):
+    """The fuzzer's `jit` layers test what they claim: after `Built.warm`,
+    running the model at the same shapes traces none of them again."""
+    layers = (Layer(module=True, tap=True, wrap="jit", native=native),) * 2
+    built = build(library, Spec(layers=layers))
+    before = len(fuzz_models.JIT_TRACES)
+    assert before > 0
+    built.warm()
+    jax.eval_shape(built.plain, built.params, built.x)
+    assert len(fuzz_models.JIT_TRACES) == before
 
 
 # -- minimal reproductions of what the fuzzer found ----------------------------------
