@@ -49,6 +49,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import guests, jax_internals, unexpressible
+from . import refused
 from .guest import entering_linen_lifted_scope
 from .variables import (
     EPSILON_COLLECTION,
@@ -121,71 +122,6 @@ def _check_perturbed(floats: Any, value: Any, name: str) -> None:
 class _NeedsParams(Exception):
     """Discovery met a transform that carries only `params`: run it again with
     `params` mutable, so recordings can leave the transform with them."""
-
-
-class _Broadcasts(Exception):
-    """Discovery, recording in `params`, met a lifted transform that
-    broadcasts them (`nn.RNN`'s `nn.scan`, an `nn.vmap` with
-    `variable_axes={'params': None}`): Flax refuses a broadcast variable that
-    depends on the loop. Discovery runs again with the calls inside it listed
-    as refused sites, and the others as before."""
-
-    def __init__(self, key: tuple, transform: str):
-        super().__init__(key, transform)
-        self.key = key
-        self.transform = transform
-
-
-#: Flax's errors where a transform broadcasts `params` that a recording made
-#: inside depends on, and the transform each names.
-_BROADCAST_ERRORS = {
-    "broadcasted variable has a data dependency": "nn.scan",
-    "got axis spec None but output was batched": "nn.vmap",
-}
-
-
-def _broadcasting(error: ValueError) -> str | None:
-    message = str(error)
-    for text, transform in _BROADCAST_ERRORS.items():
-        if text in message:
-            return transform
-    return None
-
-
-#: Why a site inside each transform cannot be expressed, and what to do.
-_REFUSALS = {
-    "nn.scan": (
-        "it broadcasts `params` (variable_broadcast='params', as nn.RNN "
-        "does), so one epsilon would serve every iteration and their "
-        "gradients would be summed",
-        "scan over stacked layers (variable_axes={'params': 0}), or unroll the loop",
-    ),
-    "nn.vmap": (
-        "it broadcasts `params` (variable_axes={'params': None}), so one "
-        "epsilon would serve every mapped example and their gradients would "
-        "be summed",
-        "probe the unmapped model with bridge.probe(..., vmap=True)",
-    ),
-    "nn.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
-        "write the loop as an nn.scan of fixed length",
-    ),
-    "nn.cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
-        "compute both branches and pick with jnp.where",
-    ),
-    "nn.switch": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
-        "compute every branch and pick with jnp.where",
-    ),
-}
-
-#: JAX's names of the loops and branches (`unexpressible.LOOPS_AND_BRANCHES`)
-#: as Linen's lifted transforms.
-_LINEN_NAMES = {"while_loop": "nn.while_loop", "cond": "nn.cond", "switch": "nn.switch"}
 
 
 def probe(module: nn.Module, *variables: Any, vmap: bool = False) -> LinenProbe:
@@ -265,7 +201,7 @@ class LinenProbe(ProbeBase):
     ) -> tuple[Any, Any]:
         unexpressible.refuse_patched(session)
         # `{transform: its name}` of the lifted transforms that broadcast
-        # `params`, learnt by discovery (`_Broadcasts`).
+        # `params`, learnt by discovery (`refused.Broadcasts`).
         broadcasting: dict[tuple, str] = {}
 
         def apply(in_params: bool) -> tuple[Any, Any]:
@@ -275,7 +211,7 @@ class LinenProbe(ProbeBase):
                     return self._apply(
                         trainable, args, kwargs, session, in_params, broadcasting
                     )
-                except _Broadcasts as found:
+                except refused.Broadcasts as found:
                     if found.key in broadcasting:
                         raise BridgeRuntimeError(
                             f"bridge could not list the calls inside {found.transform} "
@@ -317,7 +253,7 @@ class LinenProbe(ProbeBase):
                     variables, *args, mutable=mutable, **apply_kwargs, **model_kwargs
                 )
         except ValueError as error:
-            transform = _broadcasting(error) if in_params else None
+            transform = refused.broadcasting(error) if in_params else None
             if transform is not None:
                 # Discovery lists the calls inside as refused sites; a run
                 # records in `params` only the sites discovery did not refuse.
@@ -376,8 +312,8 @@ class _Interceptor:
         self.in_params = in_params
         self.stack: list[_Frame] = []
         self.transform = "a Flax lifted transform"
-        # The transforms known to broadcast `params` (see `_Broadcasts`), and
-        # the traces of their bodies now, by id (the trace kept alive).
+        # The transforms known to broadcast `params` (`refused.Broadcasts`),
+        # and the traces of their bodies now, by id (the trace kept alive).
         self.broadcasting = broadcasting
         self.broadcast_traces: dict[int, tuple[Any, str]] = {}
         # The trace and the frame of the probe's `apply`: the model's own
@@ -407,10 +343,10 @@ class _Interceptor:
         except ValueError as error:
             # Flax refuses, after tracing a lifted body, a recording in
             # broadcast `params`: the transform this call entered last.
-            transform = _broadcasting(error) if self.in_params else None
+            transform = refused.broadcasting(error) if self.in_params else None
             if transform is None or not frame.entered:
                 raise
-            raise _Broadcasts(frame.entered[-1], transform) from error
+            raise refused.Broadcasts(frame.entered[-1], transform) from error
         finally:
             self.stack.pop()
 
@@ -474,7 +410,7 @@ class _Interceptor:
 
         transform = unexpressible.innermost_loop_or_branch(self.base, broadcasting)
         if transform is not None:
-            return _LINEN_NAMES.get(transform, transform)
+            return refused.LINEN_NAMES.get(transform, transform)
         if (
             self._lifted(frame)
             and not carried
@@ -497,7 +433,7 @@ class _Interceptor:
             origin=_Origin(path, tap=tap),
             record=False,
         )
-        why, fix = _REFUSALS.get(
+        why, fix = refused.REFUSALS.get(
             transform,
             (
                 "it carries neither bridge's collections nor `params`, so a "
