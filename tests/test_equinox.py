@@ -921,29 +921,65 @@ def test_shared_layers_are_sites_and_their_selectors_are_not():
     )
 
 
-def test_a_module_class_bridge_cannot_wrap_is_refused_naming_it():
-    class Final(eqx.Module):
-        weight: jax.Array
+class Registered(eqx.Module):
+    """A layer whose class keeps a registry of its subclasses."""
 
-        def __init_subclass__(cls, **kwargs):
-            raise TypeError("Final is final")
+    registry = {}  # noqa: RUF012
 
-        def __call__(self, x):
-            return self.weight * x
+    weight: jax.Array
 
-    class Clashing(eqx.Module):
-        bridge_path: jax.Array
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Registered.registry[cls.__name__] = cls
 
-        def __call__(self, x):
-            return self.bridge_path * x
+    def _scale(self, x):
+        return self.weight * x
 
-    for layer, message in [
-        (Final(jnp.ones(2)), r"Final cannot be subclassed \(Final is final\)"),
-        (Clashing(jnp.ones(2)), r"Clashing has a field named 'bridge_path'"),
-    ]:
-        probe = bridge.probe(eqx.nn.Sequential([layer]))
-        with pytest.raises(bridge.BridgeError, match=message):
-            probe.sites(jnp.ones(2))
+    def __call__(self, x):
+        return jnp.tanh(self._scale(x))
+
+
+class Clashing(eqx.Module):
+    """A layer with a field named like one of bridge's own."""
+
+    bridge_path: jax.Array
+
+    def __call__(self, x):
+        return self.bridge_path * x
+
+
+class Calls(eqx.Module):
+    registered: Registered
+    clashing: Clashing
+
+    def __call__(self, x):
+        return self.clashing(self.registered._scale(x) + self.registered(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_class_not_to_subclass_is_wrapped_and_answers_all_the_same(mode):
+    model = Calls(Registered(jnp.arange(1.0, 4.0)), Clashing(jnp.full(3, 0.5)))
+    x = jax.random.normal(jax.random.key(1), (3,))
+    probe = bridge.probe(model)
+    assert list(probe.sites(x)) == [
+        "registered._scale",
+        "registered",
+        "clashing",
+    ]
+    res = _run(mode, lambda p, x: p.value_and_grad(_mlp_loss, x), probe, x)
+    _near(res.activations["registered._scale"], model.registered._scale(x))
+    _near(res.activations["clashing"], model(x))
+
+    def offset(t):
+        scaled = model.registered._scale(x) + t
+        return _mlp_loss(model.clashing(scaled + model.registered(x)))
+
+    _near(
+        res.activation_grads["registered._scale"],
+        jax.grad(offset)(jnp.zeros(3)),
+    )
+    assert_tree_allclose(res.grads, eqx.filter_grad(lambda m: _mlp_loss(m(x)))(model))
+    assert Registered.registry == {}  # bridge's wrapper is no subclass of it
 
 
 # -- the model's own jax.vmap inside a scanned stack -----------------------------

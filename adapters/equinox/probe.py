@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -313,24 +314,36 @@ _SITE_FIELDS = ("bridge_leaves", "bridge_path", "bridge_shapes", "bridge_token")
 #: Methods that are protocol rather than a step of the forward pass.
 _NOT_SITES = frozenset({"is_stateful"})
 
-#: `type(module) -> its wrapper class`, made once per class.
+#: `type(module) -> its wrapper class` (`None`: a `_ForwardingSite`), made
+#: once per class.
 _SITE_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SITE_CLASSES_LOCK = threading.Lock()
 
 
 def _wrapped(
     inner: eqx.Module, leaves: dict, path: str, shapes: tuple, token: Any
 ) -> eqx.Module:
     """`inner` as a site: an instance of a subclass of its own class
-    (`_site_class`) holding the same fields, and bridge's."""
-    wrapper = object.__new__(_site_class(type(inner)))
+    (`_site_class`) holding the same fields, and bridge's; where its class
+    is not to be subclassed, a `_ForwardingSite` holding it."""
+    site_class = _site_class(type(inner))
+    if site_class is None:
+        forwarding = (
+            _StatefulForwardingSite
+            if isinstance(inner, eqx.nn.StatefulLayer)
+            else _ForwardingSite
+        )
+        return forwarding(inner, leaves, path, shapes, token)
+    wrapper = object.__new__(site_class)
     vars(wrapper).update(vars(inner))
     for name, value in zip(_SITE_FIELDS, (leaves, path, shapes, token), strict=True):
         object.__setattr__(wrapper, name, value)
     return wrapper
 
 
-def _site_class(cls: type) -> type:
-    """A subclass of the module class `cls` whose calls are sites.
+def _site_class(cls: type) -> type | None:
+    """A subclass of the module class `cls` whose calls are sites, or `None`
+    where `cls` is not to be subclassed.
 
     Tree surgery stays invisible to the model's code: a wrapper is an
     instance of the module's own class, with the same fields, so `isinstance`
@@ -341,17 +354,29 @@ def _site_class(cls: type) -> type:
     (`self.base._log_prob(x)` is the site `base._log_prob`), are reported;
     each runs on a plain instance of `cls` (`_unwrapped`), so a method that
     the module calls on itself is part of the call, not a site of its own.
-    Dunder methods other than `__call__` run as they are."""
-    made = _SITE_CLASSES.get(cls)
-    if made is not None:
+    Dunder methods other than `__call__` run as they are.
+
+    A class with an `__init_subclass__` of its own (a registry of subclasses
+    would learn of bridge's), with a field named like one of bridge's, or
+    that refuses to be subclassed is wrapped by a `_ForwardingSite` instead.
+    """
+    with _SITE_CLASSES_LOCK:
+        if cls in _SITE_CLASSES:
+            return _SITE_CLASSES[cls]
+        made = _make_site_class(cls)
+        _SITE_CLASSES[cls] = made
         return made
+
+
+def _make_site_class(cls: type) -> type | None:
     fields = {field.name for field in dataclasses.fields(cls)}
-    clash = fields.intersection(_SITE_FIELDS)
-    if clash:
-        raise BridgeTypeError(
-            f"{cls.__qualname__} has a field named {sorted(clash)[0]!r}, a name "
-            "bridge's Equinox wrappers use: rename the field to probe this model."
-        )
+    hooked = any(
+        "__init_subclass__" in vars(klass)
+        for klass in cls.__mro__
+        if not _is_equinox_base(klass)
+    )
+    if hooked or fields.intersection(_SITE_FIELDS):
+        return None
     namespace: dict[str, Any] = {
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
@@ -367,15 +392,18 @@ def _site_class(cls: type) -> type:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the class's own, warned at its making
-            made = type(cls)(cls.__name__, (cls,), namespace)
-    except Exception as error:
-        raise BridgeTypeError(
-            f"bridge probes an Equinox submodule through a subclass of its class, "
-            f"and {cls.__qualname__} cannot be subclassed ({error}). Please report "
-            "this model."
-        ) from error
-    _SITE_CLASSES[cls] = made
-    return made
+            return type(cls)(cls.__name__, (cls,), namespace)
+    except Exception:  # a class that will not be subclassed (strict, final)
+        return None
+
+
+_BASE_MODULES = frozenset({"builtins", "abc", "typing", "collections.abc"})
+
+
+def _is_equinox_base(klass: type) -> bool:
+    """`eqx.Module` and what it derives from: no class of a model."""
+    module = klass.__module__
+    return module.startswith("equinox._module") or module in _BASE_MODULES
 
 
 def _method_names(cls: type, fields: set[str]) -> list[str]:
@@ -387,7 +415,7 @@ def _method_names(cls: type, fields: set[str]) -> list[str]:
         return []  # its call rebuilds the tree it shares nodes of: no layer
     names: dict[str, None] = {}
     for klass in cls.__mro__:
-        if klass.__module__.startswith("equinox._module") or klass is object:
+        if _is_equinox_base(klass):
             continue
         for name, attribute in vars(klass).items():
             dunder = name.startswith("__") and name.endswith("__")
@@ -433,6 +461,66 @@ def _unwrapped(wrapper: Any, cls: type) -> Any:
         if name not in _SITE_FIELDS:
             object.__setattr__(module, name, value)
     return module
+
+
+class _ForwardingSite(eqx.Module):
+    """Stands in for a submodule whose class is not to be subclassed (see
+    `_site_class`): it answers every attribute and method of the module,
+    private ones included; its call and the calls of its methods are sites.
+    An `isinstance` check of the model's code does not see the module's class
+    through it."""
+
+    module: eqx.Module
+    bridge_leaves: dict
+    bridge_path: str = eqx.field(static=True)
+    bridge_shapes: tuple = eqx.field(static=True)
+    bridge_token: Any = eqx.field(static=True, default=None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._observed("__call__", args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names the wrapper lacks: forward to the module.
+        if name in _FORWARDING_FIELDS:
+            raise AttributeError(name)
+        attribute = getattr(self.module, name)
+        dunder = name.startswith("__") and name.endswith("__")
+        fields = {field.name for field in dataclasses.fields(self.module)}
+        if dunder or name in fields or name in _NOT_SITES:
+            return attribute
+        static = inspect.getattr_static(type(self.module), name, None)
+        if isinstance(static, staticmethod | classmethod) or not _is_method(
+            getattr(type(self.module), name, None)
+        ):
+            return attribute
+        return lambda *args, **kwargs: self._observed(name, args, kwargs)
+
+    def _observed(self, name: str, args: tuple, kwargs: dict) -> Any:
+        site = calls.Site(
+            self.bridge_path, self.bridge_leaves, self.bridge_shapes, self.module
+        )
+        function = calls.unjitted(self.module, name)
+        method = None if name == "__call__" else name
+        return calls.observed_call(site, method, self.module, function, args, kwargs)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.module[index]
+
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __iter__(self):
+        return iter(self.module)
+
+
+_FORWARDING_FIELDS = frozenset({"module", *_SITE_FIELDS})
+
+
+class _StatefulForwardingSite(_ForwardingSite, eqx.nn.StatefulLayer):
+    """A forwarding `StatefulLayer`, so `eqx.nn.Sequential` threads its state."""
+
+    def is_stateful(self) -> bool:
+        return self.module.is_stateful()
 
 
 class _FunctionSite(eqx.Module):
