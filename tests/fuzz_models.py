@@ -11,7 +11,8 @@ and the whole layer optionally runs inside one transform (`Layer.wrap`):
   (`Built.warm`), and then its Python does not run again.
 - `checkpoint`: rematerialised.
 - `scan`: a scan over `iterations` steps whose carry holds a Python `0` that
-  the body turns into a float, so that JAX traces the body twice.
+  the body turns into a float, so that JAX traces the body twice (or, where
+  not `retrace`, a float: traced once).
 - `cond`: a `cond` whose first branch, the layer, is the one that runs.
 - `vmap`: mapped over a new leading axis holding two copies of the input.
 
@@ -52,10 +53,6 @@ import bridge
 
 WRAPS = (None, "jit", "checkpoint", "scan", "cond", "vmap")
 
-#: The carry a scan layer starts its total with: a Python `0`, which the
-#: body turns into a float, so that JAX traces the body twice.
-SCAN_START = 0
-
 #: Where a library cannot run a module call inside a transform of the
 #: model's own (its parameters would be created there at `init`).
 NO_MODULE_INSIDE = {"linen": {"cond"}, "haiku": {"cond"}}
@@ -74,6 +71,9 @@ class Layer:
     wrap: str | None = None
     native: bool = False
     iterations: int = 2
+    #: A scan's carry starts as a Python `0` that the body turns into a float,
+    #: so that JAX traces the body twice (else as a float: traced once).
+    retrace: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +253,11 @@ def predicate(h):
     return jnp.all(jnp.isfinite(h))
 
 
+def scan_start(layer: Layer) -> int | float:
+    """The total a scan layer's carry starts with."""
+    return 0 if layer.retrace else 0.0
+
+
 def scan_step(run: Callable) -> Callable:
     """A scan body around `run(sliced, h, iv)`: its carry `(h, total)` starts
     with `total` a Python `0` that it turns into a float."""
@@ -313,7 +318,7 @@ def jax_layer(
             arrays, make = None, lambda _: module
         step = scan_step(lambda sliced, h, iv: run(make(sliced), h, iv))
         carry, rec = jax.lax.scan(
-            step, (h, SCAN_START), (arrays, iv), length=layer.iterations
+            step, (h, scan_start(layer)), (arrays, iv), length=layer.iterations
         )
         return unscanned(carry), rec
     raise ValueError(wrap)
@@ -406,7 +411,7 @@ def _linen(spec: Spec, seed: int) -> Built:
                 split_rngs={"params": False},
                 length=layer.iterations,
             )
-            carry, rec = scanned(mdl, (h, SCAN_START), iv)
+            carry, rec = scanned(mdl, (h, scan_start(layer)), iv)
             return unscanned(carry), rec
         raise ValueError(wrap)
 
@@ -503,7 +508,7 @@ def _nnx(spec: Spec, seed: int) -> Built:
                 in_axes=(0, nnx.Carry, 0),
                 out_axes=(nnx.Carry, 0),
                 length=layer.iterations,
-            )(module, (h, SCAN_START), iv)
+            )(module, (h, scan_start(layer)), iv)
             return unscanned(carry), rec
         raise ValueError(wrap)
 
@@ -708,7 +713,7 @@ def _haiku(spec: Spec, seed: int) -> Built:
             step = scan_step(lambda _, h, iv: run(h, iv))
             carry, rec = hk.scan(
                 lambda carry, iv: step(carry, (None, iv)),
-                (h, SCAN_START),
+                (h, scan_start(layer)),
                 iv,
                 length=layer.iterations,
             )

@@ -17,14 +17,19 @@ value; references come from it with plain JAX, never from bridge:
   is `jax.jvp` of the loss along an offset `delta` at that site alone;
 - parameter gradients and the loss are those of the unprobed model under
   `jax.grad` (with a patch, of the model whose hook replaced the value);
-- a site bridge cannot express is refused with a `BridgeError` naming the
-  transform that holds it (the contract's `cond`, and a `scan` that gives its
-  epsilon no route), and only when selected or patched: with `at=None` it is
-  left out and every other site is probed.
+- a site bridge cannot express is still listed, and refused only when
+  selected or patched, with a `BridgeError` naming the site and the transform
+  that holds it (`REFUSABLE`: never a jit, never JAX's own vmap); with
+  `at=None` it is left out and every other site is probed;
+- no tracer escapes into the result.
 
-A silent zero, a missing activation or a phantom site fails.
+A silent zero, a missing activation or a phantom site fails. Each jit layer's
+function is traced once, before the probe (`Built.warm`): the probe meets a
+cached trace, as a model's `init` or an earlier step leaves it.
 
-`BRIDGE_FUZZ_EXAMPLES=200 pytest tests/test_trace_fuzz.py` runs more examples.
+`test_reproduction` holds the smallest models found to fail, one per kind of
+failure. `BRIDGE_FUZZ_EXAMPLES=200 pytest tests/test_trace_fuzz.py` runs more
+examples; `BRIDGE_FUZZ_SHRINK=1` shrinks a failure (minutes).
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ layers = st.builds(
     wrap=st.sampled_from(WRAPS),
     native=st.booleans(),
     iterations=st.integers(1, 2),
+    retrace=st.booleans(),
 ).filter(lambda layer: layer.module or layer.tap)
 
 specs = st.builds(
@@ -401,6 +407,39 @@ REPRODUCTIONS = [
         for lib in ("linen", "nnx", "equinox", "haiku")
     ),
     _case("haiku", _one(**TAP, wrap="scan"), "haiku-tap-in-retraced-scan"),
+    # A site inside a `lax.scan` (traced once) is listed with the shape of one
+    # step, not with the steps stacked first (a module whose parameters every
+    # step shares may be refused, but is listed with its true shape).
+    _case(
+        "linen",
+        _one(**TAP, wrap="scan", retrace=False, iterations=4),
+        "linen-tap-in-lax.scan-shape",
+    ),
+    _case(
+        "nnx",
+        _one(**MODULE, wrap="scan", retrace=False, iterations=4),
+        "nnx-module-in-lax.scan-shape",
+    ),
+    _case(
+        "haiku",
+        _one(**TAP, wrap="scan", retrace=False, iterations=4),
+        "haiku-tap-in-lax.scan-shape",
+    ),
+    # Equinox: a value patched downstream of a site inside `jax.checkpoint`
+    # or a scan over stacked layers makes its activation all zeros (the
+    # gradients, zero there, are right).
+    _case(
+        "equinox",
+        _one(**MODULE, wrap="checkpoint"),
+        "equinox-module-in-jax.checkpoint-zero-activation-when-patched-after",
+        patch=("head", "value"),
+    ),
+    _case(
+        "equinox",
+        _one(**MODULE, wrap="scan", retrace=False),
+        "equinox-module-in-lax.scan-zero-activation-when-patched-after",
+        patch=("head", "value"),
+    ),
     # NNX's `nnx.scan` over a stack of modules, its body traced twice:
     # `probe.sites` raises ("its values did not come out with the module's
     # parameters"), which blocks every site.
