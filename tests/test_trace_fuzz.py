@@ -384,11 +384,6 @@ REPRODUCTIONS = [
     # refused, naming the jit (NNX's `jax.jit`: naming "an NNX transform with
     # graph=False").
     _case("equinox", _one(**MODULE, wrap="jit"), "equinox-module-in-cached-jax.jit"),
-    _case(
-        "equinox",
-        _one(**MODULE, wrap="jit", native=True),
-        "equinox-module-in-cached-eqx.filter_jit",
-    ),
     _case("nnx", _one(**MODULE, wrap="jit"), "nnx-module-in-cached-jax.jit"),
     _case(
         "nnx", _one(**MODULE, wrap="jit", native=True), "nnx-module-in-cached-nnx.jit"
@@ -471,7 +466,6 @@ REPRODUCTIONS = [
         _case(lib, _one(**MODULE, wrap="vmap"), f"{lib}-module-in-jax.vmap-shape")
         for lib in ("linen", "nnx", "haiku")
     ),
-    _case("haiku", _one(**TAP, wrap="vmap"), "haiku-tap-in-jax.vmap-shape"),
     # Linen: with an `nn.vmap` in the model, the sites inside other lifted
     # transforms are refused naming that vmap (an `nn.remat` before it, an
     # `nn.jit` after it), or left out of the listing (an `nn.jit` before it;
