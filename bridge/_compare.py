@@ -201,7 +201,7 @@ def _compare(probes, losses, inputs, logits_fns, tolerances, precision=None):
     paired, unpaired = pair_calls(own_a, own_b, _NAMES, left_out)
     _check_kinds(paired)
     pairs = [(a, b) for a, b in paired if a.site and b.site]
-    tie_pairs = _paired_ties(*tied, paired)
+    tie_pairs, unpaired = _paired_ties(tied, paired, unpaired)
     partners = {id(a): (b, "probe_b") for a, b in tie_pairs}
     partners |= {id(b): (a, "probe_a") for a, b in tie_pairs}
     ties = [
@@ -286,24 +286,47 @@ def _check_kinds(paired: list[tuple[Layer, Layer]]) -> None:
             )
 
 
-def _paired_ties(tied_a, tied_b, paired) -> list[tuple[Layer, Layer]]:
-    """The tied layers of both sides tied to modules that pair (PyTorch's
-    `lm_head` holding `embed_tokens`'s tensor, Flax's `attend` of the
-    embedding paired with it): compared with each other, their weights
-    moved with their owners'."""
-    partner = {}
+def _paired_ties(tied, paired, unpaired) -> tuple[list, list]:
+    """`(pairs, unpaired)`: each tied layer paired with what stands for it on
+    the other side, compared with it (its weights move with its owner's):
+    the other side's tied layer tied to the partner of its owner (PyTorch's
+    `lm_head` holding `embed_tokens`' tensor against Flax's `attend` of the
+    embedding), or else an extra call of that partner (BART's decoder
+    embedding, tied in PyTorch, a second call of the shared embedding in
+    Flax), which is then no longer unpaired."""
+    partner: tuple[dict, dict] = ({}, {})
     for a, b in paired:
-        partner.setdefault(a.path, b.path)
-    found, taken = [], set()
-    for a in tied_a:
-        for n, b in enumerate(tied_b):
-            if n in taken or not (a.site and b.site):
-                continue
-            if partner.get(a.tied) == b.tied:
-                found.append((a, b))
-                taken.add(n)
-                break
-    return found
+        partner[0].setdefault(a.path, b.path)
+        partner[1].setdefault(b.path, a.path)
+    found, taken, used = [], set(), set()
+
+    def extra_call(side: int, path: str | None) -> Layer | None:
+        for n, (name, layer) in enumerate(unpaired):
+            if n not in used and name == _NAMES[side] and layer.site:
+                if layer.path == path:
+                    used.add(n)
+                    return layer
+        return None
+
+    for a in (layer for layer in tied[0] if layer.site):
+        want = partner[0].get(a.tied)
+        b = next(
+            (
+                b
+                for b in tied[1]
+                if b.site and id(b) not in taken and b.tied == want is not None
+            ),
+            None,
+        )
+        b = b if b is not None else extra_call(1, want)
+        if b is not None:
+            found.append((a, b))
+            taken.update((id(a), id(b)))
+    for b in (layer for layer in tied[1] if layer.site and id(layer) not in taken):
+        a = extra_call(0, partner[1].get(b.tied))
+        if a is not None:
+            found.append((a, b))
+    return found, [pair for n, pair in enumerate(unpaired) if n not in used]
 
 
 def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
@@ -558,7 +581,8 @@ def _logits_figures(logits_a: Any, logits_b: Any, logits_fns) -> Any:
         )
     a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     log_p, log_q = _log_softmax(a), _log_softmax(b)
-    kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)
+    # Never below 0 but by rounding, which would read as a sign.
+    kl = np.maximum(np.sum(np.exp(log_p) * (log_p - log_q), axis=-1), 0.0)
     top1 = np.argmax(a, axis=-1) == np.argmax(b, axis=-1)
     return LogitsComparison(float(np.mean(kl)), float(np.mean(top1)), len(a))
 

@@ -316,7 +316,7 @@ def test_float64_runs_a_flax_module_declared_in_float32():
 
 
 @pytest.mark.parametrize("dead", ["first", "second"])
-@pytest.mark.parametrize("library", ["linen", "nnx", "equinox"])
+@pytest.mark.parametrize("library", JAX_LIBRARIES)
 def test_a_dead_call_in_the_jax_model_is_reported_never_paired(library, dead):
     """`self.norm(x); x = self.norm(x)` (or the dropped call second): the
     dead call is found in the loss's jaxpr, the live one pairs with

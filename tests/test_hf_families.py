@@ -472,3 +472,86 @@ def test_hf_rmsnorm_ports_to_a_plain_linen_rmsnorm(path, offset):
     with torch.no_grad():
         want = norm(torch.tensor(x)).numpy()
     np.testing.assert_allclose(ported.apply(x).outputs, want, rtol=RTOL, atol=ATOL)
+
+
+# -- BART: a logits bias PyTorch keeps as a buffer, Flax as a parameter ---------
+
+
+def test_bart_final_logits_bias_buffer_moves_to_the_flax_parameter(
+    allow_rank_promotion,
+):
+    """PyTorch's `final_logits_bias` is a buffer of the root module, Flax's
+    a parameter: they pair by name. The decoder's embedding is tied to the
+    shared one in PyTorch and a second call of it in Flax: compared with
+    each other."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        FlaxBartForConditionalGeneration,
+    )
+
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(14)
+    torch_model = BartForConditionalGeneration(config).eval()
+    with torch.no_grad():  # not zero, to be seen moving
+        torch_model.final_logits_bias.uniform_(-1.0, 1.0)
+    flax_model = FlaxBartForConditionalGeneration(config, seed=14)
+    converted = convert_pytorch_state_dict_to_flax(torch_model.state_dict(), flax_model)
+    decoder_ids = IDS[:, :5]
+    torch_inputs = (torch.tensor(IDS),)
+    torch_kwargs = {"decoder_input_ids": torch.tensor(decoder_ids)}
+    flax_inputs = (
+        IDS,
+        np.ones_like(IDS),
+        decoder_ids,
+        np.ones_like(decoder_ids),
+        POSITIONS,
+        POSITIONS[:, :5],
+    )
+    ported = bridge.transfer(
+        bridge.probe(torch_model),
+        flax_probe(flax_model, flax_model.params),
+        *torch_inputs,
+        args_b=flax_inputs,
+        kwargs_b={},
+        **torch_kwargs,
+    )
+    # The converter also writes kernels of the tied embeddings and head,
+    # which the Flax model does not hold.
+    tied = {
+        ("model", "encoder", "embed_tokens", "kernel"),
+        ("model", "decoder", "embed_tokens", "kernel"),
+        ("lm_head", "kernel"),
+    }
+    keys = [key for key in flatten_dict(converted) if key not in tied]
+    assert_flat_equal(ported.variables["params"], converted, keys)
+    assert ("final_logits_bias",) in keys
+
+    report = bridge.compare(
+        bridge.probe(torch_model),
+        ported,
+        _logits_loss,
+        *torch_inputs,
+        args_b=flax_inputs,
+        kwargs_b={},
+        rtol=RTOL,
+        atol=ATOL,
+        **torch_kwargs,
+    )
+    assert report.first_divergence is None, str(report)
+    decoder_embedding = [row for row in report.rows if row.kind == "tied"]
+    assert [(row.site_a, row.site_b) for row in decoder_embedding] == [
+        ("model.decoder.embed_tokens", "model/shared#1")
+    ]
+    assert report.unpaired == () and len(report.tied) == 2
+    assert report.top1_agreement == 1.0 and report.kl_divergence < 1e-9
