@@ -385,3 +385,40 @@ def test_a_layer_closed_over_by_the_scan_body_is_still_refused():
     # Sites outside the scan still work.
     res = probe.value_and_grad(jnp.sum, xs, at="head", with_inputs=True)
     np.testing.assert_allclose(res.inputs["head"][0], model.recurrent(xs), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode, remat", [("eager", False), ("jit", True)])
+def test_a_patch_value_downstream_leaves_the_values_upstream_as_they_are(mode, remat):
+    # Values inside the scan leave through the backward pass of the outputs,
+    # which a patch value downstream cuts: the head's (outside the scan), and
+    # each iteration's activation (inside it, after the linear layer).
+    model = ScannedStack(jax.random.key(0), remat)
+    probe = bridge.probe(model)
+    head = jnp.zeros((5, 2))
+    activation = jax.random.normal(jax.random.key(4), (ITERATIONS, 5, 4))
+    res = _run(
+        mode,
+        lambda p, x: p.value_and_grad(
+            _mlp_loss,
+            x,
+            at=list(STACKED),
+            patch={"head": head, "layers/activation": activation},
+        ),
+        probe,
+        X,
+    )
+    np.testing.assert_allclose(res.loss, _mlp_loss(head), rtol=1e-5)
+    # By hand: each layer's output is its input plus its row of `activation`.
+    h = model.embed(X)
+    for i, layer in enumerate(_unrolled(model).layers):
+        np.testing.assert_allclose(
+            res.activations["layers/linear"][i], layer.linear(h), rtol=1e-5
+        )
+        np.testing.assert_array_equal(
+            res.activations["layers/activation"][i], activation[i]
+        )
+        h = h + activation[i]
+        np.testing.assert_allclose(res.activations["layers"][i], h, rtol=1e-5)
+    # Nothing upstream of the head's patch reaches the loss.
+    for site in STACKED:
+        np.testing.assert_array_equal(res.activation_grads[site], 0.0)

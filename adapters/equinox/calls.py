@@ -122,11 +122,14 @@ def _report(session: Session, call: Any, value: Any) -> Any:
     def is_state(x: Any) -> bool:
         return isinstance(x, eqx.nn.State | eqx.Module)
 
+    def exit(value: Any) -> Any:
+        return scan.through_patch(session, call.name, value, session.exit(call, value))
+
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_state)
     if not any(is_state(leaf) for leaf in leaves):
-        return session.exit(call, value)
+        return exit(value)
     reported = [None if is_state(leaf) else leaf for leaf in leaves]
-    returned = session.exit(call, jax.tree.unflatten(treedef, reported))
+    returned = exit(jax.tree.unflatten(treedef, reported))
     returned_leaves = treedef.flatten_up_to(returned)
     merged = [
         leaf if is_state(leaf) else new

@@ -485,7 +485,27 @@ def _exit(session: Session, call: Any, value: Any, patch: Any) -> Any:
     `patch`, the patch value's leaf in the tree: one iteration's row of a
     stacked patch inside a scan. Without it, the session's own patch applies
     (a patch function, to this iteration's value)."""
-    return session.exit(call, value, perturb=lambda v: v, record=False, patch=patch)
+    patched = session.exit(call, value, perturb=lambda v: v, record=False, patch=patch)
+    return through_patch(session, call.name, value, patched)
+
+
+def through_patch(session: Session, name: str, original: Any, patched: Any) -> Any:
+    """`patched`, the value of patched site `name`, through which the backward
+    pass still reaches `original` (with zero cotangents). Values recorded
+    inside a scan or checkpoint leave through the backward pass of the
+    model's outputs (`run_with_tree_leaves`): a patch downstream of them
+    would cut that pass, and their activations would come out as zeros."""
+    if name not in session.patches or not in_tree(session):
+        return patched
+
+    def keep(before: Any, after: Any) -> Any:
+        if not (eqx.is_inexact_array(before) and eqx.is_inexact_array(after)):
+            return after
+        if before.shape != after.shape or before.dtype != after.dtype:
+            return after
+        return jax.lax.select(jnp.zeros(after.shape, bool), before, after)
+
+    return jax.tree.map(keep, original, patched, is_leaf=lambda x: x is None)
 
 
 def _inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:
