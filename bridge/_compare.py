@@ -454,10 +454,13 @@ def _distance(values: list, theirs: list) -> float:
 def _precision(dtype: Any) -> str | None:
     if dtype is None:
         return None
-    try:
-        name = np.dtype(str(dtype).removeprefix("torch.")).name
-    except TypeError:
-        name = None
+    name = None
+    for given in (dtype, str(dtype).removeprefix("torch.")):  # torch.float64 too
+        try:
+            name = np.dtype(given).name
+            break
+        except TypeError:
+            continue
     if name != "float64":
         raise BridgeValueError(
             '`dtype` must be None (the models as they are) or "float64" (both '

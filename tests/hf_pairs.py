@@ -36,13 +36,25 @@ def assert_flat_equal(got, want, keys=None):
 
 
 def first_divergence_with_a_bug(
-    torch_model, flax_model, params, key, index, loss_fn, torch_inputs, flax_inputs
+    torch_model,
+    flax_model,
+    params,
+    key,
+    index,
+    loss_fn,
+    torch_inputs,
+    flax_inputs,
+    relative=None,
 ):
     """`(site_a, site_b)` of `compare`'s first divergence once
-    `params[key][index]` of the Flax model is off by 0.5 (a bug planted in a
-    correct port), which must be in the activations."""
+    `params[key][index]` of the Flax model is off by 0.5 (or by `relative`
+    of itself: a bug planted in a correct port), which must be in the
+    activations."""
     flat = flatten_dict(params)
-    flat[key] = flat[key].at[index].add(0.5)
+    if relative is None:
+        flat[key] = flat[key].at[index].add(0.5)
+    else:
+        flat[key] = flat[key].at[index].multiply(1 + relative)
     report = bridge.compare(
         bridge.probe(torch_model),
         flax_probe(flax_model, unflatten_dict(flat)),

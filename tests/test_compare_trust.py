@@ -270,6 +270,13 @@ def test_float64_names_a_planted_bug():
     assert report.dtype == "float64"
 
 
+@pytest.mark.parametrize("dtype", [np.float64, jnp.float64, torch.float64, "double"])
+def test_float64_by_any_name(dtype):
+    source, ported = _ported("linen")
+    report = bridge.compare(bridge.probe(source), ported, loss_fn, X, dtype=dtype)
+    assert report.dtype == "float64"
+
+
 def test_float64_leaves_x64_off_when_the_loss_raises():
     def broken(outputs):
         raise RuntimeError("broken loss")
