@@ -170,104 +170,98 @@ def _compare(probes, losses, inputs, logits_fns, tolerances, precision=None):
         parameterised_layers(probe, name, *given)[1]
         for probe, name, given in zip(probes, _NAMES, inputs, strict=True)
     ]
-    dead = [
-        _unreached(probe, name, loss_fn, given, [la.site for la in found if la.site])
-        for probe, name, loss_fn, given, found in zip(
-            probes, _NAMES, losses, inputs, layers, strict=True
-        )
-    ]
-    dead_layers = [
-        (name, layer)
-        for name, found, unreached in zip(_NAMES, layers, dead, strict=True)
-        for layer in found
-        if layer.site in unreached
-    ]
+    dead = _dead_layers(probes, losses, inputs, layers)
+    gone = {id(layer) for _, layer in dead}
     own, tied = zip(
-        *(
-            untied([la for la in found if la.site not in unreached])
-            for found, unreached in zip(layers, dead, strict=True)
-        ),
+        *(untied([la for la in found if id(la) not in gone]) for found in layers),
         strict=True,
     )
     own_a, own_b = with_counterparts(*own)
-    ties = [
+    left_out = [
         described_tie(layer, name)
         for name, side in zip(_NAMES, tied, strict=True)
         for layer in side
-    ]
-    left_out = ties + [
-        f"{_described(layer, name)}, dead" for name, layer in dead_layers
-    ]
+    ] + [f"{_described(layer, name)}, dead" for name, layer in dead]
     paired, unpaired = pair_calls(own_a, own_b, _NAMES, left_out)
     _check_kinds(paired)
     pairs = [(a, b) for a, b in paired if a.site and b.site]
     tie_pairs, unpaired = _paired_ties(tied, paired, unpaired)
-    partners = {id(a): (b, "probe_b") for a, b in tie_pairs}
-    partners |= {id(b): (a, "probe_a") for a, b in tie_pairs}
-    ties = [
-        tie
-        + (
-            f"; compared with {label(partners[id(layer)][0])} of "
-            f"{partners[id(layer)][1]}"
-            if id(layer) in partners
-            else ""
-        )
-        for tie, layer in zip(
-            ties, [layer for side in tied for layer in side], strict=True
-        )
-    ]
-    extra = [(name, layer) for name, layer in unpaired if layer.site]
     sites = tuple(
         [pair[side].site for pair in (*pairs, *tie_pairs)]
-        + [layer.site for name, layer in extra if name == _NAMES[side]]
+        + [
+            layer.site
+            for name, layer in unpaired
+            if layer.site and name == _NAMES[side]
+        ]
         for side in (0, 1)
     )
-    result_a, result_b = _run_both(probes, losses, sites, inputs, logits_fns)
-    results = (result_a, result_b)
+    results = _run_both(probes, losses, sites, inputs, logits_fns)
     pairs, unpaired = _matched_by_value(pairs, unpaired, results)
     order = {id(layer): n for n, layer in enumerate(layers[0])}
     compared = sorted(
         [(a, b, a.kind) for a, b in pairs] + [(a, b, "tied") for a, b in tie_pairs],
         key=lambda pair: order[id(pair[0])],
     )
-    rows = [
-        _compare_pair(a, b, result_a, result_b, rtol, atol, kind)
-        for a, b, kind in compared
-    ]
-    dtypes = {
-        str(np.asarray(leaf).dtype)
-        for a, b, _ in compared
-        for layer, result in ((a, result_a), (b, result_b))
-        for leaf in _common(layer, result.activations[layer.site])
-    }
-    lower = ()
-    if precision is not None:
-        lower = tuple(
-            f"{label(layer)} of {name}"
-            for a, b, _ in compared
-            for name, layer, result in (
-                ("probe_a", a, result_a),
-                ("probe_b", b, result_b),
-            )
-            if any(
-                np.asarray(leaf).dtype != np.float64
-                for leaf in _common(layer, result.activations[layer.site])
-            )
-        )
-    figures = _logits_figures(result_a.aux, result_b.aux, logits_fns)
+    dtype, lower_precision = _precision_of(compared, results, precision)
     return ComparisonReport(
-        rows,
-        float(result_a.loss),
-        float(result_b.loss),
+        [_compare_pair(a, b, *results, rtol, atol, kind) for a, b, kind in compared],
+        float(results[0].loss),
+        float(results[1].loss),
         rtol,
         atol,
-        tied=tuple(ties),
+        tied=_tie_notes(tied, tie_pairs),
         unpaired=tuple(_described(layer, name) for name, layer in unpaired),
-        dead=tuple(_described(layer, name) for name, layer in dead_layers),
-        dtype=precision or "/".join(sorted(dtypes)) or "float32",
-        lower_precision=lower,
-        logits=figures,
+        dead=tuple(_described(layer, name) for name, layer in dead),
+        dtype=dtype,
+        lower_precision=lower_precision,
+        logits=_logits_figures(results[0].aux, results[1].aux, logits_fns),
     )
+
+
+def _dead_layers(probes, losses, inputs, layers) -> list[tuple[str, Layer]]:
+    """`[(probe's name, layer)]` of the calls whose output never reaches the
+    loss."""
+    found = []
+    for probe, name, loss_fn, given, side in zip(
+        probes, _NAMES, losses, inputs, layers, strict=True
+    ):
+        sites = [layer.site for layer in side if layer.site]
+        unreached = _unreached(probe, name, loss_fn, given, sites)
+        found += [(name, layer) for layer in side if layer.site in unreached]
+    return found
+
+
+def _tie_notes(tied, tie_pairs) -> tuple[str, ...]:
+    """Each tied layer described, with what it was compared with."""
+    partners = {id(a): (b, "probe_b") for a, b in tie_pairs}
+    partners |= {id(b): (a, "probe_a") for a, b in tie_pairs}
+    notes = []
+    for name, side in zip(_NAMES, tied, strict=True):
+        for layer in side:
+            note = described_tie(layer, name)
+            if id(layer) in partners:
+                other, other_name = partners[id(layer)]
+                note += f"; compared with {label(other)} of {other_name}"
+            notes.append(note)
+    return tuple(notes)
+
+
+def _precision_of(compared, results, precision) -> tuple[str, tuple[str, ...]]:
+    """`(the precision the report names, the sites of a float64 run whose
+    values were not float64)`: without `dtype=`, the dtypes of the compared
+    activations (`"float32"`)."""
+    found, lower = set(), []
+    for pair in compared:
+        for side, name in enumerate(_NAMES):
+            layer = pair[side]
+            dtypes = {
+                np.asarray(leaf).dtype
+                for leaf in _common(layer, results[side].activations[layer.site])
+            }
+            found |= {dtype.name for dtype in dtypes}
+            if precision is not None and dtypes - {np.dtype(np.float64)}:
+                lower.append(f"{label(layer)} of {name}")
+    return precision or "/".join(sorted(found)) or "float32", tuple(lower)
 
 
 def _described(layer: Layer, name: str) -> str:
