@@ -17,6 +17,7 @@ from ._protocol import ActivationProbe as ActivationProbe
 from ._registry import probe as probe
 from ._registry import register_adapter as register_adapter
 from ._report import ComparisonReport as ComparisonReport
+from ._report import LogitsComparison as LogitsComparison
 from ._report import PairComparison as PairComparison
 from ._result import ForwardResult as ForwardResult
 from ._result import ProbeResult as ProbeResult
@@ -29,6 +30,7 @@ __all__ = [
     "BridgeError",
     "ComparisonReport",
     "ForwardResult",
+    "LogitsComparison",
     "PairComparison",
     "ProbeResult",
     "SiteSource",

@@ -76,7 +76,6 @@ import numpy as np
 from ._errors import (
     BridgeError,
     BridgeNotImplementedError,
-    BridgeRuntimeError,
     BridgeTypeError,
     BridgeValueError,
 )
@@ -178,7 +177,7 @@ def _unreachable(
     of the model's own code that the adapter cannot see through): listed as
     a site all the same (`Site.refused`: left out of `at=None`), its value
     left as it is; selecting or patching it is refused before any work
-    (`bridge._selection.select`, `Inside.check_plan`)."""
+    (`bridge._selection.select`, `bridge._checks.resolve_patches`)."""
     blocked = (
         f"it is a local of `inside` that the adapter cannot hand out. {refusal} "
         "Select other sites with `at=` (the others probe as usual), or move the "
@@ -302,17 +301,6 @@ class Inside:
             _TRACED.reset(traced)
             INSIDE.reset(token)
 
-    @staticmethod
-    def check_plan(plan: Any) -> None:
-        """Refuse, before any work, a patch of a local that its adapter
-        cannot hand out (a `CallPlan`'s; `at` refuses its selection)."""
-        for site in plan.discovered:
-            if isinstance(site.origin, _Unreachable) and site.name in plan.patches:
-                raise BridgeNotImplementedError(
-                    f"`patch` names {site.name!r}, a site bridge lists but cannot "
-                    f"probe: {site.refused}"
-                )
-
 
 def sources_of(sites: Sequence[Site]) -> dict[str, SiteSource]:
     """`{site name: SiteSource}` for each site of `sites` that a local of
@@ -373,47 +361,17 @@ class _LooksInside:
         with self._inside.looking(discovering=True):
             return super()._discover(*args, **kwargs)
 
-    def _plan(self, *args: Any, **kwargs: Any) -> Any:
-        plan = super()._plan(*args, **kwargs)
-        if self._inside is not None:
-            self._inside.check_plan(plan)
-        return plan
-
     def _forward(self, plan: Any) -> Any:
         if self._inside is None:
             return super()._forward(plan)
         with self._inside.looking():
-            outputs, activations, state = super()._forward(plan)
-        _check_recorded(plan, activations)
-        return outputs, activations, state
+            return super()._forward(plan)
 
     def _differentiate(self, loss_fn: Any, plan: Any, *args: Any) -> Any:
         if self._inside is None:
             return super()._differentiate(loss_fn, plan, *args)
         with self._inside.looking():
-            result = super()._differentiate(loss_fn, plan, *args)
-        _check_recorded(plan, result.activations)
-        return result
-
-
-def _check_recorded(plan: Any, activations: dict) -> None:
-    """Refuse a run in which a selected local of `inside` was never
-    assigned: its gradient would be a zero in silence."""
-    missing = [
-        site.name
-        for site in plan.chosen
-        if site in _SOURCES and site.name not in activations
-    ]
-    if missing:
-        raise BridgeRuntimeError(
-            f"`inside`: the selected site(s) {missing} were not recorded in this "
-            "run: the code assigning them did not run, although discovery saw it. "
-            "JAX reuses its trace of a function it caches by identity (one passed "
-            "to jax.checkpoint or decorated with jax.jit, called with the same "
-            "shapes before), so a rewrite of its code is not seen; or the model "
-            "took another branch. Select sites outside that function, or call it "
-            "through a new function object (`jax.checkpoint(lambda *a: f(*a))`)."
-        )
+            return super()._differentiate(loss_fn, plan, *args)
 
 
 def looking_inside(probe: Any, inside: Inside | None) -> Any:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._sites import SiteOrigin, site_name
+from ._sites import Site, SiteOrigin, site_name
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -37,12 +37,57 @@ class Call:
     slot: int
 
 
-class Naming:
-    """The names given so far in one trace, and the calls running now."""
+#: What a call seen only in a trace JAX discards is named in a run: a name
+#: no selection, patch or recording uses.
+DISCARDED = "~discarded"
 
-    def __init__(self):
+
+def renames_of(sites: Sequence[Site]) -> Mapping[str, tuple[str, int]] | None:
+    """`{name counted while tracing: (public name, public index)}` for a run,
+    where discovery found a trace that JAX discards (`Site.traced_as`), else
+    `None`: names are then counted as they come."""
+    if not any(site.traced_as for site in sites):
+        return None
+    return {site.traced_as or site.name: (site.name, site.index) for site in sites}
+
+
+def renumbered(sites: Sequence[Site], kept: Callable[[Site], bool]) -> list[Site]:
+    """The sites `kept` keeps, numbered again in call order: the calls of a
+    discarded trace (a scan body JAX traced twice) are no calls, so the
+    first call kept is `path`, not `path#1`."""
+    counts: dict[str, int] = {}
+    found = []
+    for site in sites:
+        if not kept(site):
+            continue
+        base = site.path if site.method is None else f"{site.path}.{site.method}"
+        index = counts.get(base, 0)
+        counts[base] = index + 1
+        name = site_name(site.path, site.method, index)
+        traced_as = site.traced_as or site.name
+        found.append(
+            dataclasses.replace(
+                site,
+                name=name,
+                index=index,
+                traced_as=None if traced_as == name else traced_as,
+            )
+        )
+    return found
+
+
+class Naming:
+    """The names given so far in one trace, and the calls running now.
+
+    `renames` (`renames_of`): the public name of each call as counted while
+    tracing, where discovery found a discarded trace; a call it does not
+    know was seen only in such a trace and is named out of reach
+    (`DISCARDED`)."""
+
+    def __init__(self, renames: Mapping[str, tuple[str, int]] | None = None):
         self._counts: dict[str, int] = {}
         self._enclosing: list[str] = []
+        self._renames = renames
 
     def enter(
         self, path: str, method: str | None, module: Any, origin: SiteOrigin | None
@@ -52,9 +97,10 @@ class Naming:
         index = self._counts.get(base, 0)
         self._counts[base] = index + 1
         self._enclosing.append(path)
-        return Call(
-            site_name(path, method, index), path, method, index, module, origin, -1
-        )
+        name = site_name(path, method, index)
+        if self._renames is not None:
+            name, index = self._renames.get(name, (name + DISCARDED, index))
+        return Call(name, path, method, index, module, origin, -1)
 
     def exit(self) -> None:
         """The call entered last has returned."""

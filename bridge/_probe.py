@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 
 from . import _discovery_cache as discovery_cache
+from . import _liveness as liveness
 from ._batching import (
     BATCH_AXIS,
     batch_axis_to,
@@ -43,6 +44,7 @@ from ._checks import (
     resolve_patches,
 )
 from ._inside import looking_inside
+from ._naming import renames_of
 from ._result import ForwardResult, ProbeResult, in_order
 from ._selection import check_selection, select
 from ._session import Session
@@ -243,8 +245,10 @@ class ProbeBase:
     def _discover_afresh(
         self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
     ) -> tuple[discovery_cache.Discovery, Any]:
-        """One abstract trace of the instrumented model: the sites and the
-        outputs' abstract structure; no FLOPs.
+        """One abstract trace of the instrumented model to a jaxpr: the sites
+        and the outputs' abstract structure; no FLOPs. A call seen only in a
+        trace JAX discarded is no site, and a call whose value reaches no
+        output is marked `dead` (`bridge._liveness`).
 
         The inputs' array leaves are traced, never closed over, so no operation
         on them can run eagerly. Where an output cannot leave the trace as
@@ -257,17 +261,26 @@ class ProbeBase:
 
         def trace(probe, dynamic):
             args, kwargs = rebuild(dynamic)
-            outputs, _, _, _ = probe._call(
+            outputs, state, _, _ = probe._call(
                 probe._trainable(), args, kwargs, sessions=sessions
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
+            # What the model computes for: its outputs and its new state, the
+            # ends against which a call is live or dead (`bridge._liveness`).
+            computed = [
+                leaf
+                for leaf in jax.tree.leaves((outputs, state))
+                if isinstance(leaf, jax.Array)
+            ]
             if outputs_found[-1] is None and loss_fn is not None:
-                return loss_fn(outputs)
-            return None
+                return computed, loss_fn(outputs)
+            return computed, None
 
-        loss_struct = jax.eval_shape(trace, self, dynamic)
+        jaxpr, (_, loss_struct) = jax.make_jaxpr(trace, return_shape=True)(
+            self, dynamic
+        )
         (session,) = sessions
-        discovered = session.discovered()
+        discovered = liveness.in_the_computation(session.discovered(), jaxpr)
         if self.vmap:
             batch, spec = batch_size(args), batch_sharding(args)
             discovered = [with_batch_axis(site, batch, spec) for site in discovered]
@@ -368,6 +381,7 @@ class ProbeBase:
         patch_values = {k: v for k, v in patches.items() if not callable(v)}
         patch_functions = {k: v for k, v in patches.items() if callable(v)}
         patched = {site.name: site for site in discovered if site.name in patches}
+        renames = renames_of(discovered)
 
         def single(dynamic_args, keys, epsilons, patch_values):
             call_kwargs = rebuild_kwargs(keys)
@@ -378,6 +392,7 @@ class ProbeBase:
                 with_inputs,
                 BATCH_AXIS if self.vmap else None,
                 patched=patched,
+                renames=renames,
             )
             if sessions is not None:
                 sessions.append(session)
@@ -385,6 +400,7 @@ class ProbeBase:
                 outputs, state = self._run(
                     trainable, rebuild_args(dynamic_args), call_kwargs, session
                 )
+            session.recorder.check_reached()
             return outputs, state, session.activations, session.inputs
 
         dynamic_args, rebuild_args = split_arrays(args)

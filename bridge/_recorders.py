@@ -19,8 +19,16 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
+from ._errors import BridgeRuntimeError
+from ._liveness import mark
 from ._naming import Call, SessionPart
-from ._sites import Site, SiteOrigin, differentiable_part, patch_misfit
+from ._sites import (
+    JAX_ARRAYS,
+    Site,
+    SiteOrigin,
+    differentiable_part,
+    patch_misfit,
+)
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -48,6 +56,11 @@ class Recorder(abc.ABC):
     ) -> Any:
         """A call returned `value`: the value the model goes on with (see
         `Session.exit`)."""
+
+    @abc.abstractmethod
+    def check_reached(self) -> None:
+        """After the model's call: raise where a site the pass acts on was
+        never reached (a run's selected and patched sites)."""
 
     @abc.abstractmethod
     def learns_sites(self) -> bool:
@@ -141,6 +154,8 @@ class DiscoveryRecorder(Recorder, SessionPart):
         self._sites.append(None)
 
     def exited(self, call, value, perturb, record, patch):
+        if self._arrays is JAX_ARRAYS:
+            value = mark(call.name, value)  # is it in what JAX keeps?
         self._sites[call.slot] = Site(
             call.name,
             call.path,
@@ -151,6 +166,9 @@ class DiscoveryRecorder(Recorder, SessionPart):
             call.origin,
         )
         return value
+
+    def check_reached(self) -> None:
+        pass  # discovery learns which sites there are
 
     def learns_sites(self) -> bool:
         return True
@@ -237,6 +255,8 @@ class RunRecorder(Recorder):
         self._arrays = session.arrays
         self.activations = {}
         self.inputs = {}
+        # The selected and patched sites this run has reached.
+        self._reached: set[str] = set()
 
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         if record and self._with_inputs and call.name in self._selected:
@@ -247,7 +267,9 @@ class RunRecorder(Recorder):
             patch = self._patches.get(call.name)
         if patch is not None:
             value = self._apply_patch(call.name, patch, value)
+            self._reached.add(call.name)
         if call.name in self._selected:
+            self._reached.add(call.name)
             epsilon = self._epsilons.get(call.name)
             if epsilon is not None:
                 if perturb is None:
@@ -260,9 +282,34 @@ class RunRecorder(Recorder):
 
     def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:
         """A selected site's value (and inputs), recorded by the adapter."""
+        self._reached.add(name)
         self.activations[name] = self._arrays.recorded(value)
         if inputs is not None and self._with_inputs:
             self.inputs[name] = self._arrays.positional(inputs)
+
+    def check_reached(self) -> None:
+        """Raise unless every selected and patched site was reached in this
+        run: a site the model's code did not run this time (a trace JAX
+        served from its cache, a branch of Python taken differently than in
+        discovery) would otherwise come back as a zero gradient, a missing
+        activation or an ignored patch."""
+        missing = [
+            name
+            for name in [*self._selected, *self._patches]
+            if name not in self._reached
+        ]
+        if missing:
+            raise BridgeRuntimeError(
+                f"Site {missing[0]!r} was selected or patched, but the model's "
+                "code did not reach it in this run"
+                + (f" (nor {missing[1:]!r})" if missing[1:] else "")
+                + ": its gradient would be a silent zero. JAX reuses a trace it "
+                "cached (a jitted function bridge cannot run inline on this JAX, "
+                "a `jax.checkpoint`ed function traced before), or the model takes "
+                "another path than when its sites were found. Select sites the "
+                "model reaches on every call, or clear JAX's caches "
+                "(`jax.clear_caches()`) before probing."
+            )
 
     def learns_sites(self) -> bool:
         return False

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._carrier import Carrier
 from ._errors import BridgeTypeError
+from ._jit import traced_through
 from ._naming import BodyTraces as BodyTraces
 from ._naming import Call as Call
 from ._naming import Naming
@@ -68,7 +69,8 @@ class Session:
     site, selected or not), `with_inputs`, `batch_axis` (set when the model
     runs under the probe's own `jax.vmap`: a patch function then still sees
     the whole batch) and `arrays` (the framework's values: JAX arrays, or an
-    adapter's own).
+    adapter's own). `renames` (`bridge._naming.renames_of`): the public
+    name of each call where discovery found a trace JAX discards.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Session:
         batch_axis: str | None = None,
         arrays: Arrays = JAX_ARRAYS,
         patched: Mapping[str, Site] | None = None,
+        renames: Mapping[str, tuple[str, int]] | None = None,
     ):
         if selected is None:  # a discovery lists the sites: nothing is asked
             epsilons = patches = patched = None
@@ -91,7 +94,7 @@ class Session:
         self.with_inputs = with_inputs
         self.batch_axis = batch_axis
         self.arrays = arrays
-        self.naming = Naming()
+        self.naming = Naming(renames)
         self.recorder: Recorder = (
             DiscoveryRecorder(self) if selected is None else RunRecorder(self)
         )
@@ -107,15 +110,17 @@ class Session:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
-        """The session of the model's calls while it runs; with the probe's
-        `inside` rewrites in place (`bridge._inside`), undone on leaving."""
+        """The session of the model's calls while it runs: the model's own
+        `jax.jit`s run inline (`bridge._jit`), and the probe's `inside`
+        rewrites are in place (`bridge._inside`), both undone on leaving."""
         token = _ACTIVE.set(self)
         try:
-            if self.inside is None:
-                yield self
-            else:
-                with self.inside.applied():
+            with traced_through():
+                if self.inside is None:
                     yield self
+                else:
+                    with self.inside.applied():
+                        yield self
         finally:
             _ACTIVE.reset(token)
 

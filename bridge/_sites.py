@@ -105,6 +105,12 @@ class Site:
       stacked: how many leading axes of the value are iterations of the scans
         (or members of the vmaps over parameter sets) around the call; under
         `vmap=True` the probe's batch axis comes after them.
+      dead: whether the call's value reaches none of the model's outputs
+        (a result the model's code drops): its gradient is zero by
+        construction, not by measurement (`bridge._liveness`).
+      traced_as: the name the call is counted under while the model is
+        traced, where that differs from `name`: a trace JAX discarded (a
+        scan body traced twice) came first and is no site.
     """
 
     name: str
@@ -115,6 +121,8 @@ class Site:
     struct: Any
     origin: SiteOrigin | None = None
     stacked: int = 0
+    dead: bool = False
+    traced_as: str | None = None
 
     @property
     def value_struct(self) -> Any:

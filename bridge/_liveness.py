@@ -1,0 +1,128 @@
+"""Which discovered calls are in the computation that runs.
+
+JAX runs the model's Python when it traces, and a trace is not a call: a
+`lax.scan` or `while_loop` whose carry changes type (a Python `0` that
+becomes a float) traces its body twice and keeps only the second trace. A
+site seen in a discarded trace is no site. And a call whose value reaches
+nothing (a model that calls a module twice and drops the first result) is a
+site whose gradient is zero by construction: bridge says so (`Site.dead`)
+rather than let a zero pass for a measurement.
+
+Discovery is one abstract trace of the model to a jaxpr. There each site's
+floating value passes through `site_marker`, an identity primitive holding
+the site's name. A marker absent from the jaxpr was bound in a trace JAX
+threw away; a marker that JAX's dead-code elimination removes, given the
+model's outputs and state as what is used, belongs to a dead call. The
+markers exist only in discovery: a run binds none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from ._naming import renumbered
+from ._sites import Site
+
+site_marker = Primitive("bridge_site")
+site_marker.multiple_results = True
+site_marker.def_impl(lambda *values, name: list(values))
+site_marker.def_abstract_eval(lambda *avals, name: list(avals))
+
+
+def _marker_jvp(primals, tangents, *, name):
+    return site_marker.bind(*primals, name=name), list(tangents)
+
+
+def _marker_batched(values, dims, *, name):
+    return site_marker.bind(*values, name=name), list(dims)
+
+
+ad.primitive_jvps[site_marker] = _marker_jvp
+batching.primitive_batchers[site_marker] = _marker_batched
+mlir.register_lowering(
+    site_marker, mlir.lower_fun(lambda *values, name: list(values), True)
+)
+
+
+def _is_marked(leaf: Any) -> bool:
+    # What `Site.differentiable` counts: a floating array of any kind.
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic) and (
+        jnp.issubdtype(leaf.dtype, jnp.inexact)
+    )
+
+
+def mark(name: str, value: Any) -> Any:
+    """`value`, its floating array leaves passed through the site's marker."""
+    leaves, treedef = jax.tree.flatten(value)
+    positions = [i for i, leaf in enumerate(leaves) if _is_marked(leaf)]
+    if not positions:
+        return value
+    marked = site_marker.bind(*[leaves[i] for i in positions], name=name)
+    for i, leaf in zip(positions, marked, strict=True):
+        leaves[i] = leaf
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _sub_jaxprs(value: Any) -> Iterable[Any]:
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _sub_jaxprs(item)
+
+
+def _marked_names(jaxpr: Any, found: set[str]) -> set[str]:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is site_marker:
+            found.add(eqn.params["name"])
+        for param in eqn.params.values():
+            for sub in _sub_jaxprs(param):
+                _marked_names(sub, found)
+    return found
+
+
+def present_and_live(closed_jaxpr: Any) -> tuple[set[str], set[str] | None]:
+    """The names of the markers in the jaxpr, and of those that reach its
+    outputs (`None` where this JAX's dead-code elimination is not found:
+    every present marker then counts as live)."""
+    jaxpr = closed_jaxpr.jaxpr
+    present = _marked_names(jaxpr, set())
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        kept, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover
+        return present, None
+    return present, _marked_names(kept, set())
+
+
+def in_the_computation(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
+    """The sites of a discovery that JAX kept: a site marked nowhere in the
+    jaxpr was seen only in a discarded trace and is dropped (the others
+    numbered again, `renumbered`); a site whose marks do not reach the
+    outputs is `dead`. Sites that carry nothing to mark (integer values, a
+    framework's own tensors) and refused sites are kept as they are."""
+    present, live = present_and_live(closed_jaxpr)
+
+    def judged(site: Site) -> bool:
+        return site.differentiable and not site.refused
+
+    kept = renumbered(sites, lambda site: not judged(site) or site.name in present)
+    if live is None:
+        return kept
+    return [
+        dataclasses.replace(site, dead=True)
+        if judged(site) and (site.traced_as or site.name) not in live
+        else site
+        for site in kept
+    ]
