@@ -29,7 +29,6 @@ pytestmark = NEEDS_JAXPR_PARENTS
 TOKENS, WIDTH, LAYERS, BATCH = 5, 4, 3, 2
 
 #: Tracing through a `jax.jit` called in the model's code is the core's.
-PENDING = pytest.mark.xfail(reason="core jit trace-through pending", strict=False)
 
 
 class Layer(eqx.Module):
@@ -188,7 +187,6 @@ def test_filter_jit_on_the_root_call_and_on_a_layer_call(vmap, mode, warmed):
     _check(Model(jax.random.key(0), "plain"), vmap, mode, warmed)
 
 
-@PENDING
 @pytest.mark.parametrize(
     "vmap, mode, warmed", [(True, "eager", False), (False, "jit", False)]
 )
@@ -196,13 +194,11 @@ def test_filter_jit_around_a_scanned_stack(vmap, mode, warmed):
     _check(Model(jax.random.key(0), "filter_jit"), vmap, mode, warmed)
 
 
-@PENDING
 @pytest.mark.parametrize("vmap, mode", [(True, "eager"), (False, "jit")])
 def test_a_warmed_filter_jit_around_a_scanned_stack_hides_no_site(vmap, mode):
     _check(Model(jax.random.key(0), "filter_jit"), vmap, mode, warmed=True)
 
 
-@PENDING
 @pytest.mark.parametrize("vmap, mode", [(True, "eager"), (False, "jit")])
 def test_a_jax_jit_called_in_place_in_the_model_code(vmap, mode):
     _check(Model(jax.random.key(0), "inline"), vmap, mode, warmed=False)
