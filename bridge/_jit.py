@@ -20,12 +20,13 @@ left as they are: they hold no site.
 
 JAX has no public hook for this. `jax.disable_jit` itself would unroll
 every `lax.scan` into Python and so change the sites of scanned stacks, so
-this module reads two functions of `jax._src.pjit` (jax 0.5 onwards): the
-jitted function's cache miss calls `_infer_params`, then `_run_python_pjit`;
-bridge answers the first with a marker and the second with the function's
-own outputs. A jitted function that JAX serves from its C++ cache never
-reaches them: a probe entered eagerly therefore runs under an XLA metadata
-context of its own, which JAX's caches key on, so every call misses.
+this module wraps what a jitted function's cache miss calls in
+`jax._src.pjit` (`_infer_params` and `_run_python_pjit` from jax 0.8,
+`_python_pjit_helper` before) so that, while a probe runs, it returns the
+function's own outputs, computed in the caller's trace. A jitted function
+that JAX serves from its C++ cache never reaches them: a probe entered
+eagerly therefore runs under an XLA metadata context of its own, which
+JAX's caches key on, so every call misses.
 Where these internals are not found (another JAX), nothing is changed, and
 a site the model's cached trace hides is caught by the check after the run
 (`RunRecorder.check_reached`): an error, never a silent zero.
@@ -37,6 +38,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 #: How many probe runs are active now, per thread: jitted calls are inlined
 #: only there.
@@ -69,48 +71,68 @@ def _inlines(fun: Callable) -> bool:
     return not (module == "jax" or module.startswith(("jax.", "jaxlib")))
 
 
+def _inline_result(outputs: Any) -> tuple:
+    """What `cache_miss` unpacks from a call bridge ran inline, in every
+    layout `_install` knows: the outputs, then no fast path."""
+    import jax
+
+    return outputs, [], jax.tree.structure(()), [], _NoJaxpr(), None, None, None
+
+
+def _calls(names: set[str]) -> bool:
+    """Whether `jax.jit`'s cache miss calls these functions of its module."""
+    from jax._src import pjit
+
+    return any(
+        getattr(const, "co_name", None) == "cache_miss" and names <= set(const.co_names)
+        for const in pjit._cpp_pjit.__code__.co_consts
+    )
+
+
 def _install() -> bool:
-    """Wrap `_infer_params` and `_run_python_pjit` once; whether it could."""
+    """Wrap what `jax.jit`'s cache miss calls, once; whether it could.
+
+    Two layouts: jax >= 0.8 calls `_infer_params` then `_run_python_pjit`;
+    jax 0.4.36 to 0.7 calls `_python_pjit_helper`. Both unpack an 8-tuple
+    whose first item is the outputs and whose executable and profiler,
+    `None` here, mean "no fast path"."""
     global _installed
     with _INSTALL_LOCK:
         if _installed is not None:
             return _installed
+        _installed = False
         try:
             from jax._src import pjit
         except ImportError:  # pragma: no cover - another JAX's layout
-            _installed = False
             return False
-        infer_params = getattr(pjit, "_infer_params", None)
-        run_python_pjit = getattr(pjit, "_run_python_pjit", None)
-        cache_miss_reads = pjit._cpp_pjit.__code__.co_consts
-        if (
-            infer_params is None
-            or run_python_pjit is None
-            or not any(
-                getattr(const, "co_name", None) == "cache_miss"
-                and {"_infer_params", "_run_python_pjit"} <= set(const.co_names)
-                for const in cache_miss_reads
-            )
-        ):
-            _installed = False
-            return False
+        if _calls({"_infer_params", "_run_python_pjit"}):
+            infer_params = pjit._infer_params
+            run_python_pjit = pjit._run_python_pjit
 
-        def bridge_infer_params(fun, jit_info, args, kwargs):
-            caller = sys._getframe(1).f_code.co_name
-            if caller == "cache_miss" and _inlines(fun):
-                return _Inlined(fun), []
-            return infer_params(fun, jit_info, args, kwargs)
+            def bridge_infer_params(fun, jit_info, args, kwargs):
+                if sys._getframe(1).f_code.co_name == "cache_miss" and _inlines(fun):
+                    return _Inlined(fun), []
+                return infer_params(fun, jit_info, args, kwargs)
 
-        def bridge_run_python_pjit(p, args_flat, fun, args, kwargs):
-            if isinstance(p, _Inlined):
-                outputs = p.fun(*args, **kwargs)
-                return outputs, [], None, [], _NoJaxpr(), None, None, []
-            return run_python_pjit(p, args_flat, fun, args, kwargs)
+            def bridge_run_python_pjit(p, args_flat, fun, args, kwargs):
+                if isinstance(p, _Inlined):
+                    return _inline_result(p.fun(*args, **kwargs))
+                return run_python_pjit(p, args_flat, fun, args, kwargs)
 
-        pjit._infer_params = bridge_infer_params
-        pjit._run_python_pjit = bridge_run_python_pjit
-        _installed = True
-        return True
+            pjit._infer_params = bridge_infer_params
+            pjit._run_python_pjit = bridge_run_python_pjit
+            _installed = True
+        elif _calls({"_python_pjit_helper"}):
+            python_pjit_helper = pjit._python_pjit_helper
+
+            def bridge_python_pjit_helper(fun, jit_info, *args, **kwargs):
+                if sys._getframe(1).f_code.co_name == "cache_miss" and _inlines(fun):
+                    return _inline_result(fun(*args, **kwargs))
+                return python_pjit_helper(fun, jit_info, *args, **kwargs)
+
+            pjit._python_pjit_helper = bridge_python_pjit_helper
+            _installed = True
+        return _installed
 
 
 def _eager() -> bool:
