@@ -642,8 +642,10 @@ def test_a_site_inside_checkpoint_on_an_older_jax_is_an_error_naming_the_version
     inner, outer = eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 2, key=keys[1])
     probe = bridge.probe(Checkpointed(inner, outer, False), vmap=True)
     x = jax.random.normal(jax.random.key(1), (4, 3))
+    # Listed, left out of `at=None`, refused where selected.
+    probe.value_and_grad(_mlp_loss, x)
     with pytest.raises(ValueError, match=r"from jax 0\.6\.2"):
-        probe.value_and_grad(_mlp_loss, x)
+        probe.value_and_grad(_mlp_loss, x, at="inner")
 
 
 @pytest.mark.parametrize(
@@ -959,6 +961,8 @@ class Calls(eqx.Module):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_module_class_not_to_subclass_is_wrapped_and_answers_all_the_same(mode):
     model = Calls(Registered(jnp.arange(1.0, 4.0)), Clashing(jnp.full(3, 0.5)))
+    # Equinox < 0.12 registers a subclass of its own (`_InitableModule`).
+    registered_before = dict(Registered.registry)
     x = jax.random.normal(jax.random.key(1), (3,))
     probe = bridge.probe(model)
     assert list(probe.sites(x)) == [
@@ -979,7 +983,8 @@ def test_a_module_class_not_to_subclass_is_wrapped_and_answers_all_the_same(mode
         jax.grad(offset)(jnp.zeros(3)),
     )
     assert_tree_allclose(res.grads, eqx.filter_grad(lambda m: _mlp_loss(m(x)))(model))
-    assert Registered.registry == {}  # bridge's wrapper is no subclass of it
+    # bridge's wrapper is no subclass of it
+    assert Registered.registry == registered_before
 
 
 # -- the model's own jax.vmap inside a scanned stack -----------------------------
