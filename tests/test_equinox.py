@@ -471,8 +471,8 @@ def _stacked_linears(key):
         ),
         pytest.param(
             TapInScan(_stacked_linears(jax.random.key(0))),
-            None,
-            r"bridge.tap\('h'\) is inside",
+            "h",
+            r"jax.lax.scan around site 'h'.*bridge.tap",
             marks=NEEDS_JAXPR_PARENTS,
         ),
     ],
@@ -1213,3 +1213,75 @@ def test_a_stack_of_heads_the_scanned_layer_maps_holds_every_head(mode):
     _near(res.activations["layers/heads"], by_hand(offset)[1])
     grad = jax.grad(lambda o: _mlp_loss(by_hand(o)[0]))(offset)
     _near(res.activation_grads["layers/heads"], grad)
+
+
+def _tapped_in(kind: str, h: jax.Array) -> jax.Array:
+    """`bridge.tap("t", sin(h))` inside a transform of the model's own code:
+    `kind` is "checkpoint", "cond" or "scan" (two steps)."""
+
+    def tapped(h):
+        return bridge.tap("t", jnp.sin(h))
+
+    if kind == "checkpoint":
+        return jax.checkpoint(tapped)(h)
+    if kind == "cond":
+        return jax.lax.cond(jnp.sum(h) > -1e9, tapped, jnp.cos, h)
+    return jax.lax.scan(lambda c, _: (tapped(c), None), h, None, length=2)[0]
+
+
+class TapInTransform(eqx.Module):
+    first: eqx.nn.Linear
+    last: eqx.nn.Linear
+    kind: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        return self.last(_tapped_in(self.kind, self.first(x)))
+
+
+@NEEDS_JAXPR_PARENTS
+@pytest.mark.parametrize(
+    "kind, word, shape",
+    [
+        ("checkpoint", "checkpoint", (2, 4)),
+        ("cond", "cond", (2, 4)),
+        ("scan", "scan", (2, 2, 4)),
+    ],
+)
+def test_a_tap_inside_a_transform_is_listed_and_refused_only_when_selected(
+    kind, word, shape
+):
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = TapInTransform(
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.Linear(4, 2, key=keys[1]), kind
+    )
+    x = jax.random.normal(keys[2], (2, 3))
+    probe = bridge.probe(model, vmap=True)
+    sites = probe.sites(x)
+    assert list(sites) == ["first", "t", "last"]
+    assert sites["t"].shape == shape  # the batch first, a scan's steps next
+
+    def loss(y):
+        return jnp.sum(y**2)
+
+    res = probe.value_and_grad(loss, x)  # `at=None` leaves the tap out
+    assert set(res.activations) == {"first", "last"}
+
+    # The reference, plain JAX: an offset added to `first`'s output.
+    def reference(params, offset):
+        m = eqx.combine(params, eqx.filter(model, eqx.is_array, inverse=True))
+        first = jax.vmap(m.first)(x) + offset
+        return loss(jax.vmap(lambda h: m.last(_tapped_in(kind, h)))(first)), first
+
+    params = eqx.filter(model, eqx.is_array)
+    (value, first), (grads, offset_grad) = jax.value_and_grad(
+        reference, argnums=(0, 1), has_aux=True
+    )(params, jnp.zeros((2, 4)))
+    np.testing.assert_allclose(res.loss, value, rtol=1e-6)
+    np.testing.assert_allclose(res.activations["first"], first, rtol=1e-6)
+    np.testing.assert_allclose(res.activation_grads["first"], offset_grad, rtol=1e-5)
+    assert_tree_allclose(res.grads, grads, rtol=1e-5)
+    refusal = rf"\b{word}\b.*'t'|'t'.*\b{word}\b"
+    with pytest.raises(bridge.BridgeError, match=refusal):
+        probe.value_and_grad(loss, x, at="t")
+    with pytest.raises(bridge.BridgeError, match=refusal):
+        probe.value_and_grad(loss, x, patch={"t": jnp.negative})

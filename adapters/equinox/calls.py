@@ -18,9 +18,10 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from bridge.adapter_api import BridgeValueError, Session, current_session
+from bridge.adapter_api import Session, current_session
 
-from . import scan, transforms
+from ..shared import unexpressible
+from . import refused, scan, transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +145,50 @@ def tap(context: Context, name: str, value: Any) -> Any:
     session = context.session
     depth = transforms.mapped_depth(context.base_trace)
     if depth is None:
-        where = transforms.describe(transforms.transforms(context.base_trace))
-        raise BridgeValueError(
-            f"bridge.tap({name!r}) is inside {where}, where bridge cannot see a "
-            "tap: move the tap out of the transform, or mark the value by "
-            "wrapping its computation in an eqx.Module (a module call is a site)."
-        )
+        return _unreachable_tap(context, name, value)
     if depth == 0:
         return session.taps.tap_here(name, value)
     return transforms.lift(value, depth, lambda full: session.taps.tap_here(name, full))
+
+
+@dataclasses.dataclass(frozen=True)
+class _TapSite:
+    """A `bridge.tap` as `refused.unreachable` takes a call: its path, and no
+    module."""
+
+    path: str
+    module: Any = None
+
+
+def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
+    """A `bridge.tap` inside a transform that gives it no route out (a
+    `lax.scan`, `jax.checkpoint` or `lax.cond` of the model's own code: a tap
+    has no leaves in the tree that carry a module call's value out): listed
+    with the shape its value has for the model, run as it is, and refused
+    where selected or patched, naming the transform (`refused`)."""
+    session = context.session
+    enclosing = transforms.transforms(context.base_trace)
+    outer = [t for t in enclosing if t != "vmap"]
+    path = f"{session.enclosing[-1]}/{name}" if session.enclosing else name
+    where = transforms.describe(enclosing)
+    blocker = transforms.describe((outer[0],)) if outer else where
+    why = unexpressible.reason(
+        path,
+        blocker,
+        f"a bridge.tap there (inside {where}) has no route for its epsilon or "
+        "its value, which leave a transform only through the model's tree",
+        "move the tap out of the transform, or mark the value by wrapping its "
+        "computation in an eqx.Module (a module call there is a site)",
+    )
+    origin = scan.InTransform(None, enclosing, why)
+    return refused.unreachable(
+        session,
+        _TapSite(path),
+        None,
+        None,
+        lambda: value,
+        (),
+        {},
+        origin,
+        refused.whole_axes(enclosing, None),
+    )
