@@ -771,3 +771,139 @@ def test_a_per_example_batch_norm_over_the_probes_axis_equals_plain_vmap(mode):
     # removes the mean): ~1e-6 of float32 rounding either way.
     assert_tree_allclose(res.grads, grads, atol=1e-5)
     assert res.activations["batch_norm"].shape == (6, 8)
+
+
+# -- JAX's own transforms in the model's code -------------------------------------
+
+
+def _in_jax_vmap(x):
+    """`hk.Linear` and a tap inside the model's own `jax.vmap` over a new
+    leading axis (two copies of the input), then a head."""
+    linear = hk.Linear(4, name="inner")
+
+    def per_copy(h):
+        return bridge.tap("t", jnp.sin(linear(h)))
+
+    ys = jax.vmap(per_copy)(jnp.stack([x, 0.5 * x]))
+    return hk.Linear(2, name="head")(ys[0] - ys[1])
+
+
+def test_a_site_in_the_models_own_jax_vmap_holds_every_mapped_example():
+    transformed = hk.without_apply_rng(hk.transform(_in_jax_vmap))
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params)
+    sites = probe.sites(x)
+    assert list(sites) == ["inner", "t", "head"]
+    assert sites["inner"].shape == (2, 3, 4)  # the mapped axis first
+    assert sites["t"].shape == (2, 3, 4)
+
+    def loss(y):
+        return jnp.sum(y**2)
+
+    # The reference, plain JAX: offsets added to each copy's values by hand.
+    def reference(params, offsets):
+        inner, head = params["inner"], params["head"]
+        copies = jnp.stack([x, 0.5 * x])
+        pre = copies @ inner["w"] + inner["b"][None, None] + offsets["inner"]
+        tapped = jnp.sin(pre) + offsets["t"]
+        y = (tapped[0] - tapped[1]) @ head["w"] + head["b"][None]
+        return loss(y), {"inner": pre, "t": tapped}
+
+    zeros = {name: jnp.zeros((2, 3, 4)) for name in ("inner", "t")}
+    (value, values), (grads, offset_grads) = jax.value_and_grad(
+        reference, argnums=(0, 1), has_aux=True
+    )(params, zeros)
+    for run in (
+        lambda p: p.value_and_grad(loss, x),
+        jax.jit(lambda p: p.value_and_grad(loss, x, at=["inner", "t"])),
+    ):
+        res = run(probe)
+        np.testing.assert_allclose(res.loss, value, rtol=1e-6)
+        assert_tree_allclose(res.grads, grads, rtol=1e-5)
+        for name in ("inner", "t"):
+            np.testing.assert_allclose(res.activations[name], values[name], rtol=1e-6)
+            np.testing.assert_allclose(
+                res.activation_grads[name], offset_grads[name], rtol=1e-5
+            )
+    # A patch value in the site's whole shape replaces every copy's.
+    patch = jax.random.normal(jax.random.key(2), (2, 3, 4))
+    res = probe.value_and_grad(loss, x, at="head", patch={"t": patch})
+    head = params["head"]
+    want = loss((patch[0] - patch[1]) @ head["w"] + head["b"][None])
+    np.testing.assert_allclose(res.loss, want, rtol=1e-6)
+
+
+def _middle(kind, h):
+    """`bridge.tap("t", sin(h))` inside JAX's own `kind` of transform."""
+
+    def tapped(h):
+        return bridge.tap("t", jnp.sin(h))
+
+    if kind == "checkpoint":
+        return jax.checkpoint(tapped)(h)
+    if kind == "cond":
+        return jax.lax.cond(jnp.all(jnp.isfinite(h)), tapped, jnp.cos, h)
+
+    def step(carry, _):  # its carry starts as a Python 0: traced twice
+        h, total = carry
+        h = tapped(h)
+        return (h, total + jnp.mean(h)), None
+
+    (h, total), _ = jax.lax.scan(step, (h, 0), None, length=3)
+    return h + 0.1 * total
+
+
+def _tap_in(kind, x):
+    h = _middle(kind, hk.Linear(4, name="first")(x))
+    return hk.Linear(2, name="last")(h)
+
+
+@pytest.mark.parametrize(
+    "kind, word, shape",
+    [
+        ("checkpoint", "checkpoint", (3, 4)),
+        ("cond", "cond", (3, 4)),
+        ("scan", "scan", (3, 3, 4)),
+    ],
+)
+def test_a_tap_in_a_jax_transform_is_listed_whole_and_refused_only_when_selected(
+    kind, word, shape
+):
+    transformed = hk.without_apply_rng(hk.transform(functools.partial(_tap_in, kind)))
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params)
+    sites = probe.sites(x)
+    assert list(sites) == ["first", "t", "last"]  # no phantom `t#1`
+    assert sites["t"].shape == shape  # a scan's iterations first
+
+    def loss(y):
+        return jnp.sum(y**2)
+
+    # The reference, plain JAX: an offset added to `first`'s output by hand
+    # (`bridge.tap` outside a probe is the value itself).
+    def reference(params, offset):
+        first = x @ params["first"]["w"] + params["first"]["b"][None] + offset
+        y = _middle(kind, first) @ params["last"]["w"] + params["last"]["b"][None]
+        return loss(y), first
+
+    (value, first), (grads, offset_grad) = jax.value_and_grad(
+        reference, argnums=(0, 1), has_aux=True
+    )(params, jnp.zeros((3, 4)))
+    for res in (
+        probe.value_and_grad(loss, x),  # `at=None` leaves the tap out
+        jax.jit(lambda p: p.value_and_grad(loss, x))(probe),
+    ):
+        assert set(res.activations) == {"first", "last"}
+        np.testing.assert_allclose(res.loss, value, rtol=1e-6)
+        np.testing.assert_allclose(res.activations["first"], first, rtol=1e-6)
+        np.testing.assert_allclose(
+            res.activation_grads["first"], offset_grad, rtol=1e-5
+        )
+        assert_tree_allclose(res.grads, grads, rtol=1e-5)
+    refusal = rf"\b{word}\b.*'t'|'t'.*\b{word}\b"
+    with pytest.raises(bridge.BridgeError, match=refusal):
+        probe.value_and_grad(loss, x, at="t")
+    with pytest.raises(bridge.BridgeError, match=refusal):
+        probe.value_and_grad(loss, x, patch={"t": jnp.negative})

@@ -41,6 +41,7 @@ transforms off the call stack, the one use of Haiku's internals, is
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from collections.abc import Mapping
@@ -59,12 +60,13 @@ from bridge.adapter_api import (
     Site,
     add_epsilon,
     carrier_name,
+    is_array,
     is_carrier_name,
 )
 
 from ..shared import guests as _guests
 from ..shared import jax_internals, unexpressible
-from . import internals
+from . import internals, jax_transforms
 from . import transforms as haiku_state
 
 _PLAIN_USAGE = (
@@ -209,7 +211,7 @@ class HaikuProbe(ProbeBase):
         here = sys._getframe()
         interceptor = _Interceptor(session, state_route, placed, here)
         tapping = session.taps.tapping(
-            haiku_state.tap_handler(session, here, interceptor.tap)
+            haiku_state.tap_handler(session, here, interceptor.base, interceptor.tap)
         )
         if not state_route:  # a plain transform: epsilons from the session
             with tapping, hk.intercept_methods(interceptor):
@@ -281,6 +283,8 @@ class _Interceptor:
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
         self.traces = BodyTraces(session)  # of each stack's body, by stack call
         self.bodies: dict[Any, Any] = {}  # each stack's body frame traced last
+        # Each `lax.scan` frame of the model's own code -> its body's trace.
+        self.scan_bodies: dict[Any, Any] = {}
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         if not is_site(context):
@@ -329,6 +333,15 @@ class _Interceptor:
         session = self.session
         prefix = self.prefixes.get(where.stack_call, "")
         bundle = _joined(prefix, hk.experimental.current_name())
+        if where.blocked is None and not where.lifted:
+            # JAX's own transforms in the model's code (Haiku's name none).
+            depth, blocker = jax_transforms.around(self.base)
+            if blocker is not None:
+                where = dataclasses.replace(where, blocked=blocker)
+                self._scan_body_traced()
+            elif depth:
+                origin = haiku_state.Origin(bundle, tap=tap)
+                return self._mapped(run, call_args, module, method, name, origin, depth)
         if where.blocked is not None:
             # Listed, and refused where selected or patched.
             origin = haiku_state.Origin(bundle, tap=tap)
@@ -383,6 +396,62 @@ class _Interceptor:
             hk.set_state(recording_entry, carrier.to_carry_out(value, call_args))
             carrier.defer(call.name, (origin.bundle, recording_entry))
         return value
+
+    def _scan_body_traced(self) -> None:
+        """A call inside a `lax.scan` of the model's own code: where JAX traces
+        the scan's body again (its carry starts as a Python `0` that the body
+        turns into a float), the calls of the discarded trace are forgotten,
+        so the site is one, never a phantom `#1`. The body's trace is the
+        innermost scan's, told by the frame of the `lax.scan` running it."""
+        scan = jax_internals.scan_call(self.apply_frame)
+        if scan is None:
+            return
+        body = next(
+            (
+                t
+                for t in unexpressible.traces(self.base)
+                if unexpressible.name(t) in unexpressible.SCANS
+            ),
+            None,
+        )
+        first = self.scan_bodies.setdefault(scan, body)
+        if first is body:
+            if scan not in set(self.traces):
+                self.traces.begin(scan)
+        else:  # the same scan's body, traced again
+            self.traces.again(scan)
+            self.scan_bodies[scan] = body
+
+    def _mapped(self, run, call_args, module, method, name, origin, depth):
+        """The call `run()` inside `depth` of the model's own `jax.vmap`s: a
+        site at the probe's trace, its value (and inputs) handed out whole,
+        mapped axes first (`jax_transforms.lift`); the session adds its
+        epsilon and patch there."""
+        session = self.session
+        entered = []
+
+        def enter(full_args: tuple) -> tuple:
+            entered.append(
+                session.enter(
+                    name,
+                    None if method == "__call__" else method,
+                    module,
+                    full_args,
+                    origin=origin,
+                )
+            )
+            return full_args
+
+        if session.with_inputs and any(map(is_array, jax.tree.leaves(call_args))):
+            # Inputs are recorded at the probe's trace too, mapped axes first.
+            jax_transforms.lift(call_args, depth, enter)
+        else:
+            enter(())
+        (call,) = entered
+        value = run()
+        if not session.recorder.needs_value(call.name):
+            return session.exit(call, value)  # bookkeeping only
+        return jax_transforms.lift(value, depth, lambda full: session.exit(call, full))
 
 
 def _joined(prefix: str, name: str) -> str:

@@ -37,7 +37,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import unexpressible
-from . import internals
+from . import internals, jax_transforms
 
 
 def with_state(transformed: hk.Transformed, takes_rng: bool) -> hk.TransformedWithState:
@@ -199,7 +199,7 @@ _REFUSALS = {
 def refused(origin: Origin, name: str, transform: str) -> Origin:
     """`origin` of site `name`, which bridge cannot express inside
     `transform` (`hk.vmap`, `hk.while_loop`, ...): its `blocked` says why."""
-    why, fix = _REFUSALS.get(
+    why, fix = {**_REFUSALS, **jax_transforms.REFUSALS}.get(
         transform,
         (
             f"a call inside {transform} runs where bridge's state does not reach",
@@ -211,16 +211,22 @@ def refused(origin: Origin, name: str, transform: str) -> Origin:
     )
 
 
-def tap_handler(session: Session, stop: Any, in_transform: Any) -> Any:
+def tap_handler(session: Session, stop: Any, base: Any, in_transform: Any) -> Any:
     """The session's tap handler. A tap inside `layer_stack`, `hk.scan` or
     `hk.remat` is a site whose values ride in the state of the module calling
     it (`in_transform(name, value, where)`), as that module's own do; one
-    inside a transform that cannot carry them is listed there and refused
-    where selected or patched."""
+    inside the model's own `jax.vmap` is handed out of it
+    (`bridge.adapters.haiku.jax_transforms`); one inside a transform that
+    cannot carry them is listed there and refused where selected or
+    patched. `base`: the trace of the probe's `apply`."""
 
     def tap(name: str, value: Any) -> Any:
         where = internals.enclosing(stop)
-        if where.lifted or where.blocked is not None:
+        if (
+            where.lifted
+            or where.blocked is not None
+            or jax_transforms.around(base) != (0, None)
+        ):
             return in_transform(name, value, where)
         return session.taps.tap_here(name, value)
 

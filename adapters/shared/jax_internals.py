@@ -198,3 +198,17 @@ def scan_frames(stop: Any) -> list[tuple[int, bool]]:
                 inferred = None
         frame = frame.f_back
     return found
+
+
+def scan_call(stop: Any) -> Any:
+    """The Python frame of the innermost `lax.scan` running now, up to the
+    frame `stop`; `None` where none runs. A body JAX traces twice (its carry
+    changes type) is traced both times from the same frame, and another
+    scan's body from another frame."""
+    frame = sys._getframe(1)
+    while frame is not None and frame is not stop:
+        code = frame.f_code
+        if code.co_name == _SCAN and os.path.abspath(code.co_filename) == _LOOPS_FILE:
+            return frame
+        frame = frame.f_back
+    return None
