@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,16 +96,71 @@ def entering_linen_lifted_scope(
     remat, `CheckpointBlock`, a base class of `ScanCheckpointBlock`: it is
     traced again as any body is, not a new call."""
     key = (module.path, module.name, method, type(module))
-    if module.path == () and not any(
-        started[0] == () and issubclass(started[3], type(module))
-        for started in bodies
-        if started[3] is not type(module)
+    call = transform_call()
+    if (
+        module.path == ()
+        and not any(
+            started[0] == () and issubclass(started[3], type(module))
+            for started in bodies
+            if started[3] is not type(module)
+        )
+        and (call is None or _CALLS.get(bodies) is not call)
     ):
         bodies.clear()
         bodies.begin(key)
+        if call is not None:
+            _CALLS[bodies] = call
         return linen_transform_name(module)
     bodies.begin_or_again(key)
     return linen_transform_name(module) if module.path == () else None
+
+
+#: The Python frame of the lifted transform's call each `BodyTraces` saw begin
+#: last (kept alive, so that no later call's frame takes its id).
+_CALLS: weakref.WeakKeyDictionary[BodyTraces, Any] = weakref.WeakKeyDictionary()
+
+
+def _wrappers() -> frozenset[Any]:
+    """The code of the functions a Linen lifted transform's call runs in, for
+    the whole call (every trace of its body): the `wrapped_fn`s that
+    `flax.linen.transforms` makes of a function or a module class."""
+    found = set()
+
+    def walk(code: Any) -> None:
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                if const.co_name == "wrapped_fn":
+                    found.add(const)
+                walk(const)
+
+    for maker in (
+        "decorator_lift_transform",
+        "decorator_lift_transform_cached",
+        "module_class_lift_transform",
+        "module_class_lift_transform_cached",
+    ):
+        function = getattr(nn.transforms, maker, None)
+        if function is not None:
+            walk(function.__code__)
+    return frozenset(found)
+
+
+_WRAPPERS = _wrappers()
+
+
+def transform_call() -> Any:
+    """The Python frame of the innermost Linen lifted transform's call running
+    now, or `None`. Flax traces a body more than once in one call
+    (`nn.scan`: to create its broadcast variables, then once per type of
+    carry `lax.scan` meets); a functional transform's body (`nn.scan(fn)`)
+    starts each trace with a call of its module at path `()`, which is a new
+    trace of the same call, not a new call, while this frame is the same."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _WRAPPERS:
+            return frame
+        frame = frame.f_back
+    return None
 
 
 _LINEN_TRANSFORMS = {

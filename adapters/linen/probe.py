@@ -50,7 +50,7 @@ from bridge.adapter_api import (
 
 from ..shared import guests, jax_internals, unexpressible
 from . import refused
-from .guest import entering_linen_lifted_scope
+from .guest import entering_linen_lifted_scope, transform_call
 from .variables import (
     EPSILON_COLLECTION,
     RECORDING_COLLECTION,
@@ -291,6 +291,9 @@ class _Frame:
         self.path = path  # the module's path in the model
         self.bodies = bodies  # lifted bodies traced from this call
         self.entered: list[tuple] = []  # the lifted transforms it entered
+        # The Python frames of the lifted transforms' calls it made, in order
+        # (`transform_call`): the transform a key names is its n-th.
+        self.calls: list[Any] = []
 
 
 class _Interceptor:
@@ -390,7 +393,20 @@ class _Interceptor:
         transform = entering_linen_lifted_scope(parent.bodies, module, method)
         if transform is not None:
             self.transform = transform
-        key = (parent.path, type(module).__qualname__)
+        # Which of `parent`'s lifted transform calls this is: a functional
+        # transform's module is of the class of the module it was given
+        # (`nn.remat(f)(self, x)` and `nn.vmap(g)(self, x)` both run a clone
+        # of `self`), so only the order tells them apart; a repeated trace of
+        # one call is the same transform.
+        call = transform_call()
+        if call is None:
+            index = len(parent.entered)
+        else:
+            index = next((i for i, c in enumerate(parent.calls) if c is call), None)
+            if index is None:
+                index = len(parent.calls)
+                parent.calls.append(call)
+        key = (parent.path, type(module).__qualname__, index)
         parent.entered.append(key)
         broadcast = self.broadcasting.get(key)
         if broadcast is not None:
