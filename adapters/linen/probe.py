@@ -48,7 +48,7 @@ from bridge.adapter_api import (
     merge_differentiable,
 )
 
-from ..shared import guests, jax_internals, unexpressible
+from ..shared import guests, jax_internals, lifting, unexpressible
 from . import refused
 from .guest import entering_linen_lifted_scope, transform_call
 from .variables import (
@@ -371,9 +371,97 @@ class _Interceptor:
         scope as the module's own calls are (a value there belongs to the
         transform's trace); elsewhere the session's own."""
         if not self.stack or not self._lifted(self.stack[-1]):
-            return self.session.taps.tap_here(name, value)
+            return self._tap_outside_lifted(name, value)
         frame = self.stack[-1]
         return self._site(lambda: value, (), frame.module, "__call__", frame, name)
+
+    def _tap_outside_lifted(self, name: str, value: Any) -> Any:
+        """A `bridge.tap` outside Flax's lifted transforms: the session's own
+        where the model's trace holds it, handed out of the model's own
+        `jax.vmap`s (mapped axes first), else listed and refused."""
+        session = self.session
+        depth = lifting.mapped_depth(self.base)
+        if depth == 0:
+            return session.taps.tap_here(name, value)
+        if depth is not None:
+            return lifting.lift(
+                value, depth, lambda full: session.taps.tap_here(name, full)
+            )
+        scope = self.stack[-1].path if self.stack else ()
+        path = session.naming.under_enclosing(name)
+        return self._unreachable(lambda: value, (), None, None, path, scope)
+
+    def _unreachable(self, run, call_args, module, method, path, scope) -> Any:
+        """A call (or a tap) inside a JAX transform of the model's own code
+        that gives its value no route out (`jax.checkpoint`, `lax.scan`,
+        `lax.cond`): listed with its whole value, run as it is, refused where
+        selected or patched, naming the transform (`refused.RAW_REFUSALS`)."""
+        session = self.session
+        names = [unexpressible.name(t) for t in unexpressible.traces(self.base)]
+        transform = refused.raw_transform(names)
+        call = session.enter(
+            path, method, module, call_args, origin=_Origin(scope), record=False
+        )
+        why, fix = refused.RAW_REFUSALS.get(transform, refused.RAW_REFUSAL)
+        where = " inside ".join(refused.JAX_NAMES.get(n, n) for n in names)
+        call.origin = _Origin(
+            scope,
+            blocked=unexpressible.reason(
+                call.name,
+                refused.JAX_NAMES.get(transform, transform),
+                f"{why} (it runs inside {where})",
+                fix,
+            ),
+        )
+        return unexpressible.listed(session, call, run(), self.base, self.stop)
+
+    def _mapped(self, run, call_args, module, method, frame, depth: int) -> Any:
+        """A call inside `depth` of the model's own `jax.vmap`s (outside
+        Flax's lifted transforms): the site holds the mapped value, mapped
+        axes first, handed out to the model's trace and back
+        (`bridge.adapters.shared.lifting`), where its epsilon is added."""
+        session = self.session
+        path = frame.path
+        given = id(frame.root) in self.nested
+        in_session = guests.wraps_guest("linen", module) or given
+        entered = []
+
+        def enter(full_args: tuple) -> tuple:
+            entered.append(
+                session.enter(
+                    "/".join(path),
+                    None if method == "__call__" else method,
+                    module,
+                    full_args,
+                    origin=_Origin(path, False, in_session, None, given),
+                )
+            )
+            return full_args
+
+        if session.with_inputs:
+            lifting.lift(call_args, depth, enter)
+        else:
+            enter(())
+        (call,) = entered
+        value = run()
+        if not session.recorder.needs_value(call.name):
+            return session.exit(call, value)
+
+        def perturb(value):
+            unperturbed = differentiable_part(value)
+            floats = module.perturb(
+                carrier_name("epsilon", method, call.index, None),
+                unperturbed,
+                collection=EPSILON_COLLECTION,
+            )
+            _check_perturbed(floats, unperturbed, call.name)
+            return merge_differentiable(value, floats)
+
+        return lifting.lift(
+            value,
+            depth,
+            lambda full: session.exit(call, full, None if in_session else perturb),
+        )
 
     def _lifted(self, frame: _Frame) -> bool:
         """Whether `frame`'s call runs inside a lifted transform: in a scope
@@ -470,6 +558,19 @@ class _Interceptor:
         lifted = self._lifted(frame)
         carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
         in_params = not carried and self.in_params
+        if not lifted:
+            depth = lifting.mapped_depth(self.base)
+            if depth is None:
+                return self._unreachable(
+                    run,
+                    call_args,
+                    module,
+                    None if method == "__call__" else method,
+                    "/".join(path),
+                    path,
+                )
+            if depth:
+                return self._mapped(run, call_args, module, method, frame, depth)
         if session.recorder.learns_sites():
             transform = self._blocked(frame, module, carried)
             if transform is not None:

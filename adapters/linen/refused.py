@@ -76,3 +76,46 @@ REFUSALS = {
 #: JAX's names of the loops and branches (`unexpressible.LOOPS_AND_BRANCHES`)
 #: as Linen's lifted transforms.
 LINEN_NAMES = {"while_loop": "nn.while_loop", "cond": "nn.cond", "switch": "nn.switch"}
+
+
+#: JAX's names of its transforms (a trace's `traced_for`), as the model's
+#: code calls them.
+JAX_NAMES = {
+    "scan": "jax.lax.scan",
+    "fori_loop": "jax.lax.fori_loop",
+    "checkpoint / remat": "jax.checkpoint",
+    "cond": "jax.lax.cond",
+    "switch": "jax.lax.switch",
+    "while_body": "jax.lax.while_loop",
+    "while_cond": "jax.lax.while_loop",
+    "vmap": "jax.vmap",
+}
+
+#: Why a value inside a JAX transform of the model's own code (not a Flax
+#: lifted transform) cannot be a site bridge probes, and what to do, where it
+#: is neither the model's root trace nor only its own `jax.vmap`s around it.
+RAW_REFUSALS = {
+    "cond": REFUSALS["nn.cond"],
+    "switch": REFUSALS["nn.switch"],
+    "while_body": REFUSALS["nn.while_loop"],
+    "while_cond": REFUSALS["nn.while_loop"],
+}
+RAW_REFUSAL = (
+    "a value there belongs to the transform's own trace, which hands out only "
+    "what the model's code returns from it, so bridge can neither record it "
+    "nor give it an epsilon",
+    "move it out of the transform, or use Flax's own lifted transform "
+    "(nn.remat, nn.scan with variable_axes={'params': 0}, nn.vmap), which "
+    "bridge sees through",
+)
+
+
+def raw_transform(names: list[str]) -> str:
+    """The transform that holds a value seen inside the model's own JAX
+    transforms (`names`, JAX's, innermost first): the innermost that is
+    neither a `jax.vmap` (whose value bridge hands out) nor a `jax.jit`
+    (traced through)."""
+    for name in names:
+        if name not in ("vmap", "jit", "pjit"):
+            return name
+    return names[0] if names else "a JAX transform"
