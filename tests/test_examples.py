@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 # Modules the examples import, not examples themselves.
-HELPERS = ("example_support.py", "port_plot.py")
+HELPERS = ("example_support.py", "port_plot.py", "llama_ports.py")
 
 # example -> (libraries it needs, figures it writes)
 CASES = {
@@ -56,6 +56,7 @@ CASES = {
         ("port_transformer.png",),
     ),
     "penzai_adapter.py": (("penzai",), ()),
+    "port_llama_equinox_nnx.py": (("equinox", "flax", "torch", "transformers"), ()),
 }
 # The quickest example that draws a figure: its smoke run is told where with
 # --out (the others with BRIDGE_EXAMPLES_OUT), and it is run once without.
