@@ -101,8 +101,10 @@ def rotate(x: jax.Array, port: LlamaPort) -> jax.Array:
     positions 0, 1, ...: Hugging Face's halves, or interleaved pairs."""
     dim = port.head_dim
     inverse = 1.0 / port.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    angles = jnp.arange(x.shape[-3], dtype=jnp.float32)[:, None, None] * inverse
-    cos, sin = jnp.cos(angles), jnp.sin(angles)  # (seq, 1, head_dim / 2)
+    angles = jnp.outer(jnp.arange(x.shape[-3], dtype=jnp.float32), inverse)
+    # (..., seq, 1, head_dim / 2): of x's rank, no rank promotion needed.
+    angles = angles.reshape((1,) * (x.ndim - 3) + (x.shape[-3], 1, dim // 2))
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     if port.interleaved_rotary:  # Meta's original code, GPT-J
         even, odd = x[..., 0::2], x[..., 1::2]
         pairs = (even * cos - odd * sin, even * sin + odd * cos)
