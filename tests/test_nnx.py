@@ -611,14 +611,6 @@ class TreeModeRemat(nnx.Module):
         return nnx.remat(lambda cell, x: cell(x), graph_updates=False)(self.cell, x)
 
 
-class InnerJit(nnx.Module):
-    def __init__(self, rngs):
-        self.cell = Cell(rngs)
-
-    def __call__(self, x):
-        return nnx.jit(lambda cell, x: cell(x))(self.cell, x)
-
-
 class TapInScan(ScannedStack):
     def __call__(self, x):
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -673,7 +665,6 @@ class TapInScan(ScannedStack):
                 reason="nnx.remat(graph_updates=...): flax >= 0.12.6",
             ),
         ),
-        (InnerJit, "cell", (3, 5, 4), "nnx.jit around site 'cell'"),
         (
             TapInScan,
             "hidden",
@@ -698,6 +689,201 @@ def test_a_transform_bridge_cannot_see_through_is_listed_and_refused_naming_it(
     assert site not in res.activations
     _, plain = plain_step(nnx.clone(model), x)
     assert_tree_allclose(res.grads, plain)
+
+
+# -- the model's own jits and JAX transforms ------------------------------------
+
+
+def _offset(value, offsets, name):
+    """A test-owned hook: `value` shifted by `offsets[name]` where given."""
+    return value + offsets[name] if name in offsets else value
+
+
+class JaxInside(nnx.Module):
+    """`cell` (and a tap `t` of its value) called inside one transform of the
+    model's own code, `wrap`; `offsets` shift the sites' values, for the
+    references."""
+
+    wrap = None
+
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x, offsets=None):
+        offsets = offsets or {}
+
+        def layer(cell, x, offsets):
+            h = _offset(cell(x), offsets, "cell")
+            return _offset(bridge.tap("t", h), offsets, "t")
+
+        wrap = self.wrap
+        if wrap == "nnx.jit":
+            h = _CACHED_NNX_JIT(self.cell, x, offsets)
+        elif wrap == "jax.jit":
+            h = _CACHED_JAX_JIT(self.cell, x, offsets)
+        elif wrap == "jax.vmap":  # the mapped axis first
+            h = jax.vmap(lambda x, o: layer(self.cell, x, o))(
+                jnp.stack([x, -x]), offsets
+            )
+            h = h[0] * h[1]
+        else:
+            h = layer(self.cell, x, offsets)
+        return self.head(h)
+
+
+def _cell_and_tap(cell, x, offsets):
+    h = _offset(cell(x), offsets, "cell")
+    return _offset(bridge.tap("t", h), offsets, "t")
+
+
+#: Made once, so that their traces are cached before the probe runs.
+_CACHED_NNX_JIT = nnx.jit(_cell_and_tap)
+_CACHED_JAX_JIT = jax.jit(_cell_and_tap)
+
+
+@pytest.mark.parametrize("wrap", ["nnx.jit", "jax.jit", "jax.vmap"])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_site_inside_the_models_own_jit_or_vmap_is_probed_as_any_other(wrap, mode):
+    """A site inside `nnx.jit` or `jax.jit` (their traces cached by an earlier
+    call) probes as one outside; inside the model's own `jax.vmap` it holds
+    every example, mapped axis first. References: `jax.grad` with respect to
+    offsets the test adds at the sites itself."""
+    model = _build(type("Model", (JaxInside,), {"wrap": wrap}))
+    x = _inputs(3, 4)
+    model(x)  # the model's jitted functions cache their traces
+    graphdef, state = nnx.split(model)
+    shape = (2, 3, 4) if wrap == "jax.vmap" else (3, 4)
+
+    def loss_of(offsets):
+        return loss_fn(nnx.merge(graphdef, state, copy=True)(x, offsets))
+
+    zeros = {"cell": jnp.zeros(shape), "t": jnp.zeros(shape)}
+    loss, grads = jax.value_and_grad(loss_of)(zeros)
+    inner = nnx.merge(graphdef, state, copy=True).cell
+    cell = jax.vmap(inner)(jnp.stack([x, -x])) if wrap == "jax.vmap" else inner(x)
+
+    probe = bridge.probe(model)
+    sites = probe.sites(x)
+    assert list(sites) == ["cell", "cell/linear", "t", "head"]
+    assert sites["cell"].shape == sites["t"].shape == shape
+    step = jax.jit(probe_step) if mode == "jit" else probe_step
+    res = step(probe, x)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    for name in ("cell", "t"):
+        np.testing.assert_allclose(res.activations[name], cell, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            res.activation_grads[name], grads[name], rtol=1e-4, atol=1e-7
+        )
+    _, plain = plain_step(nnx.clone(model), x)
+    assert_tree_allclose(res.grads, plain)
+
+
+class ArgumentOfCheckpoint(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = Cell(rngs)
+
+    def __call__(self, x):
+        return jax.checkpoint(lambda cell, x: cell(x))(self.cell, x)
+
+
+class TapInCheckpoint(ArgumentOfCheckpoint):
+    def __call__(self, x):
+        return jax.checkpoint(lambda x: bridge.tap("t", self.cell(x)))(x)
+
+
+class InLaxCond(ArgumentOfCheckpoint):
+    def __call__(self, x):
+        return jax.lax.cond(jnp.all(x < 10), self.cell, jnp.tanh, x)
+
+
+class InLaxScan(ArgumentOfCheckpoint):
+    """The cell closed over by a `lax.scan` whose body is traced twice (its
+    carry starts as a Python 0)."""
+
+    def __call__(self, x):
+        def step(carry, _):
+            h, total = carry
+            h = self.cell(h)
+            return (h, total + jnp.mean(h)), h
+
+        (h, total), _ = jax.lax.scan(step, (x, 0), None, length=3)
+        return h + total
+
+
+@pytest.mark.parametrize(
+    "builder, site, shape, message",
+    [
+        (ArgumentOfCheckpoint, "cell", (3, 4), "jax.checkpoint around site 'cell'"),
+        (TapInCheckpoint, "t", (3, 4), r"jax.checkpoint around site 't'"),
+        (InLaxCond, "cell", (3, 4), "jax.lax.cond around site 'cell'"),
+        # Every step's value, steps first; listed once, though traced twice.
+        (InLaxScan, "cell", (3, 3, 4), "jax.lax.scan around site 'cell'"),
+    ],
+)
+def test_a_site_inside_a_jax_transform_it_cannot_leave_is_listed_and_refused(
+    builder, site, shape, message
+):
+    x = _inputs(3, 4)
+    model = _build(builder)
+    probe = bridge.probe(model)
+    sites = probe.sites(x)
+    assert sites[site].shape == shape
+    assert [name for name in sites if name.startswith(site)] == [
+        site,
+        *([f"{site}/linear"] if site == "cell" else []),
+    ]
+    with pytest.raises(bridge.BridgeError, match="cannot see through " + message):
+        probe.value_and_grad(loss_fn, x, at=site)
+    for mode in ("eager", "jit"):
+        step = jax.jit(probe_step) if mode == "jit" else probe_step
+        res = step(probe, x)  # `at=None` leaves it out; no tracer escapes
+        assert site not in res.activations
+        assert not any(
+            isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(res)
+        )
+        _, plain = plain_step(nnx.clone(model), x)
+        assert_tree_allclose(res.grads, plain)
+
+
+class RetracedNnxScan(nnx.Module):
+    """`nnx.scan` over stacked layers whose body JAX traces twice."""
+
+    def __init__(self, rngs):
+        keys = jax.random.split(jax.random.key(0), 3)
+        self.layers = nnx.vmap(lambda k: nnx.Linear(4, 4, rngs=nnx.Rngs(k)))(keys)
+
+    def __call__(self, x, offsets=None):
+        def step(layer, carry, offset):
+            h, total = carry
+            h = jnp.tanh(layer(h) + offset)
+            return (h, total + jnp.mean(h)), None
+
+        offsets = jnp.zeros((3, *x.shape)) if offsets is None else offsets
+        (h, total), _ = nnx.scan(
+            step, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0)
+        )(self.layers, (x, 0), offsets)
+        return h + total
+
+
+def test_a_retraced_nnx_scan_lists_its_sites_once_and_probes_them():
+    x = _inputs(3, 4)
+    model = _build(RetracedNnxScan)
+    graphdef, state = nnx.split(model)
+
+    def loss_of(offsets):
+        return loss_fn(nnx.merge(graphdef, state, copy=True)(x, offsets))
+
+    grad = jax.grad(loss_of)(jnp.zeros((3, 3, 4)))
+    probe = bridge.probe(model)
+    assert {name: s.shape for name, s in probe.sites(x).items()} == {
+        "layers": (3, 3, 4)
+    }
+    res = probe.value_and_grad(loss_fn, x)
+    # The offset is added to the layer's value: the same gradient.
+    np.testing.assert_allclose(
+        res.activation_grads["layers"], grad, rtol=1e-4, atol=1e-7
+    )
 
 
 def test_errors_name_the_fix():

@@ -11,9 +11,16 @@ placed on the copy before the call is sliced per iteration going in, and a
 recording made inside comes out stacked, `(iterations, *value shape)`, read
 back from the copy after the call. A call inside a transform that would not
 carry them (a module broadcast with `in_axes=None`, `graph=False` or
-`graph_updates=False`, `nnx.jit`, loops and branches) is listed, with its
-whole shape, and refused only where selected or patched, naming the
-innermost such transform (`bridge.adapters.shared.unexpressible`).
+`graph_updates=False`, loops and branches) is listed, with its whole shape,
+and refused only where selected or patched, naming the innermost such
+transform (`bridge.adapters.shared.unexpressible`).
+
+`nnx.jit` is none: while a probe runs the model's own jits run inline, in the
+probe's trace (`bridge._jit`), and a call on the copy `nnx.jit` merged is a
+call like any other. JAX's own transforms in the model's code (`jax.vmap`,
+`jax.checkpoint`, `lax.scan`, `lax.cond`) are
+`bridge.adapters.nnx.jax_transforms`; a scan body JAX traces twice (its
+carry starts as a Python `0`) lists its sites once (`_scan_body_traced`).
 
 A module that `nnx.scan` carries rather than slices is
 `bridge.adapters.nnx.carried`; bridge's variables on the copy are
@@ -29,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge.adapter_api import (
+    BodyTraces,
     BridgeNotImplementedError,
     BridgeValueError,
     Session,
@@ -37,8 +45,8 @@ from bridge.adapter_api import (
     carrier_name,
 )
 
-from ..shared import jax_internals, unexpressible
-from . import carried, internals
+from ..shared import jax_internals, lifting, unexpressible
+from . import carried, internals, jax_transforms
 from .variables import PATH_ATTRIBUTE as PATH_ATTRIBUTE
 from .variables import Carried, Origin, Recording
 from .variables import is_bridge_attribute as is_bridge_attribute
@@ -79,10 +87,6 @@ _REFUSALS = {
         "which branch runs is known only when the model runs, so a call in a "
         "branch may not run at all",
         "compute every branch and pick with jnp.where",
-    ),
-    "nnx.jit": (
-        "bridge does not carry its variables through an nnx.jit inside the model",
-        "call the module outside it (a jax.jit around the whole step is fine)",
     ),
 }
 
@@ -139,6 +143,10 @@ class Run:
         # holding it was not carried out (the module was broadcast).
         self.placed: dict[tuple[str, str], Any] = {}
         self.checks: list[tuple[str, str, tuple[str, ...]]] = []
+        # The first trace of each `lax.scan`'s body, by the scan's frame
+        # (`_scan_body_traced`).
+        self.body_traces: BodyTraces | None = None
+        self.scan_bodies: dict[Any, Any] = {}
         if markers:
             for (path, key), length in self.candidates.items():
                 marker = jnp.zeros((length,), jnp.int32)
@@ -168,24 +176,46 @@ class Run:
         """`bridge.tap` in the model's code. Inside an NNX transform, where the
         value is a tracer of the transform's trace, it is listed and refused
         where selected or patched: bridge does not carry taps out of NNX
-        transforms yet."""
+        transforms yet. Inside the model's own `jax.vmap`s it is handed out
+        whole; inside JAX's other transforms, listed and refused."""
+        self._scan_body_traced(session)
         transforms = self.transforms()
-        if not transforms:
-            return session.taps.tap_here(name, value)
+        if transforms:
+            why = (
+                transform_name(transforms[-1]),
+                f"bridge.tap({name!r}, ...) is called there, and bridge does not "
+                "carry taps out of NNX transforms yet",
+                "tap the value outside the transform, or select the call of the "
+                "module that computes it",
+            )
+        else:
+            depth, blocker = jax_transforms.around(self.base)
+            if blocker is None:
+                if depth == 0:
+                    return session.taps.tap_here(name, value)
+                return lifting.lift(
+                    value, depth, lambda full: session.taps.tap_here(name, full)
+                )
+            transform, reason, fix = jax_transforms.why(blocker)
+            why = (
+                transform,
+                f"bridge.tap({name!r}, ...) is called there: {reason}",
+                "tap the value outside it, or " + fix,
+            )
         path = session.naming.under_enclosing(name)
         call = session.enter(path, None, None, origin=Refused(path), record=False)
-        why = (
-            transform_name(transforms[-1]),
-            f"bridge.tap({name!r}, ...) is called there, and bridge does not "
-            "carry taps out of NNX transforms yet",
-            "tap the value outside the transform, or select the call of the "
-            "module that computes it",
-        )
         return self.refused(call, why, lambda _: value, None, (), {}, session)
 
     def transforms(self) -> tuple[str, ...]:
-        """The NNX transforms of the model's own code running now."""
-        return tuple(t for t in internals.active_transforms() if t not in self.outer)
+        """The NNX transforms of the model's own code running now, but
+        `nnx.jit`: while a probe runs, the model's own jits run inline, in the
+        probe's trace (`bridge._jit`), so a call inside one is a call like any
+        other (on the module's copy that `nnx.jit` merged)."""
+        return tuple(
+            t
+            for t in internals.active_transforms()
+            if t not in self.outer and transform_name(t) != "nnx.jit"
+        )
 
     def innermost_transform(self) -> str | None:
         """The name of the innermost NNX transform of the model's code running
@@ -195,11 +225,53 @@ class Run:
 
     def report(self, module, method_name, method, args, kwargs, session):
         site_method = None if method_name == "__call__" else method_name
+        self._scan_body_traced(session)
         path = self.ids.get(id(module))
+        if path is None and not self.transforms():
+            # The module's copy that `nnx.jit` merged, or a pytree copy handed
+            # to a JAX transform as an argument: a call outside NNX's own.
+            path = vars(module).get(PATH_ATTRIBUTE)
         if path is not None:
-            call = session.enter(path, site_method, module, args, origin=Origin(path))
-            return session.exit(call, method(module, *args, **kwargs))
+            return self._plain(module, site_method, method, args, kwargs, session, path)
         return self._report_lifted(module, site_method, method, args, kwargs, session)
+
+    def _plain(self, module, site_method, method, args, kwargs, session, path):
+        """A call outside NNX's transforms (but `nnx.jit`): a site of the
+        session's own where it runs in the probe's trace, handed out whole from
+        inside the model's own `jax.vmap`s, listed and refused inside JAX's
+        other transforms (`bridge.adapters.nnx.jax_transforms`)."""
+        depth, blocker = jax_transforms.around(self.base)
+        if blocker is not None:
+            if vars(module).get(PATH_ATTRIBUTE) is not None and (
+                self.ids.get(id(module)) is None
+                and jax_transforms.inside_tree_mode_transform(self.stop)
+            ):
+                why = _TREE_MODE
+            else:
+                why = jax_transforms.why(blocker)
+            return self._listed(
+                module, site_method, method, args, kwargs, session, path, why
+            )
+        origin = Origin(path)
+        if depth == 0:
+            call = session.enter(path, site_method, module, args, origin=origin)
+            return session.exit(call, method(module, *args, **kwargs))
+        entered = []
+
+        def enter(full_args: tuple) -> tuple:
+            entered.append(session.enter(path, site_method, module, full_args, origin))
+            return full_args
+
+        if session.with_inputs:
+            # Inputs are recorded at the probe's trace too, mapped axes first.
+            lifting.lift(args, depth, enter)
+        else:
+            enter(())
+        (call,) = entered
+        value = method(module, *args, **kwargs)
+        if not session.recorder.needs_value(call.name):
+            return session.exit(call, value)
+        return lifting.lift(value, depth, lambda full: session.exit(call, full))
 
     def _report_lifted(self, module, site_method, method, args, kwargs, session):
         """A call inside an NNX transform, on the module's copy NNX merged."""
@@ -279,15 +351,46 @@ class Run:
             session.carrier.defer(call.name, (path, key, names))
         return value
 
+    def _scan_body_traced(self, session: Session) -> None:
+        """A call (or tap) inside a scan of the model's own code (`lax.scan`,
+        `nnx.scan`): where JAX traces the scan's body again (its carry starts
+        as a Python `0` that the body turns into a float), the calls of the
+        discarded trace are forgotten, so the site is one, never a phantom
+        `#1`. The body's trace is the innermost scan's, told by the frame of
+        the `lax.scan` running it."""
+        scan = jax_internals.scan_call(self.stop)
+        if scan is None:
+            return
+        body = next(
+            (
+                t
+                for t in unexpressible.traces(self.base)
+                if unexpressible.name(t) in unexpressible.SCANS
+            ),
+            None,
+        )
+        if self.body_traces is None:
+            self.body_traces = BodyTraces(session)
+        first = self.scan_bodies.setdefault(scan, body)
+        if first is body:
+            if scan not in set(self.body_traces):
+                self.body_traces.begin(scan)
+        else:  # the same scan's body, traced again
+            self.body_traces.again(scan)
+            self.scan_bodies[scan] = body
+
+    def _scan_call(self) -> Any:
+        """The Python frame of the innermost `lax.scan` running now (`None`
+        outside any): a body JAX traces twice is traced from one frame."""
+        return jax_internals.scan_call(self.stop)
+
     def _refused(self, module, site_method, method, args, kwargs, session, path, tags):
         """A call inside NNX transforms that do not carry bridge's variables
         (`tags`, outermost first; none in tree mode): listed, refused where
-        selected or patched, naming the innermost that is no `nnx.jit` (or
-        that one, where it is the only)."""
+        selected or patched, naming the innermost."""
         names = [transform_name(t) for t in tags]
-        named = [n for n in names if n != "nnx.jit"] or names
-        if named:
-            transform = named[-1]
+        if names:
+            transform = names[-1]
             why, fix = _REFUSALS.get(
                 transform,
                 (
