@@ -46,7 +46,9 @@ class _LinenGuest(guests.Guest):
         root = module.scope.root
         frame, starts = self._frame(session, root)
         if not starts and root is not self.frames[-1].root:
-            self._entering_lifted_scope(self.frames[-1], module, method)
+            self._entering_lifted_scope(
+                self.frames[-1], module, method, body_of(context)
+            )
         run = functools.partial(
             guests.call_module, "linen", module, next_fun, call_args, call_kwargs
         )
@@ -69,10 +71,10 @@ class _LinenGuest(guests.Guest):
         )
 
     def _entering_lifted_scope(
-        self, parent: guests.Frame, module: Any, method: str
+        self, parent: guests.Frame, module: Any, method: str, body: Any
     ) -> None:
         """As the Linen adapter's interceptor (`entering_linen_lifted_scope`)."""
-        transform = entering_linen_lifted_scope(parent.bodies, module, method)
+        transform = entering_linen_lifted_scope(parent.bodies, module, method, body)
         if transform is not None:
             parent.transform = transform
 
@@ -85,7 +87,7 @@ def intercepting(host: guests.Host) -> Iterator[None]:
 
 
 def entering_linen_lifted_scope(
-    bodies: BodyTraces, module: Any, method: str
+    bodies: BodyTraces, module: Any, method: str, body: Any = None
 ) -> str | None:
     """A Linen call in a new scope root (inside a lifted transform), whose
     parent frame holds `bodies`. A lifted transform's own module (`ScanBlock`,
@@ -94,9 +96,18 @@ def entering_linen_lifted_scope(
     starts its trace, first or repeated (Flax traces a body more than once).
     In `nn.scan(nn.remat(Block))` the scan's body is the own module of the
     remat, `CheckpointBlock`, a base class of `ScanCheckpointBlock`: it is
-    traced again as any body is, not a new call."""
-    key = (module.path, module.name, method, type(module))
+    traced again as any body is, not a new call. A functional transform
+    (`nn.scan(f)(self, x)`) has no module of its own: each trace of its body
+    starts with a call of a clone of `self` at path `()`, a new trace of the
+    same call while the transform's call (`transform_call`) is the same; the
+    clone's `setup` before each trace starts nothing."""
+    key = (module.path, module.name, method, type(module), body)
     call = transform_call()
+    if call is not None and module.path == () and method == "setup":
+        # A functional transform sets up its module's clone before each trace
+        # of each body (every branch of an `nn.cond`): what starts a trace is
+        # the call that follows.
+        return linen_transform_name(module)
     if (
         module.path == ()
         and not any(
@@ -113,6 +124,16 @@ def entering_linen_lifted_scope(
         return linen_transform_name(module)
     bodies.begin_or_again(key)
     return linen_transform_name(module) if module.path == () else None
+
+
+def body_of(context: Any) -> Any:
+    """The function an intercepted Linen call runs (`context.orig_method`),
+    unwrapped from the partial and the bound method Flax makes of it for each
+    trace: what tells the branches of one `nn.cond` apart, and is the same in
+    each trace of one body."""
+    function = getattr(context, "orig_method", None)
+    function = getattr(function, "func", function)
+    return getattr(function, "__func__", function)
 
 
 #: The Python frame of the lifted transform's call each `BodyTraces` saw begin

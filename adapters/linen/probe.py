@@ -50,7 +50,7 @@ from bridge.adapter_api import (
 
 from ..shared import guests, jax_internals, lifting, unexpressible
 from . import refused
-from .guest import entering_linen_lifted_scope, transform_call
+from .guest import body_of, entering_linen_lifted_scope, transform_call
 from .variables import (
     EPSILON_COLLECTION,
     RECORDING_COLLECTION,
@@ -327,6 +327,11 @@ class _Interceptor:
         # (kept alive, so that its id is not reused) and the path its module
         # has in the model.
         self.nested: dict[int, tuple[Any, tuple[str, ...]]] = {}
+        # The bodies of the model's own `lax.scan`s (outside Flax's lifted
+        # transforms), by the scan's Python frame: its body's trace now
+        # (`_in_scan_body`).
+        self.scan_traces = BodyTraces(session)
+        self.scan_bodies: dict[Any, Any] = {}
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         module, method = context.module, context.method_name
@@ -336,7 +341,7 @@ class _Interceptor:
             if not self._lifted(parent) and _is_nested_apply(module):
                 self.nested[id(root)] = (root, (*parent.path, module.name))
             elif id(root) not in self.nested:
-                self._entering_lifted_scope(parent, module, method)
+                self._entering_lifted_scope(parent, module, method, body_of(context))
         _, prefix = self.nested.get(id(root), (None, ()))
         path = (*prefix, *module.path)
         frame = _Frame(module, root, path, BodyTraces(self.session))
@@ -375,11 +380,39 @@ class _Interceptor:
         frame = self.stack[-1]
         return self._site(lambda: value, (), frame.module, "__call__", frame, name)
 
+    def _in_scan_body(self) -> None:
+        """A call outside Flax's lifted transforms, maybe inside a `lax.scan`
+        of the model's own code: where JAX traces the scan's body again (its
+        carry starts as a Python `0` that the body turns into a float), the
+        calls of the discarded trace are forgotten, so a site there is one,
+        never a phantom `#1` (a refused site is listed whatever trace JAX
+        keeps). The body's trace is the innermost scan's, told by the frame of
+        the `lax.scan` running it."""
+        scan = jax_internals.scan_call(self.stop)
+        if scan is None:
+            return
+        body = next(
+            (
+                t
+                for t in unexpressible.traces(self.base)
+                if unexpressible.name(t) in unexpressible.SCANS
+            ),
+            None,
+        )
+        first = self.scan_bodies.setdefault(scan, body)
+        if first is body:
+            if scan not in set(self.scan_traces):
+                self.scan_traces.begin(scan)
+        else:  # the same scan's body, traced again
+            self.scan_traces.again(scan)
+            self.scan_bodies[scan] = body
+
     def _tap_outside_lifted(self, name: str, value: Any) -> Any:
         """A `bridge.tap` outside Flax's lifted transforms: the session's own
         where the model's trace holds it, handed out of the model's own
         `jax.vmap`s (mapped axes first), else listed and refused."""
         session = self.session
+        self._in_scan_body()
         depth = lifting.mapped_depth(self.base)
         if depth == 0:
             return session.taps.tap_here(name, value)
@@ -399,6 +432,13 @@ class _Interceptor:
         session = self.session
         names = [unexpressible.name(t) for t in unexpressible.traces(self.base)]
         transform = refused.raw_transform(names)
+        shown = refused.JAX_NAMES.get(transform, transform)
+        if transform_call() is not None:
+            # A Linen module the model closes over, called in a lifted
+            # transform's body (`nn.cond(pred, lambda _, x: self.left(x), ...)`):
+            # the transform is the model's `nn.cond`.
+            loop = unexpressible.LOOPS_AND_BRANCHES.get(transform)
+            shown = refused.LINEN_NAMES.get(loop, shown)
         call = session.enter(
             path, method, module, call_args, origin=_Origin(scope), record=False
         )
@@ -408,7 +448,7 @@ class _Interceptor:
             scope,
             blocked=unexpressible.reason(
                 call.name,
-                refused.JAX_NAMES.get(transform, transform),
+                shown,
                 f"{why} (it runs inside {where})",
                 fix,
             ),
@@ -477,8 +517,10 @@ class _Interceptor:
             return self.transform
         return None
 
-    def _entering_lifted_scope(self, parent: _Frame, module: Any, method: str) -> None:
-        transform = entering_linen_lifted_scope(parent.bodies, module, method)
+    def _entering_lifted_scope(
+        self, parent: _Frame, module: Any, method: str, body: Any
+    ) -> None:
+        transform = entering_linen_lifted_scope(parent.bodies, module, method, body)
         if transform is not None:
             self.transform = transform
         # Which of `parent`'s lifted transform calls this is: a functional
@@ -557,7 +599,15 @@ class _Interceptor:
         path = frame.path
         lifted = self._lifted(frame)
         carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
+        if not lifted:
+            self._in_scan_body()
         in_params = not carried and self.in_params
+        if session.recorder.learns_sites():
+            transform = self._blocked(frame, module, carried)
+            if transform is not None:
+                return self._refused(
+                    run, call_args, module, method, frame, tap, transform
+                )
         if not lifted:
             depth = lifting.mapped_depth(self.base)
             if depth is None:
@@ -571,12 +621,6 @@ class _Interceptor:
                 )
             if depth:
                 return self._mapped(run, call_args, module, method, frame, depth)
-        if session.recorder.learns_sites():
-            transform = self._blocked(frame, module, carried)
-            if transform is not None:
-                return self._refused(
-                    run, call_args, module, method, frame, tap, transform
-                )
         if not carried and not (in_params and module.is_mutable_collection("params")):
             if not self.in_params:
                 session.recorder.fall_back()  # discovery: again, in `params`
