@@ -664,3 +664,138 @@ def test_a_wrapper_holding_a_model_names_the_attribute_to_pass():
     ) as info:
         bridge.probe(_Trainer(net, params))
     assert isinstance(info.value, bridge.BridgeError)
+
+
+# -- sites inside JAX transforms of the model's own code --------------------------
+
+
+class InJaxTransforms(nn.Module):
+    """`inner` applied by the model's own `jax.vmap` over two scalings of the
+    input, then a tap inside `jax.checkpoint` and one inside a `lax.scan`
+    whose carry starts as a Python `0` (its body is traced twice)."""
+
+    offsets: Any = None
+
+    def setup(self):
+        self.inner = nn.Dense(3)
+        self.head = nn.Dense(2)
+
+    def __call__(self, x):
+        pair = jnp.stack([x, 0.5 * x])
+        ys = jax.vmap(self.inner)(pair)
+        ys = offset(self.offsets, "inner", ys)  # the mapped value, axis first
+        h = jnp.tanh(ys[0] - ys[1])
+        h = jax.checkpoint(lambda h: bridge.tap("remat", jnp.sin(h)))(h)
+
+        def step(carry, _):
+            h, total = carry
+            h = bridge.tap("step", jnp.tanh(h))
+            return (h, total + jnp.mean(h)), None
+
+        (h, total), _ = jax.lax.scan(step, (h, 0), None, length=3)
+        return self.head(h + total)
+
+
+def test_a_module_in_the_models_own_vmap_holds_the_mapped_value():
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    model = InJaxTransforms()
+    variables = model.init(jax.random.key(1), x)
+    probe = bridge.probe(model, variables)
+    sites = probe.sites(x)
+    assert list(sites) == ["inner", "remat", "step", "head"]
+    assert sites["inner"].shape == (2, 4, 3)  # the vmap's axis first
+    assert sites["remat"].shape == (4, 3)
+    assert sites["step"].shape == (3, 4, 3)  # the scan's iterations first
+    inner = nn.Dense(3).bind({"params": variables["params"]["inner"]})
+    expected = jax.vmap(inner)(jnp.stack([x, 0.5 * x]))
+    delta = random_like(sites["inner"], 3)
+
+    def loss_along(t):
+        return mse(InJaxTransforms({"inner": t * delta}).apply(variables, x))
+
+    _, directional = jax.jvp(loss_along, (0.0,), (1.0,))
+    run = jax.jit(lambda probe, x: probe.value_and_grad(mse, x, at="inner"))
+    for res in (probe.value_and_grad(mse, x, at="inner"), run(probe, x)):
+        np.testing.assert_allclose(res.activations["inner"], expected, rtol=1e-5)
+        np.testing.assert_allclose(
+            tree_vdot(res.activation_grads["inner"], delta), directional, rtol=1e-4
+        )
+        np.testing.assert_allclose(res.loss, loss_along(0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "site, transform", [("remat", "jax.checkpoint"), ("step", "jax.lax.scan")]
+)
+def test_a_tap_in_jax_checkpoint_or_lax_scan_is_listed_and_refused(site, transform):
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    model = InJaxTransforms()
+    variables = model.init(jax.random.key(1), x)
+    probe = bridge.probe(model, variables)
+    with pytest.raises(bridge.BridgeError, match=f"{transform} around site '{site}'"):
+        probe.value_and_grad(mse, x, at=site)
+    res = jax.jit(lambda probe, x: probe.value_and_grad(mse, x))(probe, x)
+    assert set(res.activations) == {"inner", "head"}
+    assert not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(res))
+
+
+class RematThenVmap(nn.Module):
+    """An `nn.remat` and an `nn.vmap` that broadcasts `params`, both of
+    functions of the model itself (their modules are clones of the model)."""
+
+    def setup(self):
+        self.first = nn.Dense(3)
+        self.second = nn.Dense(3)
+
+    def __call__(self, x):
+        h = nn.remat(lambda mdl, h: mdl.first(h))(self, x)
+        mapped = nn.vmap(
+            lambda mdl, h: mdl.second(h),
+            variable_axes={"params": None},
+            split_rngs={"params": False},
+        )
+        return jnp.sum(mapped(self, jnp.stack([h, 0.5 * h])), axis=0)
+
+
+def test_an_nn_vmap_refuses_only_its_own_sites_not_an_earlier_nn_remat():
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    model = RematThenVmap()
+    variables = model.init(jax.random.key(1), x)
+    probe = bridge.probe(model, variables)
+    assert list(probe.sites(x)) == ["first", "second"]
+    with pytest.raises(bridge.BridgeError, match="nn.vmap around site 'second'"):
+        probe.value_and_grad(jnp.sum, x, at="second")
+    res = probe.value_and_grad(jnp.sum, x, at="first")
+    first = nn.Dense(3).bind({"params": variables["params"]["first"]})
+    np.testing.assert_allclose(res.activations["first"], first(x), rtol=1e-5)
+
+
+class RetracedScan(nn.Module):
+    """A functional `nn.scan` whose carry starts as a Python `0`: Flax traces
+    its body three times."""
+
+    def setup(self):
+        self.cell = nn.Dense(4)
+
+    def __call__(self, x):
+        def body(mdl, carry, _):
+            h, total = carry
+            h = jnp.tanh(mdl.cell(h))
+            return (h, total + jnp.mean(h)), None
+
+        scanned = nn.scan(
+            body,
+            variable_broadcast="params",
+            split_rngs={"params": False},
+            length=2,
+        )
+        (h, total), _ = scanned(self, (x, 0), None)
+        return h + total
+
+
+def test_a_functional_nn_scan_traced_three_times_lists_its_site_once():
+    x = jax.random.normal(jax.random.key(0), (3, 4))
+    model = RetracedScan()
+    variables = model.init(jax.random.key(1), x)
+    sites = bridge.probe(model, variables).sites(x)
+    assert list(sites) == ["cell"]
+    assert sites["cell"].shape == (2, 3, 4)
