@@ -624,12 +624,20 @@ class _Interceptor:
         if not carried and not (in_params and module.is_mutable_collection("params")):
             if not self.in_params:
                 session.recorder.fall_back()  # discovery: again, in `params`
+            # A site of this module (or this tap of its) is to leave it: the
+            # taps of a functional transform's clone of the model all have
+            # scope `()`, so a tap is told by its name.
             if session.carrier.carries_out_any(
-                lambda site: site.origin is not None and site.origin.scope == path
+                lambda site: (
+                    isinstance(site.origin, _Origin)
+                    and site.origin.scope == path
+                    and site.origin.tap == tap
+                )
             ):
+                where = "/".join(path if tap is None else (*path, tap))
                 raise BridgeValueError(
                     f"bridge cannot see through {self.transform} around "
-                    f"'{'/'.join(path)}': it carries neither bridge's collections "
+                    f"'{where}': it carries neither bridge's collections "
                     "nor `params`, so a perturbation there would be silently "
                     "dropped. Select sites outside it."
                 )
