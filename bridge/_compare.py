@@ -45,7 +45,7 @@ from ._porting import (
     with_counterparts,
 )
 from ._report import ComparisonReport, LogitsComparison, PairComparison
-from ._sites import split_arrays
+from ._sites import split_arrays, zeros_like_struct
 
 #: The default tolerances by the precision compared in: float32's rounding
 #: after a different order of operations is near 1e-7 of a tensor's largest
@@ -356,13 +356,51 @@ def _unreached(probe, name, loss_fn, inputs, names) -> set[str]:
 
 
 def _unreached_in_jax(probe, loss_fn, names, args, kwargs) -> set[str]:
-    """The sites among `names` that discovery found dead: their values reach
-    none of the model's outputs in its jaxpr, dead code eliminated
-    (`Site.dead`, `bridge._liveness`). A zero gradient is not taken as a
-    sign: a live site's gradient may be zero by value."""
-    discovered, _ = probe._discover(*probe._prepare_inputs(args, kwargs))
-    wanted = set(names)
-    return {site.name for site in discovered if site.dead and site.name in wanted}
+    """The loss as a function of a zero epsilon at each site, traced
+    (`jax.make_jaxpr`: no FLOPs); a site is dead where the loss's jaxpr,
+    dead code eliminated, does not use its epsilon. A zero gradient is not
+    taken as a sign: a live site's gradient may be zero by value."""
+    plan = probe._plan(names, None, args, kwargs, loss_fn)
+    epsilons = {site.name: zeros_like_struct(site.value_struct) for site in plan.chosen}
+    dynamic, rebuild = split_arrays((plan.args, plan.kwargs))
+
+    def loss_of(epsilons, trainable, dynamic):
+        call_args, call_kwargs = rebuild(dynamic)
+        outputs = probe._call(
+            trainable,
+            call_args,
+            call_kwargs,
+            chosen=plan.chosen,
+            epsilons=epsilons,
+            discovered=plan.discovered,
+        )[0]
+        return loss_fn(outputs)
+
+    closed = jax.make_jaxpr(loss_of)(epsilons, probe._trainable(), dynamic)
+    used = _used_inputs(closed.jaxpr)
+    flat = jax.tree_util.tree_flatten_with_path(epsilons)[0]
+    reached = {path[0].key for (path, _), use in zip(flat, used, strict=False) if use}
+    with_leaves = {path[0].key for path, _ in flat}
+    return {name for name in with_leaves if name not in reached}
+
+
+def _used_inputs(jaxpr: Any) -> list[bool]:
+    """Which of `jaxpr`'s inputs its outputs depend on: JAX's own dead code
+    elimination, which sees into the jaxprs of `jit`, `scan`, ...; where it
+    is not at hand, a walk back from the outputs that counts every input of
+    an equation whose output is used (more inputs used, never fewer)."""
+    try:
+        from jax._src.interpreters import partial_eval
+
+        return list(partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1])
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover
+        from jax.extend.core import Var
+
+        needed = {v for v in jaxpr.outvars if isinstance(v, Var)}
+        for equation in reversed(jaxpr.eqns):
+            if equation.effects or any(v in needed for v in equation.outvars):
+                needed.update(v for v in equation.invars if isinstance(v, Var))
+        return [v in needed for v in jaxpr.invars]
 
 
 def _matched_by_value(pairs, unpaired, results):
