@@ -937,7 +937,12 @@ def test_a_selected_local_never_recorded_raises():
     assert "_checkpointed/gated" in probe.sites(X)
     result = probe.value_and_grad(_loss, X, at="Dense_0")
     _close(result.activation_grads["Dense_0"], WEIGHTS)
-    unreached = r"'_checkpointed/gated' was selected or patched, but .* did not reach"
+    # Refused where the adapter sees the checkpoint around the local; else the
+    # run finds the local unreached (JAX reused its cached trace).
+    unreached = (
+        r"'_checkpointed/gated'( was selected or patched, but .* did not reach"
+        r"|, a site bridge lists but cannot probe: .*checkpoint)"
+    )
     try:
         probe.value_and_grad(_loss, X, at="_checkpointed/gated")
     except bridge.BridgeError as error:
