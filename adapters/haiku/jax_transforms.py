@@ -11,8 +11,8 @@ each enclosing `vmap` the rule moves that vmap's axis to the front
 out, until it reaches the probe's own trace. There the session takes it as
 any site's value (epsilon, patch, recording), and the rule hands the result
 back in, mapped along axis 0 at every level. No tracer leaves its trace, and
-autodiff sees ordinary operations (`lift`; the Equinox adapter hands values
-out of the model's own vmaps the same way).
+autodiff sees ordinary operations (`bridge.adapters.shared.lifting.lift`,
+shared with the Linen and NNX adapters).
 
 Inside any other transform of JAX's (a `lax.scan`, `jax.checkpoint`,
 `lax.cond`, ...), no value can leave and no epsilon can enter: the site is
@@ -24,15 +24,10 @@ The trace stack is read through `bridge.adapters.shared.jax_internals`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from bridge.adapter_api import BridgeRuntimeError, is_array
-
 from ..shared import jax_internals
+from ..shared.lifting import lift as lift
 
 #: How a refusal names JAX's transforms (a trace's `traced_for`).
 _NAMES = {
@@ -95,53 +90,3 @@ REFUSALS = {
         "write the loop as hk.scan of fixed length",
     ),
 }
-
-
-def lift(tree: Any, depth: int, observe: Callable[[Any], Any]) -> Any:
-    """Hand `tree`, seen inside `depth` of the model's own `jax.vmap`s, to
-    `observe` at the trace `depth` vmaps out (the probe's): `observe(full)`
-    gets its arrays whole, mapped axes first, outermost first, and returns
-    the value to go on with, of the same structure and shapes."""
-    leaves, treedef = jax.tree.flatten(tree)
-    positions = [i for i, leaf in enumerate(leaves) if is_array(leaf)]
-
-    def observe_arrays(full_arrays: list) -> list:
-        full = list(leaves)
-        for i, array in zip(positions, full_arrays, strict=True):
-            full[i] = array
-        returned = treedef.flatten_up_to(observe(jax.tree.unflatten(treedef, full)))
-        return [returned[i] for i in positions]
-
-    arrays = [leaves[i] for i in positions]
-    out = _lift_p.bind(*arrays, observe=observe_arrays, depth=depth)
-    new = list(leaves)
-    for i, array in zip(positions, out, strict=True):
-        new[i] = array
-    return jax.tree.unflatten(treedef, new)
-
-
-def _lift_batched(axis_size, values, dims, *, observe, depth):
-    """The batching rule: runs one trace out, where the mapped value is whole."""
-    full = [
-        jnp.broadcast_to(value, (axis_size, *jnp.shape(value)))
-        if dim is None
-        else jnp.moveaxis(value, dim, 0)
-        for value, dim in zip(values, dims, strict=True)
-    ]
-    if depth > 1:
-        out = _lift_p.bind(*full, observe=observe, depth=depth - 1)
-    else:
-        out = observe(full)
-    return list(out), [0] * len(out)
-
-
-def _outside_a_vmap(*args, **params):
-    raise BridgeRuntimeError(
-        "bridge's Haiku site primitive was evaluated outside a jax.vmap. This is "
-        "a bug in bridge: please report it."
-    )
-
-
-_lift_p = jax_internals.mapped_primitive(
-    "bridge_haiku_site", _lift_batched, _outside_a_vmap
-)
