@@ -37,24 +37,9 @@ import jax.numpy as jnp
 from bridge.adapter_api import BridgeRuntimeError, SiteOrigin
 
 from ..shared import jax_internals as internals
+from ..shared.lifting import mapped_depth as mapped_depth
 
 # -- inside the model's own jax.vmap: handing the whole value out ----------------
-
-
-def mapped_depth(base_trace: Any) -> int | None:
-    """How many `jax.vmap`s of the model's own code enclose this point.
-
-    `None` when another transform (`lax.scan`, `jax.checkpoint`, …) stands
-    between here and the probe's trace: no value can be handed out from there.
-    """
-    trace = internals.current_trace()
-    depth = 0
-    while trace is not base_trace:
-        if not internals.is_vmap(trace):
-            return None
-        trace = internals.parent(trace)
-        depth += 1
-    return depth
 
 
 @dataclasses.dataclass(frozen=True)
