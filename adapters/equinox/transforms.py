@@ -107,17 +107,7 @@ _PARENT_UNKNOWN = (
 
 
 def describe(transforms: tuple[str, ...]) -> str:
-    names = {
-        SCAN: "jax.lax.scan",
-        CHECKPOINT: "jax.checkpoint",
-        "vmap": "jax.vmap",
-        "jit": "a jax.jit inside the model",
-        "cond": "jax.lax.cond",
-        "switch": "jax.lax.switch",
-        "while_body": "jax.lax.while_loop",
-        "while_cond": "jax.lax.while_loop",
-        "fori_loop": "jax.lax.fori_loop",
-    }
+    names = internals.TRANSFORM_NAMES
     return " inside ".join(names.get(t, t) for t in transforms)
 
 

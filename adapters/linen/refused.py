@@ -12,6 +12,8 @@ and discovery runs again with that transform's calls refused (`Broadcasts`).
 
 from __future__ import annotations
 
+from ..shared import jax_internals
+
 
 class Broadcasts(Exception):
     """Discovery, recording in `params`, met a lifted transform that
@@ -80,16 +82,7 @@ LINEN_NAMES = {"while_loop": "nn.while_loop", "cond": "nn.cond", "switch": "nn.s
 
 #: JAX's names of its transforms (a trace's `traced_for`), as the model's
 #: code calls them.
-JAX_NAMES = {
-    "scan": "jax.lax.scan",
-    "fori_loop": "jax.lax.fori_loop",
-    "checkpoint / remat": "jax.checkpoint",
-    "cond": "jax.lax.cond",
-    "switch": "jax.lax.switch",
-    "while_body": "jax.lax.while_loop",
-    "while_cond": "jax.lax.while_loop",
-    "vmap": "jax.vmap",
-}
+JAX_NAMES = jax_internals.TRANSFORM_NAMES
 
 #: Why a value inside a JAX transform of the model's own code (not a Flax
 #: lifted transform) cannot be a site bridge probes, and what to do, where it

@@ -34,19 +34,6 @@ from typing import Any
 
 from ..shared import jax_internals
 
-#: How a refusal names JAX's transforms (a trace's `traced_for`).
-_NAMES = {
-    "scan": "jax.lax.scan",
-    "fori_loop": "jax.lax.fori_loop",
-    "checkpoint / remat": "jax.checkpoint",
-    "cond": "jax.lax.cond",
-    "switch": "jax.lax.switch",
-    "while_body": "jax.lax.while_loop",
-    "while_cond": "jax.lax.while_loop",
-    "jit": "a jax.jit inside the model",
-    "pjit": "a jax.jit inside the model",
-}
-
 _BRANCH = (
     "which branch runs is known only when the model runs, so a call in a "
     "branch may not run at all"
@@ -96,7 +83,7 @@ def around(base: Any) -> tuple[int, str | None]:
             return 0, _UNKNOWN
         if not jax_internals.is_vmap(trace):
             traced = jax_internals.traced_for(trace)
-            return 0, _NAMES.get(traced, f"jax's {traced}")
+            return 0, jax_internals.TRANSFORM_NAMES.get(traced, f"jax's {traced}")
         trace = jax_internals.parent(trace)
         depth += 1
     return depth, None

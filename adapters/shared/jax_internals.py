@@ -106,6 +106,20 @@ def require_scan_frame(adapter: str) -> None:
 from jax._src import core as _core  # noqa: E402 (checked above)
 from jax._src.interpreters import batching as _batching  # noqa: E402
 
+#: How a refusal names JAX's transforms, by a trace's `traced_for`.
+TRANSFORM_NAMES = {
+    "scan": "jax.lax.scan",
+    "fori_loop": "jax.lax.fori_loop",
+    "checkpoint / remat": "jax.checkpoint",
+    "cond": "jax.lax.cond",
+    "switch": "jax.lax.switch",
+    "while_body": "jax.lax.while_loop",
+    "while_cond": "jax.lax.while_loop",
+    "vmap": "jax.vmap",
+    "jit": "a jax.jit inside the model",
+    "pjit": "a jax.jit inside the model",
+}
+
 
 def current_trace() -> Any:
     """The trace the computation at this point runs in."""
