@@ -111,6 +111,7 @@ TRANSFORM_NAMES = {
     "scan": "jax.lax.scan",
     "fori_loop": "jax.lax.fori_loop",
     "checkpoint / remat": "jax.checkpoint",
+    "checkpoint": "jax.checkpoint",  # its name on jax < 0.5
     "cond": "jax.lax.cond",
     "switch": "jax.lax.switch",
     "while_body": "jax.lax.while_loop",
