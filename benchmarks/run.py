@@ -46,7 +46,7 @@ import models
 from models import BUILDERS, FULL, QUICK, SCANNED, linen_wide
 
 import bridge
-from bridge._discovery_cache import CACHE as DISCOVERIES
+from bridge._probe.discovery_cache import CACHE as DISCOVERIES
 
 HERE = pathlib.Path(__file__).parent
 LIBRARIES = {"linen": "flax", "nnx": "flax", "equinox": "equinox", "haiku": "haiku"}

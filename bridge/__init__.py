@@ -8,20 +8,20 @@ checked against its PyTorch original layer by layer (`transfer`, `compare`).
 
 from . import adapter_api as adapter_api
 from . import testing as testing
-from ._compare import compare as compare
 from ._errors import BridgeError as BridgeError
-from ._inside import SiteSource as SiteSource
-from ._inside import site_sources as site_sources
-from ._porting import transfer as transfer
-from ._protocol import ActivationProbe as ActivationProbe
-from ._registry import probe as probe
-from ._registry import register_adapter as register_adapter
-from ._report import ComparisonReport as ComparisonReport
-from ._report import LogitsComparison as LogitsComparison
-from ._report import PairComparison as PairComparison
-from ._result import ForwardResult as ForwardResult
-from ._result import ProbeResult as ProbeResult
-from ._session import tap as tap
+from ._porting.compare import compare as compare
+from ._porting.report import ComparisonReport as ComparisonReport
+from ._porting.report import LogitsComparison as LogitsComparison
+from ._porting.report import PairComparison as PairComparison
+from ._porting.transfer import transfer as transfer
+from ._probe.protocol import ActivationProbe as ActivationProbe
+from ._probe.registry import probe as probe
+from ._probe.registry import register_adapter as register_adapter
+from ._probe.result import ForwardResult as ForwardResult
+from ._probe.result import ProbeResult as ProbeResult
+from ._session.inside import SiteSource as SiteSource
+from ._session.inside import site_sources as site_sources
+from ._session.session import tap as tap
 
 __version__ = "0.1.0"
 

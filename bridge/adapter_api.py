@@ -110,7 +110,7 @@ bridge does not know is added from outside with this module alone, as
 2. For `bridge.transfer` and `bridge.compare`, name a module in the class's
    `_porting` attribute with two functions: `layers(probe, sites) ->
    list[Layer]` (each parameterised call, its weights in the canonical layout
-   of `bridge._porting`'s table) and `with_weights(probe, [(Layer, {name:
+   of `bridge._porting.transfer`'s table) and `with_weights(probe, [(Layer, {name:
    canonical array})]) -> probe`.
 3. `register_adapter(ModelClass, factory)`, where `factory(model, *variables,
    vmap=bool)` returns the probe.
@@ -157,11 +157,6 @@ breaks it breaks a tested API, not an adapter's private import:
   its name says: every error an adapter raises is one of them.
 """
 
-from ._batching import BATCH_AXIS as BATCH_AXIS
-from ._checks import UNCHECKED_LOSS as UNCHECKED_LOSS
-from ._checks import check_loss as check_loss
-from ._discovery_cache import Discovery as Discovery
-from ._discovery_cache import DiscoveryOwner as DiscoveryOwner
 from ._errors import BridgeAssertionError as BridgeAssertionError
 from ._errors import BridgeError as BridgeError
 from ._errors import BridgeImportError as BridgeImportError
@@ -169,50 +164,55 @@ from ._errors import BridgeNotImplementedError as BridgeNotImplementedError
 from ._errors import BridgeRuntimeError as BridgeRuntimeError
 from ._errors import BridgeTypeError as BridgeTypeError
 from ._errors import BridgeValueError as BridgeValueError
-from ._hyperparameters import AsGiven as AsGiven
-from ._hyperparameters import as_float as as_float
-from ._hyperparameters import conv_hyperparameters as conv_hyperparameters
-from ._hyperparameters import conv_padding_mode as conv_padding_mode
-from ._hyperparameters import norm_hyperparameters as norm_hyperparameters
-from ._hyperparameters import (
+from ._porting.hyperparameters import AsGiven as AsGiven
+from ._porting.hyperparameters import as_float as as_float
+from ._porting.hyperparameters import conv_hyperparameters as conv_hyperparameters
+from ._porting.hyperparameters import conv_padding_mode as conv_padding_mode
+from ._porting.hyperparameters import norm_hyperparameters as norm_hyperparameters
+from ._porting.hyperparameters import (
     torch_named_conv_hyperparameters as torch_named_conv_hyperparameters,
 )
-from ._layer_kinds import Converted as Converted
-from ._layer_kinds import LayerKinds as LayerKinds
-from ._layer_kinds import ParameterisedCall as ParameterisedCall
-from ._layer_kinds import Weight as Weight
-from ._layer_kinds import placed as placed
-from ._layer_kinds import weight_by_weight as weight_by_weight
-from ._layer_kinds import weight_rmsnorm as weight_rmsnorm
-from ._porting import Layer as Layer
-from ._porting import channel_first_kernel_axes as channel_first_kernel_axes
-from ._porting import dense_kernel as dense_kernel
-from ._porting import flatten_trailing as flatten_trailing
-from ._porting import flattened as flattened
-from ._porting import replace_leaves as replace_leaves
-from ._probe import CallPlan as CallPlan
-from ._probe import ProbeBase as ProbeBase
-from ._registry import register_adapter as register_adapter
-from ._result import ProbeResult as ProbeResult
-from ._session import BodyTraces as BodyTraces
-from ._session import Call as Call
-from ._session import Session as Session
-from ._session import current as current_session
-from ._session import positional_arrays as positional_arrays
-from ._sites import Arrays as Arrays
-from ._sites import Site as Site
-from ._sites import SiteOrigin as SiteOrigin
-from ._sites import abstract as abstract
-from ._sites import add_epsilon as add_epsilon
-from ._sites import carrier_name as carrier_name
-from ._sites import differentiable_part as differentiable_part
-from ._sites import is_array as is_array
-from ._sites import is_carrier_name as is_carrier_name
-from ._sites import key_name as key_name
-from ._sites import merge_differentiable as merge_differentiable
-from ._sites import strip_call_index as strip_call_index
-from ._sites import without_axis as without_axis
-from ._sites import zeros_like_struct as zeros_like_struct
+from ._porting.layer_kinds import Converted as Converted
+from ._porting.layer_kinds import LayerKinds as LayerKinds
+from ._porting.layer_kinds import ParameterisedCall as ParameterisedCall
+from ._porting.layer_kinds import Weight as Weight
+from ._porting.layer_kinds import placed as placed
+from ._porting.layer_kinds import weight_by_weight as weight_by_weight
+from ._porting.layer_kinds import weight_rmsnorm as weight_rmsnorm
+from ._porting.transfer import Layer as Layer
+from ._porting.transfer import channel_first_kernel_axes as channel_first_kernel_axes
+from ._porting.transfer import dense_kernel as dense_kernel
+from ._porting.transfer import flatten_trailing as flatten_trailing
+from ._porting.transfer import flattened as flattened
+from ._porting.transfer import replace_leaves as replace_leaves
+from ._probe.batching import BATCH_AXIS as BATCH_AXIS
+from ._probe.checks import UNCHECKED_LOSS as UNCHECKED_LOSS
+from ._probe.checks import check_loss as check_loss
+from ._probe.discovery_cache import Discovery as Discovery
+from ._probe.discovery_cache import DiscoveryOwner as DiscoveryOwner
+from ._probe.jax_backend import CallPlan as CallPlan
+from ._probe.jax_backend import ProbeBase as ProbeBase
+from ._probe.registry import register_adapter as register_adapter
+from ._probe.result import ProbeResult as ProbeResult
+from ._session.session import BodyTraces as BodyTraces
+from ._session.session import Call as Call
+from ._session.session import Session as Session
+from ._session.session import current as current_session
+from ._session.session import positional_arrays as positional_arrays
+from ._session.sites import Arrays as Arrays
+from ._session.sites import Site as Site
+from ._session.sites import SiteOrigin as SiteOrigin
+from ._session.sites import abstract as abstract
+from ._session.sites import add_epsilon as add_epsilon
+from ._session.sites import carrier_name as carrier_name
+from ._session.sites import differentiable_part as differentiable_part
+from ._session.sites import is_array as is_array
+from ._session.sites import is_carrier_name as is_carrier_name
+from ._session.sites import key_name as key_name
+from ._session.sites import merge_differentiable as merge_differentiable
+from ._session.sites import strip_call_index as strip_call_index
+from ._session.sites import without_axis as without_axis
+from ._session.sites import zeros_like_struct as zeros_like_struct
 from ._versions import unsupported as unsupported
 
 __all__ = [

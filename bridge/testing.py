@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
-from ._result import ForwardResult, ProbeResult
-from ._sites import (
+from ._probe.result import ForwardResult, ProbeResult
+from ._session.sites import (
     differentiable_part,
     merge_differentiable,
     split_arrays,

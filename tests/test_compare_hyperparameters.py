@@ -22,7 +22,7 @@ from flax import nnx
 from porting_models import filled
 
 import bridge
-from bridge._hyperparameters import AsGiven, conv_padding
+from bridge._porting.hyperparameters import AsGiven, conv_padding
 
 
 def jax_loss(outputs):

@@ -23,7 +23,7 @@ from helpers import (
 )
 
 import bridge
-from bridge._sites import strip_call_index
+from bridge._session.sites import strip_call_index
 
 CASES = list(case_params())
 MODES = ["eager", "jit"]

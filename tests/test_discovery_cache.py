@@ -24,7 +24,7 @@ from helpers import assert_tree_allclose, assert_tree_equal, nnx_supported
 from reliability import LIBRARIES, Spec, build, loss_fn, reference
 
 import bridge
-from bridge._discovery_cache import CACHE, Discovery, is_plain, structure_key
+from bridge._probe.discovery_cache import CACHE, Discovery, is_plain, structure_key
 from bridge.adapter_api import ProbeBase
 
 for _library in ("flax.linen", "flax.nnx", "equinox", "haiku"):

@@ -24,7 +24,7 @@ from helpers import (
 )
 
 import bridge
-from bridge._sites import carrier_name, is_carrier_name
+from bridge._session.sites import carrier_name, is_carrier_name
 
 MODES = ["eager", "jit"]
 

@@ -615,7 +615,7 @@ def test_a_deleted_probe_leaves_no_discovery_holding_its_model():
     import gc
     import weakref
 
-    from bridge._discovery_cache import CACHE
+    from bridge._probe.discovery_cache import CACHE
 
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
     probe = bridge.probe(model)

@@ -30,7 +30,7 @@ from flax import nnx
 from helpers import assert_tree_allclose, nnx_supported
 
 import bridge
-from bridge._probe import ProbeBase
+from bridge._probe.jax_backend import ProbeBase
 
 X = jax.random.normal(jax.random.key(1), (3, 5))
 IN, HIDDEN, OUT = 5, 4, 2

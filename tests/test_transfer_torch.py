@@ -31,7 +31,7 @@ from flax import nnx
 from porting_models import LIBRARIES, TOKENS, build, filled, outputs
 
 import bridge
-from bridge._porting import parameterised_layers
+from bridge._porting.transfer import parameterised_layers
 
 EPSILON = 1e-5
 SPATIAL = {"cnn1d": 1, "cnn2d": 2}

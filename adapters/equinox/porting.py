@@ -148,7 +148,7 @@ def _first(value: Any) -> list:
 
 
 # -- the converters: hyperparameters in canonical names and conventions
-# (`bridge._hyperparameters`); `momentum` is Equinox's own, the weight of the
+# (`bridge._porting.hyperparameters`); `momentum` is Equinox's own, the weight of the
 # running average kept.
 
 

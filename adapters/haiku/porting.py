@@ -64,7 +64,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 
 
 # -- the converters: hyperparameters in canonical names and conventions
-# (`bridge._hyperparameters`); `hk.BatchNorm`'s `decay_rate` is the `momentum`,
+# (`bridge._porting.hyperparameters`); `hk.BatchNorm`'s `decay_rate` is the `momentum`,
 # the weight of the running average kept.
 
 

@@ -16,7 +16,7 @@ and refused only where selected or patched, naming the innermost such
 transform (`bridge.adapters.shared.unexpressible`).
 
 `nnx.jit` is none: while a probe runs the model's own jits run inline, in the
-probe's trace (`bridge._jit`), and a call on the copy `nnx.jit` merged is a
+probe's trace (`bridge._session.jit`), and a call on the copy `nnx.jit` merged is a
 call like any other. JAX's own transforms in the model's code (`jax.vmap`,
 `jax.checkpoint`, `lax.scan`, `lax.cond`) are
 `bridge.adapters.nnx.jax_transforms`; a scan body JAX traces twice (its
@@ -209,7 +209,7 @@ class Run:
     def transforms(self) -> tuple[str, ...]:
         """The NNX transforms of the model's own code running now, but
         `nnx.jit`: while a probe runs, the model's own jits run inline, in the
-        probe's trace (`bridge._jit`), so a call inside one is a call like any
+        probe's trace (`bridge._session.jit`), so a call inside one is a call like any
         other (on the module's copy that `nnx.jit` merged)."""
         return tuple(
             t

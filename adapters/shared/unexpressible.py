@@ -9,7 +9,7 @@ Discovery lists it with the shape its value has for the model (the axes of
 the model's own `vmap`s around it in front, a scan's iterations first, as
 the contract lays sites out), with its origin's `blocked` saying why and
 naming the innermost transform that holds it; `at=None` leaves it out
-(`bridge._selection.select`), and selecting or patching it raises that
+(`bridge._probe.selection.select`), and selecting or patching it raises that
 reason. A `jax.jit` inside the model is no such transform: it is skipped
 when naming one.
 

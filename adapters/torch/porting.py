@@ -206,7 +206,7 @@ def _as_is(value: Any) -> np.ndarray:
 
 
 # -- the converters: hyperparameters in canonical names and conventions
-# (`bridge._hyperparameters`); a BatchNorm's `momentum` is the weight of the
+# (`bridge._porting.hyperparameters`); a BatchNorm's `momentum` is the weight of the
 # running average kept, `1 - momentum` in PyTorch's terms (which weighs the
 # batch).
 

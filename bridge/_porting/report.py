@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._errors import BridgeImportError
-from ._hyperparameters import shown
+from .._errors import BridgeImportError
+from .hyperparameters import shown
 
 
 class PairComparison(NamedTuple):

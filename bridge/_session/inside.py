@@ -49,7 +49,7 @@ probe a subclass of its own class (made once per class) whose pytree
 flattening carries the `Inside` beside what the adapter's flattening gives,
 so a probe rebuilt from its leaves (under `jax.jit`, or by discovery's
 `jax.eval_shape`) still looks inside, and whose discovery and runs make it
-the `Inside` of every session made meanwhile (`bridge._session.INSIDE`),
+the `Inside` of every session made meanwhile (`bridge._session.session.INSIDE`),
 by the core or by an adapter. An adapter knows nothing of it.
 """
 
@@ -73,14 +73,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._errors import (
+from .._errors import (
     BridgeError,
     BridgeNotImplementedError,
     BridgeTypeError,
     BridgeValueError,
 )
-from ._session import INSIDE, current
-from ._sites import Site, SiteOrigin, site_name
+from .session import INSIDE, current
+from .sites import Site, SiteOrigin, site_name
 
 #: The name the rewritten code imports `tap` from.
 _HERE = __name__
@@ -177,7 +177,7 @@ def _unreachable(
     of the model's own code that the adapter cannot see through): listed as
     a site all the same (`Site.refused`: left out of `at=None`), its value
     left as it is; selecting or patching it is refused before any work
-    (`bridge._selection.select`, `bridge._checks.resolve_patches`)."""
+    (`bridge._probe.selection.select`, `bridge._probe.checks.resolve_patches`)."""
     blocked = (
         f"it is a local of `inside` that the adapter cannot hand out. {refusal} "
         "Select other sites with `at=` (the others probe as usual), or move the "

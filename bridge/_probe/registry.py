@@ -15,10 +15,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import BridgeTypeError
-from ._inside import Inside, check_carried
-from ._probe import ProbeBase
-from ._protocol import ActivationProbe
+from .._errors import BridgeTypeError
+from .._session.inside import Inside, check_carried
+from .jax_backend import ProbeBase
+from .protocol import ActivationProbe
 
 _SUPPORTED = (
     "Flax Linen: bridge.probe(module, variables) with variables = "

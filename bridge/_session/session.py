@@ -6,17 +6,17 @@ trace of the model; it is found through a `ContextVar`, so two threads (or
 two nested probes) never see each other's sites. It is a facade over parts
 with one job each:
 
-- `session.naming` (`Naming`, `bridge._naming`): names each call
+- `session.naming` (`Naming`, `bridge._session.naming`): names each call
   `path[.method][#k]` and knows the calls running now; `BodyTraces` makes a
   repeated trace of a lifted body re-use the first one's names;
-- `session.recorder` (`bridge._recorders`): what the session does at a call,
+- `session.recorder` (`bridge._session.recorders`): what the session does at a call,
   the one part that differs between a discovery (`DiscoveryRecorder`: list
   every call as a `Site`) and a run (`RunRecorder`: patch, perturb, record
   the selected sites), chosen once here; it answers the questions an
   adapter has (`learns_sites`, `needs_value`), so no adapter asks which;
-- `session.carrier` (`Carrier`, `bridge._carrier`): bridge's values through
+- `session.carrier` (`Carrier`, `bridge._session.carrier`): bridge's values through
   a library's lifted transforms;
-- `session.taps` (`Taps`, `bridge._taps`): `bridge.tap`.
+- `session.taps` (`Taps`, `bridge._session.taps`): `bridge.tap`.
 """
 
 from __future__ import annotations
@@ -26,24 +26,24 @@ import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._carrier import Carrier
-from ._errors import BridgeTypeError
-from ._jit import traced_through
-from ._naming import BodyTraces as BodyTraces
-from ._naming import Call as Call
-from ._naming import Naming
-from ._recorders import DiscoveryRecorder, Recorder, RunRecorder
-from ._sites import JAX_ARRAYS, Arrays, Site, SiteOrigin
-from ._taps import Taps
+from .._errors import BridgeTypeError
+from .carrier import Carrier
+from .jit import traced_through
+from .naming import BodyTraces as BodyTraces
+from .naming import Call as Call
+from .naming import Naming
+from .recorders import DiscoveryRecorder, Recorder, RunRecorder
+from .sites import JAX_ARRAYS, Arrays, Site, SiteOrigin
+from .taps import Taps
 
 if TYPE_CHECKING:
-    from ._inside import Inside
+    from .inside import Inside
 
 _ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
     "bridge_session", default=None
 )
-#: The `bridge._inside.Inside` of the probe whose discovery or run is in
-#: progress in this context (set by `bridge._inside`, whatever the adapter):
+#: The `bridge._session.inside.Inside` of the probe whose discovery or run is in
+#: progress in this context (set by `bridge._session.inside`, whatever the adapter):
 #: a session made meanwhile, by the core or by an adapter, looks inside with it.
 INSIDE: contextvars.ContextVar[Inside | None] = contextvars.ContextVar(
     "bridge_inside", default=None
@@ -69,7 +69,7 @@ class Session:
     site, selected or not), `with_inputs`, `batch_axis` (set when the model
     runs under the probe's own `jax.vmap`: a patch function then still sees
     the whole batch) and `arrays` (the framework's values: JAX arrays, or an
-    adapter's own). `renames` (`bridge._naming.renames_of`): the public
+    adapter's own). `renames` (`bridge._session.naming.renames_of`): the public
     name of each call where discovery found a trace JAX discards.
     """
 
@@ -100,7 +100,7 @@ class Session:
         )
         self.carrier = Carrier(self)
         self.taps = Taps(self)
-        # The probe's `bridge._inside.Inside`, from the core (`INSIDE`).
+        # The probe's `bridge._session.inside.Inside`, from the core (`INSIDE`).
         self.inside: Inside | None = INSIDE.get()
         # `enter` and `exit` run at every call of the model: bound once.
         self._name_call = self.naming.enter
@@ -111,8 +111,8 @@ class Session:
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
         """The session of the model's calls while it runs: the model's own
-        `jax.jit`s run inline (`bridge._jit`), and the probe's `inside`
-        rewrites are in place (`bridge._inside`), both undone on leaving."""
+        `jax.jit`s run inline (`bridge._session.jit`), and the probe's `inside`
+        rewrites are in place (`bridge._session.inside`), both undone on leaving."""
         token = _ACTIVE.set(self)
         try:
             with traced_through():

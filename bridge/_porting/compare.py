@@ -1,6 +1,6 @@
 """`compare`: where two models part, pair by pair.
 
-Pairs are made as for `transfer` (`bridge._porting`): the parameterised
+Pairs are made as for `transfer` (`bridge._porting.transfer`): the parameterised
 modules of both models in call order. Both models run once at the paired
 sites; each pair's activations and activation gradients are brought to the
 canonical layout (channel-last, batch-first) and compared, each tensor at its
@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import BridgeTypeError, BridgeValueError
-from ._hyperparameters import differing_hyperparameters
-from ._porting import (
+from .._errors import BridgeTypeError, BridgeValueError
+from .._session.sites import split_arrays, zeros_like_struct
+from .hyperparameters import differing_hyperparameters
+from .report import ComparisonReport, LogitsComparison, PairComparison
+from .transfer import (
     Layer,
     described_tie,
     inputs_for,
@@ -44,8 +46,6 @@ from ._porting import (
     untied,
     with_counterparts,
 )
-from ._report import ComparisonReport, LogitsComparison, PairComparison
-from ._sites import split_arrays, zeros_like_struct
 
 #: The default tolerances by the precision compared in: float32's rounding
 #: after a different order of operations is near 1e-7 of a tensor's largest
@@ -596,7 +596,7 @@ def _run_both(probes, loss_fns, sites, inputs, logits_fns=None):
     """Both models' `value_and_grad` at their paired sites, the logits as
     aux: JAX models under one `jax.jit` (no parameter baked in), a PyTorch
     model eagerly in PyTorch."""
-    from ._probe import ProbeBase
+    from .._probe.jax_backend import ProbeBase
 
     if logits_fns is not None:
         loss_fns = tuple(

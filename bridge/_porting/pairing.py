@@ -1,7 +1,7 @@
 """Pairing within a parent module's calls where the two libraries' call order
 differs.
 
-`bridge._porting.pair` pairs two equally long lists of layers in call order.
+`bridge._porting.transfer.pair` pairs two equally long lists of layers in call order.
 Real ports do not always call the children of one module in the same order:
 PyTorch's BERT embeddings call the token-type table before the position
 table, Flax's the other way round. Pairing those by position either raises
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import BridgeValueError
+from .._errors import BridgeValueError
 
 # Both separators: PyTorch and Equinox paths use ".", the Flax libraries and
 # Haiku "/"; the two sides of a port need not share either.

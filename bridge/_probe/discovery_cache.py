@@ -62,7 +62,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._sites import (
+from .._session.sites import (
     Site,
     abstract_array,
     device_invariant,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import BridgeValueError
+from .._errors import BridgeValueError
 
 
 def site_name(path: str, method: str | None, index: int) -> str:
@@ -67,7 +67,7 @@ class SiteOrigin:
     """The base of an adapter's private record of where a call is (a Linen
     scope path, a Haiku state bundle, the transforms around it). Subclasses
     are frozen dataclasses of plain data: a discovery is reused across traces
-    only where every origin is (`bridge._discovery_cache`).
+    only where every origin is (`bridge._probe.discovery_cache`).
 
     A call inside a scan whose carry holds what the adapter places there
     (`Session.to_carry_in`) has `scan = (length, reverse)`, and `value` and
@@ -107,7 +107,7 @@ class Site:
         `vmap=True` the probe's batch axis comes after them.
       dead: whether the call's value reaches none of the model's outputs
         (a result the model's code drops): its gradient is zero by
-        construction, not by measurement (`bridge._liveness`).
+        construction, not by measurement (`bridge._session.liveness`).
       traced_as: the name the call is counted under while the model is
         traced, where that differs from `name`: a trace JAX discarded (a
         scan body traced twice) came first and is no site.

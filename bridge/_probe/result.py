@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from ._sites import Site
+    from .._session.sites import Site
 
 
 class ProbeResult(NamedTuple):

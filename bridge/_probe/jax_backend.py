@@ -26,9 +26,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
-from . import _discovery_cache as discovery_cache
-from . import _liveness as liveness
-from ._batching import (
+from .._session import liveness as liveness
+from .._session.inside import looking_inside
+from .._session.naming import renames_of
+from .._session.session import Session
+from .._session.sites import JAX_ARRAYS, Arrays, Site, split_arrays, zeros_like_struct
+from . import discovery_cache as discovery_cache
+from .batching import (
     BATCH_AXIS,
     batch_axis_to,
     batch_sharding,
@@ -36,22 +40,18 @@ from ._batching import (
     per_example_keys,
     with_batch_axis,
 )
-from ._checks import (
+from .checks import (
     UNCHECKED_LOSS,
     check_loss,
     check_loss_fn,
     check_patch_kind,
     resolve_patches,
 )
-from ._inside import looking_inside
-from ._naming import renames_of
-from ._result import ForwardResult, ProbeResult, in_order
-from ._selection import check_selection, select
-from ._session import Session
-from ._sites import JAX_ARRAYS, Arrays, Site, split_arrays, zeros_like_struct
+from .result import ForwardResult, ProbeResult, in_order
+from .selection import check_selection, select
 
 if TYPE_CHECKING:
-    from ._inside import Inside
+    from .._session.inside import Inside
 
 
 class CallPlan(NamedTuple):
@@ -78,7 +78,7 @@ class ProbeBase:
     vmap: bool = False
 
     #: Whether a discovery may be reused for a later call of the same
-    #: structure (`bridge._discovery_cache`): same probe type, pytree structure
+    #: structure (`bridge._probe.discovery_cache`): same probe type, pytree structure
     #: and leaf types, same abstract inputs. An adapter opts in when its pytree
     #: flattening holds everything its sites depend on (the model's static
     #: parts in the treedef, its arrays as leaves) and its sites' `origin` is
@@ -96,13 +96,13 @@ class ProbeBase:
     _arrays: Arrays = JAX_ARRAYS
 
     #: The functions whose assignments are sites (`bridge.probe(...,
-    #: inside=...)`, `bridge._inside.Inside`); `None`: none.
+    #: inside=...)`, `bridge._session.inside.Inside`); `None`: none.
     _inside: Inside | None = None
 
     def _looking_inside(self, inside: Inside | None) -> ProbeBase:
         """This probe, its assignments' sites those of `inside` (set once, by
         `bridge.probe`). The core carries `inside` through the probe's pytree
-        and hands it to every session (`bridge._inside.looking_inside`): an
+        and hands it to every session (`bridge._session.inside.looking_inside`): an
         adapter need not know of it."""
         return looking_inside(self, inside)
 
@@ -248,7 +248,7 @@ class ProbeBase:
         """One abstract trace of the instrumented model to a jaxpr: the sites
         and the outputs' abstract structure; no FLOPs. A call seen only in a
         trace JAX discarded is no site, and a call whose value reaches no
-        output is marked `dead` (`bridge._liveness`).
+        output is marked `dead` (`bridge._session.liveness`).
 
         The inputs' array leaves are traced, never closed over, so no operation
         on them can run eagerly. Where an output cannot leave the trace as
@@ -266,7 +266,7 @@ class ProbeBase:
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
             # What the model computes for: its outputs and its new state, the
-            # ends against which a call is live or dead (`bridge._liveness`).
+            # ends against which a call is live or dead (`bridge._session.liveness`).
             computed = [
                 leaf
                 for leaf in jax.tree.leaves((outputs, state))
@@ -432,7 +432,7 @@ class ProbeBase:
         """The positional arguments `bridge.probe` takes for this probe's
         model, carrying its weights (see `ActivationProbe.unwrap`). An adapter
         implements it; this default says that one has not."""
-        from ._errors import BridgeNotImplementedError
+        from .._errors import BridgeNotImplementedError
 
         raise BridgeNotImplementedError(
             f"{type(self).__qualname__} does not implement unwrap(): its adapter "

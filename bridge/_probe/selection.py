@@ -12,8 +12,8 @@ from typing import Any
 
 import jax
 
-from ._errors import BridgeTypeError, BridgeValueError
-from ._sites import Site, strip_call_index
+from .._errors import BridgeTypeError, BridgeValueError
+from .._session.sites import Site, strip_call_index
 
 Selector = str | type | tuple | Callable[[str, Any], bool]
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from ._errors import BridgeRuntimeError
-from ._liveness import mark
-from ._naming import Call, SessionPart
-from ._sites import (
+from .._errors import BridgeRuntimeError
+from .liveness import mark
+from .naming import Call, SessionPart
+from .sites import (
     JAX_ARRAYS,
     Site,
     SiteOrigin,
@@ -31,7 +31,7 @@ from ._sites import (
 )
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from .session import Session
 
 
 class Recorder(abc.ABC):

@@ -12,10 +12,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._naming import SessionPart
+from .naming import SessionPart
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from .session import Session
 
 
 class Taps(SessionPart):

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from ._naming import SessionPart
-from ._sites import Site, carrier_name
+from .naming import SessionPart
+from .sites import Site, carrier_name
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from .session import Session
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._errors import BridgeValueError
-from ._sites import Site, explicit_sharding, is_array, struct_update
+from .._errors import BridgeValueError
+from .._session.sites import Site, explicit_sharding, is_array, struct_update
 
 #: The axis name of the probe's own `jax.vmap` with `vmap=True`, for models
 #: whose layers reduce over the batch (BatchNorm).

@@ -13,9 +13,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ._errors import BridgeTypeError, BridgeValueError
-from ._selection import matches_pattern
-from ._sites import JAX_ARRAYS, Arrays, Site, patch_misfit, shapes_and_dtypes
+from .._errors import BridgeTypeError, BridgeValueError
+from .._session.sites import JAX_ARRAYS, Arrays, Site, patch_misfit, shapes_and_dtypes
+from .selection import matches_pattern
 
 #: What `ProbeBase._abstract_loss` returns where the loss cannot be evaluated
 #: abstractly (a PyTorch loss that fake tensors cannot run): the adapter

@@ -28,8 +28,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ._naming import renumbered
-from ._sites import Site
+from .naming import renumbered
+from .sites import Site
 
 site_marker = Primitive("bridge_site")
 site_marker.multiple_results = True

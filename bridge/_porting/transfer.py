@@ -10,7 +10,7 @@ Each library's knowledge lives in a porting module of its adapter (named by
 the probe class's `_porting` attribute, imported on first use). It lists a
 model's parameterised calls as `Layer`s, each with its weights in one
 *canonical layout*, and builds a new probe with given canonical weights; the
-built-in ones declare a converter per kind of module (`bridge._layer_kinds`).
+built-in ones declare a converter per kind of module (`bridge._porting.layer_kinds`).
 The canonical layout is channel-last and `(in, out)`:
 
 | kind | canonical weights |
@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
-from ._pairing import paired_in_groups
+from .._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
+from .pairing import paired_in_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Layer:
       site: the site name of the call (`path`, `path#1`, ...).
       path: the module's path.
       kind: `dense`, `conv`, `layernorm`, `rmsnorm`, `groupnorm`, `batchnorm`,
-        `embed`, or `weights:<names>` (`bridge._layer_kinds.weights_kind`).
+        `embed`, or `weights:<names>` (`bridge._porting.layer_kinds.weights_kind`).
       described: the module's class as its library names it (`nn.Dense`).
       weights: `{name: array or None}` in the canonical layout.
       to_common: maps one activation leaf to the common layout (channel-last,
@@ -170,7 +170,7 @@ def pair(
     left_out: Sequence[str] = (),
 ) -> list[tuple[Layer, Layer]]:
     """Pair two lists of layers in order (within a parent module's calls by
-    kind, shapes and names where the two orders differ: `bridge._pairing`);
+    kind, shapes and names where the two orders differ: `bridge._porting.pairing`);
     raise when the counts differ, naming the first pair whose kinds differ or
     else the first layer left over, and the layers `left_out` of the count
     (tied heads; for `compare`, calls that never reach the loss)."""
@@ -379,7 +379,7 @@ def transfer(
 def inputs_for(probe: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The inputs as `probe` takes them: a JAX model gets a PyTorch tensor
     given for both models (a porter's `x`) as a NumPy array."""
-    from ._probe import ProbeBase
+    from .._probe.jax_backend import ProbeBase
 
     if not isinstance(probe, ProbeBase) or not probe.runs_in_jax:
         return args, kwargs

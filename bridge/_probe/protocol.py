@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from ._result import ForwardResult, ProbeResult
+from .result import ForwardResult, ProbeResult
 
 
 @runtime_checkable

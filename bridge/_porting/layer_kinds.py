@@ -3,7 +3,7 @@
 A library's porting module declares its kinds once, `LayerKinds({nn.Dense:
 dense, nn.Conv: conv, ...}, named="nn.")`: each converter reads one call of a
 parameterised module (`ParameterisedCall`) into its kind and canonical weights
-(`Converted`, see `bridge._porting`'s table). The table is looked up along the
+(`Converted`, see `bridge._porting.transfer`'s table). The table is looked up along the
 module's class MRO, so a subclass converts as its nearest listed base, and a
 class listed with `None` has no kind whatever its bases. A class may be listed
 by its qualified name, `"transformers.pytorch_utils.Conv1D"`: matched by name
@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ._hyperparameters import norm_hyperparameters
-from ._porting import Layer, flattened
-from ._sites import Site
+from .._session.sites import Site
+from .hyperparameters import norm_hyperparameters
+from .transfer import Layer, flattened
 
 
 def _unchanged(value: Any) -> Any:

@@ -14,10 +14,10 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._sites import Site, SiteOrigin, site_name
+from .sites import Site, SiteOrigin, site_name
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from .session import Session
 
 
 @dataclasses.dataclass

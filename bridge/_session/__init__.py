@@ -1,0 +1,9 @@
+"""The session: the bookkeeping of one trace of the model.
+
+`context` (a leaf: the active session and the probe's `inside`), `session`
+(the facade an adapter reports calls to) and its parts, each given what it
+needs at construction and none holding the session: `naming`, `recorders`,
+`carrier`, `taps`. Beside them: `sites` (the `Site` record and array
+helpers), `inside` (assignments as sites), `jit` (the model's own `jax.jit`
+run inline) and `liveness` (which calls the computation keeps).
+"""
