@@ -58,7 +58,7 @@ def assert_results_close(
       AssertionError: naming the first quantity and site that differs, with
         the largest absolute difference there.
 
-    Example:
+    Examples:
       >>> bridge.testing.assert_results_close(eager, jitted, rtol=1e-4, atol=1e-5)
     """
     if type(result_a) is not type(result_b) or not isinstance(
@@ -179,7 +179,7 @@ def check_activation_grads(
     Raises:
       AssertionError: naming the first site whose gradient disagrees.
 
-    Example:
+    Examples:
       >>> bridge.testing.check_activation_grads(probe, loss_fn, x, max_sites=4)
     """
     if max_sites < 1:

@@ -133,7 +133,7 @@ def compare(
     Returns:
       A `ComparisonReport`: `str(report)` is a table; `report.rows` the data.
 
-    Example:
+    Examples:
       >>> report = bridge.compare(linen_probe, eqx_probe, loss_fn, x)
       >>> print(report)
       >>> report.first_divergence

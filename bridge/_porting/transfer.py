@@ -339,7 +339,7 @@ def transfer(
         differ.
       TypeError: for a probe of a library bridge cannot port.
 
-    Example:
+    Examples:
       >>> ported = bridge.transfer(bridge.probe(linen_model, variables),
       ...                          bridge.probe(eqx_model), x)
       >>> ported.apply(x).outputs

@@ -120,7 +120,7 @@ def probe(
         and functions are left as they were; without `inside`, nothing is
         rewritten.
 
-    Example:
+    Examples:
       >>> probe = bridge.probe(model, variables)
       >>> res = probe.value_and_grad(lambda y: ((y - t) ** 2).mean(), x)
       >>> res.activation_grads["Dense_0"]

@@ -322,7 +322,7 @@ def site_sources(probe: Any, *args: Any, **kwargs: Any) -> dict[str, SiteSource]
       `attn_weights#2` (the softmax) without reading the library's source.
       Costs no FLOPs (the discovery `probe.sites` makes, reused).
 
-    Example:
+    Examples:
       >>> probe = bridge.probe(model, variables, inside=nn.MultiHeadDotProductAttention)
       >>> for name, source in bridge.site_sources(probe, x).items():
       ...     print(name, source.line, source.code)

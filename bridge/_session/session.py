@@ -218,7 +218,7 @@ def tap(name: str, value: Any) -> Any:
     Outside a probe this returns `value` itself, at no cost. Inside one, the
     value is a site like a module call: selectable, patchable, with gradients.
 
-    Example:
+    Examples:
       >>> h = bridge.tap("pre_activation", x @ w)
     """
     session = _ACTIVE.get()
