@@ -7,113 +7,115 @@ bridge does not know is added from outside with this module alone, as
 
 1. Subclass `ProbeBase` and implement
 
-   - `_trainable(self) -> pytree`: what `grads` differentiates;
-   - `_run(self, trainable, args, kwargs, session) -> (outputs, state)`: call
-     the model once (one example with `vmap=True`) with `trainable`, and
-     report every submodule call to `session`: `call = session.enter(path,
-     method, module, args)` before it and `value = session.exit(call, value)`
-     after it (the value returned is the one to pass on: epsilon added,
-     patched, recorded). `state` is `None` for a model without state;
-   - optionally `_check_call(self, args, kwargs)` (validate the call before
-     any work) and `_format_grads(self, grads)` (the library's structure);
-   - optionally `reuses_discovery = True`, once the pytree flattening holds
-     everything the sites depend on (static parts in the treedef) and every
-     `origin` given to `session.enter` (a `SiteOrigin` subclass) is plain
-     data: discovery is then reused across calls of the same structure;
-   - optionally `_check_paths(self, at, patch)`: refuse, before any work,
-     paths that can never be sites in this library, saying why.
+    - `_trainable(self) -> pytree`: what `grads` differentiates;
+    - `_run(self, trainable, args, kwargs, session) -> (outputs, state)`: call
+      the model once (one example with `vmap=True`) with `trainable`, and
+      report every submodule call to `session`: `call = session.enter(path,
+      method, module, args)` before it and `value = session.exit(call, value)`
+      after it (the value returned is the one to pass on: epsilon added,
+      patched, recorded). `state` is `None` for a model without state;
+    - optionally `_check_call(self, args, kwargs)` (validate the call before
+      any work) and `_format_grads(self, grads)` (the library's structure);
+    - optionally `reuses_discovery = True`, once the pytree flattening holds
+      everything the sites depend on (static parts in the treedef) and every
+      `origin` given to `session.enter` (a `SiteOrigin` subclass) is plain
+      data: discovery is then reused across calls of the same structure;
+    - optionally `_check_paths(self, at, patch)`: refuse, before any work,
+      paths that can never be sites in this library, saying why.
 
-   `ProbeBase` is the front every framework shares: the checks, selection,
-   patch resolution, the discovery cache and the result in call order. Its
-   framework's steps are hooks whose defaults are JAX's; a probe of a model
-   of another framework (the built-in PyTorch adapter) overrides them
-   instead of implementing `_trainable` and `_run`:
+    `ProbeBase` is the front every framework shares: the checks, selection,
+    patch resolution, the discovery cache and the result in call order. Its
+    framework's steps are hooks whose defaults are JAX's; a probe of a model
+    of another framework (the built-in PyTorch adapter) overrides them
+    instead of implementing `_trainable` and `_run`:
 
-   - `runs_in_jax = False` (`bridge.compare` runs it outside `jax.jit`), and
-     `_arrays`, its values as the core sees them (an `Arrays`);
-   - `_prepare_inputs(self, args, kwargs) -> (args, kwargs)` and
-     `_prepare_patch(self, patch) -> patch`: the checks of the inputs, and
-     the user's values converted to the model's;
-   - `_discovery_key(self, args, kwargs)`: its key in the one discovery
-     cache, or `None`; a key `(DiscoveryOwner(probe), ...)` makes the
-     discoveries go with the probe (they may hold the model's weights);
-   - `_discover_afresh(self, args, kwargs, loss_fn) -> (Discovery, abstract
-     loss or None)` and `_abstract_loss(self, outputs, loss_fn)`: the loss
-     on the outputs the `Discovery` kept, `UNCHECKED_LOSS` where it cannot
-     be told without a real run (check the real loss with `check_loss`);
-   - `_forward(self, plan) -> (outputs, activations, state)` and
-     `_differentiate(self, loss_fn, plan, has_aux, with_inputs) ->
-     ProbeResult`: the real run of a checked `CallPlan`, dicts in any order.
+    - `runs_in_jax = False` (`bridge.compare` runs it outside `jax.jit`), and
+      `_arrays`, its values as the core sees them (an `Arrays`);
+    - `_prepare_inputs(self, args, kwargs) -> (args, kwargs)` and
+      `_prepare_patch(self, patch) -> patch`: the checks of the inputs, and
+      the user's values converted to the model's;
+    - `_discovery_key(self, args, kwargs)`: its key in the one discovery
+      cache, or `None`; a key `(DiscoveryOwner(probe), ...)` makes the
+      discoveries go with the probe (they may hold the model's weights);
+    - `_discover_afresh(self, args, kwargs, loss_fn) -> (Discovery, abstract
+      loss or None)` and `_abstract_loss(self, outputs, loss_fn)`: the loss
+      on the outputs the `Discovery` kept, `UNCHECKED_LOSS` where it cannot
+      be told without a real run (check the real loss with `check_loss`);
+    - `_forward(self, plan) -> (outputs, activations, state)` and
+      `_differentiate(self, loss_fn, plan, has_aux, with_inputs) ->
+      ProbeResult`: the real run of a checked `CallPlan`, dicts in any order.
 
-   Inside `_run`, the session is the one object an adapter reports to: a
-   facade over small parts, each an attribute with one job. The same adapter
-   code serves a discovery (every call listed as a `Site`, nothing changed)
-   and a run (the selected sites perturbed and recorded, the patched ones
-   patched): an adapter never asks which, it asks what it needs to know.
+    Inside `_run`, the session is the one object an adapter reports to: a
+    facade over small parts, each an attribute with one job. The same adapter
+    code serves a discovery (every call listed as a `Site`, nothing changed)
+    and a run (the selected sites perturbed and recorded, the patched ones
+    patched): an adapter never asks which, it asks what it needs to know.
 
-   - what was asked: `session.selected` (`{name: Site}`), `epsilons`,
-     `patches`, `patched` (the `Site` of each patched site), `with_inputs`,
-     `batch_axis`, `arrays`; a discovery asks for nothing (all empty);
-     `session.enclosing` gives the paths of the calls running now;
-   - naming (`session.naming`): each call's name, `path[.method][#k]`. A
-     library that traces a body more than once keeps a `BodyTraces(session)`
-     and calls `begin`/`again` (or `begin_or_again`) where a body's trace
-     starts, so a repeated trace re-uses the first one's names;
-   - the recorder (`session.recorder`), the one part that differs between a
-     discovery and a run, answers: `learns_sites()` (whether this pass learns
-     each site's shapes and origin, which a run then relies on: also the
-     model's first trace on these inputs); `needs_value(name)` (whether the
-     site's value must reach the session's trace: every site's at
-     discovery, a selected or patched one's in a run); and takes
-     `holds_iterations(name, value, length)` (a site inside a scan holds
-     every iteration). An adapter whose library hides some sites from its
-     usual route runs the model with `run_with_fallback(run, fallback,
-     needs_fallback)` and calls `fall_back()` where it meets such a site:
-     a discovery starts again on the fallback route; a run, whose route was
-     chosen from the sites' origins, goes on;
-   - taps (`session.taps`): `with session.taps.tapping(handler):` routes
-     `bridge.tap` through the adapter, which calls `session.taps.tap_here`
-     where the value is reachable, and inside a lifted transform may report
-     the tap as a site of the module calling it (`session.enter(path, None,
-     None)`, an origin with `tap=name`), carried like that module's own
-     values;
-   - patches: `session.exit(call, value, patch=row)` applies one iteration's
-     row of a patch value the adapter carried into a lifted transform
-     (`session.carrier.patched_with_values()` gives the `Site` of each).
+    - what was asked: `session.selected` (`{name: Site}`), `epsilons`,
+      `patches`, `patched` (the `Site` of each patched site), `with_inputs`,
+      `batch_axis`, `arrays`; a discovery asks for nothing (all empty);
+      `session.enclosing` gives the paths of the calls running now;
+    - naming (`session.naming`): each call's name, `path[.method][#k]`. A
+      library that traces a body more than once keeps a `BodyTraces(session)`
+      and calls `begin`/`again` (or `begin_or_again`) where a body's trace
+      starts, so a repeated trace re-uses the first one's names;
+    - the recorder (`session.recorder`), the one part that differs between a
+      discovery and a run, answers: `learns_sites()` (whether this pass learns
+      each site's shapes and origin, which a run then relies on: also the
+      model's first trace on these inputs); `needs_value(name)` (whether the
+      site's value must reach the session's trace: every site's at
+      discovery, a selected or patched one's in a run); and takes
+      `holds_iterations(name, value, length)` (a site inside a scan holds
+      every iteration). An adapter whose library hides some sites from its
+      usual route runs the model with `run_with_fallback(run, fallback,
+      needs_fallback)` and calls `fall_back()` where it meets such a site:
+      a discovery starts again on the fallback route; a run, whose route was
+      chosen from the sites' origins, goes on;
+    - taps (`session.taps`): `with session.taps.tapping(handler):` routes
+      `bridge.tap` through the adapter, which calls `session.taps.tap_here`
+      where the value is reachable, and inside a lifted transform may report
+      the tap as a site of the module calling it (`session.enter(path, None,
+      None)`, an origin with `tap=name`), carried like that module's own
+      values;
+    - patches: `session.exit(call, value, patch=row)` applies one iteration's
+      row of a patch value the adapter carried into a lifted transform
+      (`session.carrier.patched_with_values()` gives the `Site` of each).
 
-   The carrier (`session.carrier`): a lifted transform (a scan, a layer
-   stack, a remat) sees only what its library carries through it, so an
-   adapter moves bridge's values through the library's own variables (Linen
-   collections, Haiku state, NNX module attributes), and the carrier says
-   what moves:
+    The carrier (`session.carrier`): a lifted transform (a scan, a layer
+    stack, a remat) sees only what its library carries through it, so an
+    adapter moves bridge's values through the library's own variables (Linen
+    collections, Haiku state, NNX module attributes), and the carrier says
+    what moves:
 
-   - in: `carrier.to_carry_in(carried, patch_carried)` lists what to place
-     before the call (epsilons, patch values, a scan's step counters and
-     recording rows), each under its `name`,
-     `carrier_name(kind, method, index)`; `is_carrier_name` tells them from
-     the user's variables;
-   - out: where `carrier.carries_out(name)` (every site at discovery, for
-     its stacked shape; a selected one in a run, for its recording;
-     `carries_out_any(where)` asks it of the sites where `where(site)`), a
-     site there carries `carrier.to_carry_out(value, args)`, says where
-     with `carrier.defer(name, where)`, and after the call
-     `carrier.hand_over(read)` reads each back (`read(where) -> (value,
-     inputs)`) into `carrier.carried_out(name, value, inputs)`: at discovery
-     that reshapes the site to its stacked shape, in a run it records it;
-   - through a transform of the adapter's own (Equinox records the sites in
-     a scan through a `jax.vjp` of the model): `carrier.recordings()`
-     leaves it as outputs and `carrier.adopt(...)` takes them back.
+    - in: `carrier.to_carry_in(carried, patch_carried)` lists what to place
+      before the call (epsilons, patch values, a scan's step counters and
+      recording rows), each under its `name`,
+      `carrier_name(kind, method, index)`; `is_carrier_name` tells them from
+      the user's variables;
+    - out: where `carrier.carries_out(name)` (every site at discovery, for
+      its stacked shape; a selected one in a run, for its recording;
+      `carries_out_any(where)` asks it of the sites where `where(site)`), a
+      site there carries `carrier.to_carry_out(value, args)`, says where
+      with `carrier.defer(name, where)`, and after the call
+      `carrier.hand_over(read)` reads each back (`read(where) -> (value,
+      inputs)`) into `carrier.carried_out(name, value, inputs)`: at discovery
+      that reshapes the site to its stacked shape, in a run it records it;
+    - through a transform of the adapter's own (Equinox records the sites in
+      a scan through a `jax.vjp` of the model): `carrier.recordings()`
+      leaves it as outputs and `carrier.adopt(...)` takes them back.
 
-   Register the subclass as a pytree whose leaves are the model's variables
-   (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
-   traces them.
+    Register the subclass as a pytree whose leaves are the model's variables
+    (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
+    traces them.
+
 2. For `bridge.transfer` and `bridge.compare`, name a module in the class's
-   `_porting` attribute with two functions: `layers(probe, sites) ->
-   list[Layer]` (each parameterised call, its weights in the canonical layout
-   of `bridge._porting.transfer`'s table) and `with_weights(probe, [(Layer, {name:
-   canonical array})]) -> probe`.
+    `_porting` attribute with two functions: `layers(probe, sites) ->
+    list[Layer]` (each parameterised call, its weights in the canonical layout
+    of `bridge._porting.transfer`'s table) and `with_weights(probe, [(Layer, {name:
+    canonical array})]) -> probe`.
+
 3. `register_adapter(ModelClass, factory)`, where `factory(model, *variables,
-   vmap=bool)` returns the probe.
+    vmap=bool)` returns the probe.
 
 `Site` is what discovery finds (name, path, module, the value's shapes);
 `Session` is the per-call bookkeeping an adapter reports to; `key_name`
