@@ -4,5 +4,10 @@
 `lax.scan` and `jax.checkpoint`), `porting`.
 """
 
-from .probe import EquinoxProbe as EquinoxProbe
-from .probe import probe as probe
+from ..shared import jax_internals
+
+# Before anything of the adapter reads JAX's trace stack.
+jax_internals.require("Equinox")
+
+from .probe import EquinoxProbe as EquinoxProbe  # noqa: E402
+from .probe import probe as probe  # noqa: E402

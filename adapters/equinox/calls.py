@@ -149,8 +149,8 @@ def tap(context: Context, name: str, value: Any) -> Any:
     if depth is None:
         return _unreachable_tap(context, name, value)
     if depth == 0:
-        return session.taps.tap_here(name, value)
-    return transforms.lift(value, depth, lambda full: session.taps.tap_here(name, full))
+        return session.tap_here(name, value)
+    return transforms.lift(value, depth, lambda full: session.tap_here(name, full))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,7 @@ class EquinoxProbe(ProbeBase):
     """
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters.equinox.porting"
+    porting_side = "bridge.adapters.equinox.porting"
 
     #: Static fields and functions are in the treedef, arrays are leaves, and
     #: an origin is transform names and counts: a discovery is reused by

@@ -150,10 +150,7 @@ def whole_axes(enclosing: tuple[str, ...], iterations: int | None) -> Whole:
     if scans == 1 and iterations:
         lengths = (iterations,)
     elif scans:
-        try:
-            frames = internals.scan_frames(None)
-        except ImportError:
-            frames = []
+        frames = internals.scan_frames(None) or []
         lengths = (
             tuple(length for length, _ in reversed(frames))
             if len(frames) == scans

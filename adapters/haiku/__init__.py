@@ -5,5 +5,10 @@
 `porting`, `guest`.
 """
 
-from .probe import HaikuProbe as HaikuProbe
-from .probe import probe as probe
+from ..shared import jax_internals
+
+# Before anything of the adapter reads JAX's trace stack.
+jax_internals.require("Haiku")
+
+from .probe import HaikuProbe as HaikuProbe  # noqa: E402
+from .probe import probe as probe  # noqa: E402

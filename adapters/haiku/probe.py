@@ -127,7 +127,7 @@ class HaikuProbe(ProbeBase):
     """
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters.haiku.porting"
+    porting_side = "bridge.adapters.haiku.porting"
 
     #: The transformed functions are in the treedef, params and state are
     #: leaves, and an origin is a state bundle's name and flags: a discovery
@@ -186,7 +186,7 @@ class HaikuProbe(ProbeBase):
         placed = haiku_state.placed(session)
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True, placed)
-        return session.recorder.run_with_fallback(
+        return session.run_with_fallback(
             lambda state_route: self._apply(
                 trainable, args, kwargs, session, state_route, placed
             ),

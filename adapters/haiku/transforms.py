@@ -228,7 +228,7 @@ def tap_handler(session: Session, stop: Any, base: Any, in_transform: Any) -> An
             or jax_transforms.around(base) != (0, None)
         ):
             return in_transform(name, value, where)
-        return session.taps.tap_here(name, value)
+        return session.tap_here(name, value)
 
     return tap
 

@@ -4,5 +4,10 @@
 (Linen modules called inside another library's model).
 """
 
-from .probe import LinenProbe as LinenProbe
-from .probe import probe as probe
+from ..shared import jax_internals
+
+# Before anything of the adapter reads JAX's trace stack.
+jax_internals.require("Flax Linen")
+
+from .probe import LinenProbe as LinenProbe  # noqa: E402
+from .probe import probe as probe  # noqa: E402

@@ -157,7 +157,7 @@ class LinenProbe(ProbeBase):
     """A Flax Linen module with its variables. See `bridge.ActivationProbe`."""
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters.linen.porting"
+    porting_side = "bridge.adapters.linen.porting"
 
     #: The module (its attributes) is in the treedef, the variables are leaves,
     #: and an origin is a scope path: a discovery is reused by structure.
@@ -221,7 +221,7 @@ class LinenProbe(ProbeBase):
                     session.restore(start)
                     broadcasting[found.key] = found.transform
 
-        return session.recorder.run_with_fallback(
+        return session.run_with_fallback(
             apply, _NeedsParams, lambda origin: origin.in_params
         )
 
@@ -415,10 +415,10 @@ class _Interceptor:
         self._in_scan_body()
         depth = lifting.mapped_depth(self.base)
         if depth == 0:
-            return session.taps.tap_here(name, value)
+            return session.tap_here(name, value)
         if depth is not None:
             return lifting.lift(
-                value, depth, lambda full: session.taps.tap_here(name, full)
+                value, depth, lambda full: session.tap_here(name, full)
             )
         scope = self.stack[-1].path if self.stack else ()
         path = session.naming.under_enclosing(name)

@@ -4,5 +4,10 @@
 `internals` (NNX's private API, version-checked), `porting`, `guest`.
 """
 
-from .probe import NnxProbe as NnxProbe
-from .probe import probe as probe
+from ..shared import jax_internals
+
+# Before anything of the adapter reads JAX's trace stack.
+jax_internals.require("Flax NNX")
+
+from .probe import NnxProbe as NnxProbe  # noqa: E402
+from .probe import probe as probe  # noqa: E402

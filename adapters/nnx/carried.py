@@ -97,6 +97,8 @@ def discover(run, module, marker, step_key, call, names, method, args, kwargs, s
     holds every step, `(length, *value shape)`, as the scan's ys would.
     `run` is the `transforms.Run` of the copy."""
     frames = jax_internals.scan_frames(run.stop)
+    if frames is None:
+        raise jax_internals.unreadable_scan("Flax NNX")
     depth = internals.depth("scan")
     if names != ("nnx.scan",) or len(frames) != 1 or depth > 1:
         inner = [n for n in names if n != "nnx.scan"]

@@ -113,7 +113,7 @@ class NnxProbe(ProbeBase):
     """
 
     #: What `bridge.transfer` and `bridge.compare` know of this library.
-    _porting = "bridge.adapters.nnx.porting"
+    porting_side = "bridge.adapters.nnx.porting"
 
     #: The graph definition (static attributes included) is in the treedef,
     #: the state is leaves, and an origin is a path, transform names and
@@ -163,7 +163,7 @@ class NnxProbe(ProbeBase):
         # Discovery first runs without markers; where it meets a module that
         # nnx.scan carries or broadcasts, it runs again with one on each.
         candidates: dict[tuple[str, str], int] = {}
-        return session.recorder.run_with_fallback(
+        return session.run_with_fallback(
             lambda markers: self._run_once(
                 trainable, args, kwargs, session, candidates, markers
             ),

@@ -192,9 +192,9 @@ class Run:
             depth, blocker = jax_transforms.around(self.base)
             if blocker is None:
                 if depth == 0:
-                    return session.taps.tap_here(name, value)
+                    return session.tap_here(name, value)
                 return lifting.lift(
-                    value, depth, lambda full: session.taps.tap_here(name, full)
+                    value, depth, lambda full: session.tap_here(name, full)
                 )
             transform, reason, fix = jax_transforms.why(blocker)
             why = (
@@ -308,7 +308,10 @@ class Run:
             if not self.markers and carried.keeps_shape(module, self.modules[path]):
                 # Carried or broadcast: the second pass tells which. Nothing
                 # is set on the module, so the scan's carry keeps its structure.
-                (length, _), *_ = jax_internals.scan_frames(self.stop)
+                frames = jax_internals.scan_frames(self.stop)
+                if frames is None:
+                    raise jax_internals.unreadable_scan("Flax NNX")
+                (length, _), *_ = frames
                 self.candidates[path, step_key] = length
                 return session.exit(call, method(module, *args, **kwargs))
             marker = vars(module).get(step_key)

@@ -59,15 +59,10 @@ from typing import Any
 
 from bridge.adapter_api import BodyTraces, BridgeValueError, Session, current_session
 
-try:
-    # Telling whether a guest call runs in the host's trace needs JAX's trace
-    # stack (the Equinox and NNX adapters read it too). Where this JAX lacks
-    # it, no guest is installed: their calls are not sites, never wrong ones,
-    # and the Linen and Haiku adapters, which need no JAX internals, still work.
-    from . import jax_internals
-except ImportError:
-    jax_internals = None
-
+# Telling whether a guest call runs in the host's trace needs JAX's trace
+# stack. Where this JAX lacks it, no guest is installed (`hosting`): their
+# calls are not sites, never wrong ones.
+from . import jax_internals
 
 # -- the libraries, by name --------------------------------------------------------
 
@@ -177,7 +172,7 @@ def hosting(
     probe's session this does nothing.
     """
     session = current_session()
-    if session is None or jax_internals is None:
+    if session is None or not jax_internals.supported():
         yield None
         return
     host = Host(

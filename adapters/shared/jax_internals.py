@@ -1,10 +1,10 @@
 """The JAX internals bridge's adapters rely on: all of them, and only here.
 
-A call inside the model's own `jax.vmap` sees one token, yet its site holds
-every token (see `bridge.adapters.equinox`). The adapter hands the value out
-one `vmap` at a time through a primitive's batching rule, and for that it must
-know which traces stand between a call and the probe's own trace. JAX has no
-public API for the trace stack: `jax.extend` exports `Primitive` (used
+A call inside the model's own `jax.vmap` sees one example, yet its site holds
+every example (`bridge.adapters.shared.lifting`). An adapter hands the value
+out one `vmap` at a time through a primitive's batching rule, and for that it
+must know which traces stand between a call and the probe's own trace. JAX
+has no public API for the trace stack: `jax.extend` exports `Primitive` (used
 directly) but neither the current trace nor its parent. So this module reads:
 
 - `jax._src.core.trace_ctx.trace`, the trace now running, and a trace's
@@ -22,18 +22,20 @@ directly) but neither the current trace nor its parent. So this module reads:
 trace rather than reading it, and `unsafe_am_i_under_a_vmap_DO_NOT_USE` says
 whether, not how deep or under what else.
 
-The NNX adapter reads one more: the `length` and `reverse` locals of the
-innermost `lax.scan` frame (`jax._src.lax.control_flow.loops.scan`, or the
-`scan_nocarry` it calls under `jax_scan3`) on the Python call stack. `nnx.scan`
-leaves `length` to `lax.scan`, which infers it from `xs` into that local
-before it traces the body, and a module the scan carries (not sliced) holds
-its site's whole stacked epsilon and recording, whose row for the step it
-must know: no public API tells the body its scan's length or direction.
+One more is read where an adapter needs a scan's length: the `length` and
+`reverse` locals of the innermost `lax.scan` frame
+(`jax._src.lax.control_flow.loops.scan`, or the `scan_nocarry` it calls under
+`jax_scan3`) on the Python call stack. A module a scan carries (not sliced)
+holds its site's whole stacked epsilon and recording, whose row for the step
+it must know: no public API tells the body its scan's length or direction
+(`lax.scan` infers `length` from `xs` into that local before it traces the
+body).
 
-At import it checks that each exists and raises an error naming the
-supported versions where one does not: an unsupported JAX fails at
-`bridge.probe`, never with a wrong number (the scan frame's check is
-raised by the adapter that reads it, `require_scan_frame`).
+This module raises nothing at import: each adapter that uses it calls
+`require(adapter)` at its own import, which checks that each exists and
+raises an error naming that adapter and the supported versions where one
+does not (`require_scan_frame(adapter)` for the scan frame). An unsupported
+JAX fails at `bridge.probe`, never with a wrong number.
 """
 
 from __future__ import annotations
@@ -48,33 +50,51 @@ from jax.extend.core import Primitive
 
 from bridge.adapter_api import unsupported
 
+try:
+    from jax._src import core as _core
+    from jax._src.interpreters import batching as _batching
+except ImportError as _error:
+    _core = _batching = None
+    _IMPORT_ERROR: str | None = str(_error)
+else:
+    _IMPORT_ERROR = None
+
 
 def _missing() -> list[str]:
-    try:
-        from jax._src import core
-        from jax._src.interpreters import batching
-    except ImportError as error:
-        return [str(error)]
+    if _IMPORT_ERROR is not None:
+        return [_IMPORT_ERROR]
     missing = []
-    if not hasattr(getattr(core, "trace_ctx", None), "trace"):
+    if not hasattr(getattr(_core, "trace_ctx", None), "trace"):
         missing.append("jax._src.core.trace_ctx.trace")
-    trace_class = getattr(batching, "BatchTrace", None)
+    trace_class = getattr(_batching, "BatchTrace", None)
     if trace_class is None:
         missing.append("jax._src.interpreters.batching.BatchTrace")
     elif "parent_trace" not in inspect.signature(trace_class.__init__).parameters:
         missing.append("BatchTrace(parent_trace, ...)")
-    if not isinstance(getattr(batching, "fancy_primitive_batchers", None), dict):
+    if not isinstance(getattr(_batching, "fancy_primitive_batchers", None), dict):
         missing.append("jax.interpreters.batching.fancy_primitive_batchers")
     if "size" not in getattr(
-        getattr(batching, "AxisData", None), "__annotations__", {}
+        getattr(_batching, "AxisData", None), "__annotations__", {}
     ):
         missing.append("jax._src.interpreters.batching.AxisData.size")
     return missing
 
 
-_MISSING = _missing()
-if _MISSING:
-    raise unsupported("jax", "Equinox", _MISSING)
+def supported() -> bool:
+    """Whether this JAX has every internal read here (but the scan frame's)."""
+    return not _missing()
+
+
+def require(adapter: str) -> None:
+    """Raise, naming `adapter` and the supported versions, where this JAX
+    lacks an internal read here: the adapter calls it at its own import,
+    before anything of it uses the trace stack. (Checked at each call, not
+    once at this module's import: the module raises nothing, so it may stay
+    imported from before a JAX module changed.)"""
+    missing = _missing()
+    if missing:
+        raise unsupported("jax", adapter, missing)
+
 
 #: The functions of `lax.scan` whose frames hold its `length` and `reverse`.
 _SCAN = "scan"
@@ -103,8 +123,11 @@ def require_scan_frame(adapter: str) -> None:
         raise unsupported("jax", adapter, _MISSING_SCAN)
 
 
-from jax._src import core as _core  # noqa: E402 (checked above)
-from jax._src.interpreters import batching as _batching  # noqa: E402
+def unreadable_scan(adapter: str) -> ImportError:
+    """The error of an adapter that needs a scan's length where `scan_frames`
+    could not read it."""
+    return unsupported("jax", adapter, ["lax.scan's `length` local"])
+
 
 #: How a refusal names JAX's transforms, by a trace's `traced_for`.
 TRANSFORM_NAMES = {
@@ -189,10 +212,12 @@ def mapped_primitive(
     return primitive
 
 
-def scan_frames(stop: Any) -> list[tuple[int, bool]]:
+def scan_frames(stop: Any) -> list[tuple[int, bool]] | None:
     """`(length, reverse)` of each `lax.scan` running now, innermost first,
     read from the Python call stack up to the frame `stop` (the adapter's own
-    call of the model: scans around the probe are not the model's)."""
+    call of the model: scans around the probe are not the model's); `None`
+    where a scan's `length` local cannot be read (an adapter that needs it
+    raises `unsupported`, naming itself)."""
     found: list[tuple[int, bool]] = []
     inferred = None  # `scan_nocarry`'s length, inferred, under `jax_scan3`
     frame = sys._getframe(1)
@@ -208,7 +233,7 @@ def scan_frames(stop: Any) -> list[tuple[int, bool]]:
             else:
                 length = length if isinstance(length, int) else inferred
                 if not isinstance(length, int):
-                    raise unsupported("jax", "Flax NNX", ["lax.scan's `length` local"])
+                    return None
                 found.append((length, bool(local.get("reverse", False))))
                 inferred = None
         frame = frame.f_back

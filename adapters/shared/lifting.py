@@ -12,10 +12,10 @@ it), and the rule hands the result back in, mapped along axis 0 at every
 level. No tracer leaves its trace and autodiff sees ordinary operations, so
 gradients are per example, eager or jitted.
 
-The mechanism is the Equinox adapter's (`bridge.adapters.equinox.transforms`),
-without its tree leaves; any adapter whose values can be seen inside the
-model's own `jax.vmap` may use it (the Linen adapter does). The trace stack is
-read through `bridge.adapters.shared.jax_internals`.
+The Linen, NNX and Haiku adapters use it; the Equinox adapter has a primitive
+of its own on the same mechanism, which also hands out the call's leaves in
+the model's tree (`bridge.adapters.equinox.jax_transforms`). The trace stack
+is read through `bridge.adapters.shared.jax_internals`.
 """
 
 from __future__ import annotations

@@ -98,11 +98,8 @@ def iterations(base: Any, stop: Any) -> tuple[int, ...]:
     count = sum(name(trace) in SCANS for trace in traces(base))
     if not count:
         return ()
-    try:
-        frames = jax_internals.scan_frames(stop)
-    except ImportError:
-        return ()
-    if len(frames) != count:
+    frames = jax_internals.scan_frames(stop)
+    if frames is None or len(frames) != count:
         return ()
     return tuple(length for length, _ in reversed(frames))
 

@@ -523,32 +523,6 @@ def _to_torch(value: np.ndarray) -> torch.Tensor:
 # -- for compare ----------------------------------------------------------------
 
 
-def unreached(
-    probe: Any, loss_fn: Any, names: list[str], args: tuple, kwargs: dict
-) -> set[str]:
-    """The sites among `names` whose value has no path to the loss in
-    autograd's graph (a call whose output the model drops): one forward pass,
-    and one `torch.autograd.grad` with `allow_unused=True`, which answers
-    `None`, not zeros, for a value the loss does not use."""
-    plan = probe._plan(list(names), None, args, kwargs, loss_fn)
-    outputs, session, _, _ = probe._run_model(plan, with_inputs=False, catch=True)
-    with torch.enable_grad():
-        loss = loss_fn(outputs)
-    wrt = session.inputs_to_differentiate()
-    found = (
-        torch.autograd.grad(loss, wrt, allow_unused=True)
-        if isinstance(loss, torch.Tensor) and loss.requires_grad
-        else [None] * len(wrt)
-    )
-    session.receive(list(found))
-    dead = set()
-    for name, tree in session.slots.items():
-        slots = jax.tree.leaves(tree)  # none at integer leaves
-        if slots and all(slot.grad is None for slot in slots):
-            dead.add(name)
-    return dead
-
-
 def in_float64(probe: Any) -> Any:
     """A probe of a float64 deep copy of the module (`.double()`): the
     user's module is unchanged."""

@@ -40,13 +40,14 @@ inference fast paths (`nn.TransformerEncoderLayer`, `nn.MultiheadAttention`
 in `eval()` without grad) skip their submodules, and the sites must not
 change between discovery and the real run.
 
-`TorchProbe` is a `ProbeBase`: the checks, selection, patches, the
-discovery cache and the result in call order are the core's, as for the JAX
-libraries; it overrides the framework's steps (`_prepare_inputs`,
+`TorchProbe` is the PyTorch backend of `ProbeFront`: the checks, selection,
+patches, the discovery cache and the result in call order are the core's, as
+for the JAX libraries; it implements the framework's steps (`_prepare_inputs`,
 `_prepare_patch`, `_discovery_key`, `_discover_afresh`, `_abstract_loss`,
-`_forward`, `_differentiate`). Torch tensors as the core's arrays are
-`arrays`; the catch is `session`; the fake-tensor discovery is `discovery`;
-PyTorch's private internals are `internals`.
+`_forward`, `_differentiate`) and the porting contract's `unreached_sites`.
+Torch tensors as the core's arrays are `arrays`; the catch is `session`; the
+fake-tensor discovery is `discovery`; PyTorch's private internals are
+`internals`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from bridge.adapter_api import (
     CallPlan,
     Discovery,
     DiscoveryOwner,
-    ProbeBase,
+    ProbeFront,
     ProbeResult,
     check_loss,
     current_session,
@@ -86,10 +87,10 @@ from .discovery import (
 from .session import TorchSession
 
 
-class TorchProbe(ProbeBase):
+class TorchProbe(ProbeFront):
     """A `torch.nn.Module` under probe. Results are detached torch tensors."""
 
-    _porting = "bridge.adapters.torch.porting"
+    porting_side = "bridge.adapters.torch.porting"
     _arrays = TORCH_ARRAYS
     runs_in_jax = False
 
@@ -117,7 +118,7 @@ class TorchProbe(ProbeBase):
     def __repr__(self) -> str:
         return f"TorchProbe({type(self.module).__name__})"
 
-    # -- the framework's steps of `ProbeBase` ------------------------------------
+    # -- the framework's steps of `ProbeFront` -----------------------------------
 
     def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The inputs as detached torch tensors (a probe returns no gradient
@@ -232,6 +233,31 @@ class TorchProbe(ProbeBase):
             state=_state(buffers),
             inputs=session.inputs,
         )
+
+    def unreached_sites(
+        self, loss_fn: Callable, names: Any, *args: Any, **kwargs: Any
+    ) -> set[str]:
+        """The sites among `names` whose value has no path to the loss in
+        autograd's graph (a call whose output the model drops): one forward
+        pass, and one `torch.autograd.grad` with `allow_unused=True`, which
+        answers `None`, not zeros, for a value the loss does not use."""
+        plan = self._plan(list(names), None, args, kwargs, loss_fn)
+        outputs, session, _, _ = self._run_model(plan, with_inputs=False, catch=True)
+        with torch.enable_grad():
+            loss = loss_fn(outputs)
+        wrt = session.inputs_to_differentiate()
+        found = (
+            torch.autograd.grad(loss, wrt, allow_unused=True)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad
+            else [None] * len(wrt)
+        )
+        session.receive(list(found))
+        return {
+            name
+            for name, tree in session.slots.items()
+            if (slots := jax.tree.leaves(tree))  # none at integer leaves
+            and all(slot.grad is None for slot in slots)
+        }
 
     # -- the machinery -----------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import torch
 
-from bridge.adapter_api import BridgeRuntimeError, Call, Session
+from bridge.adapter_api import BridgeRuntimeError, Call, Request, Session
 
 from . import internals
 from .arrays import TORCH_ARRAYS, inexact, jax_tree, tree_map
@@ -102,7 +102,15 @@ class TorchSession(Session):
         device=None,
         copied=frozenset(),
     ):
-        super().__init__(selected, epsilons, patches, with_inputs, arrays=TORCH_ARRAYS)
+        super().__init__(
+            Request(
+                selected,
+                epsilons or {},
+                patches or {},
+                with_inputs=with_inputs,
+                arrays=TORCH_ARRAYS,
+            )
+        )
         self.slots: dict[str, Any] = {}
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         # The slots of the sites caught by a view (see `perturb`), whose
