@@ -10,6 +10,16 @@
   the hook dicts): `shell` copies a module tree shallowly with containers of
   its own, so hooks and swapped tensors never touch the user's module.
   `copy.copy` shares the containers and `copy.deepcopy` copies the weights.
+  `forward_pre_hooks` reads a module's forward pre-hooks (a weight norm's),
+  `non_persistent_buffers` the buffers `state_dict` leaves out.
+- `Tensor._version`, a tensor's version counter (`version`): a value the
+  model changes in place after a call is caught another way.
+- `nn.MultiheadAttention._qkv_same_embed_dim`: whether its query, key and
+  value projections are one `in_proj_weight` (`qkv_same_embed_dim`).
+- the private base classes of PyTorch's layers, `porting`'s table keys:
+  `_ConvNd`, `_ConvTransposeNd`, `_BatchNorm` (`ConvBase`,
+  `ConvTransposeBase`, `BatchNormBase`), and the parametrization of
+  `torch.nn.utils.parametrizations.weight_norm` (`is_weight_norm`).
 
 At import this module checks that each exists and raises an error naming the
 supported versions where one does not: an unsupported PyTorch fails at
@@ -58,7 +68,14 @@ if _MISSING:
     raise unsupported("torch", "PyTorch", _MISSING)
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402 (checked)
+from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
+from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402, F401 (re-exported)
+
+#: Every convolution, every transposed convolution, every batch norm.
+ConvBase = _ConvNd
+ConvTransposeBase = _ConvTransposeNd
+BatchNormBase = _BatchNorm
 
 
 def fake_mode() -> Any:
@@ -128,3 +145,35 @@ def _rebind_forward(module: torch.nn.Module, copied: torch.nn.Module) -> None:
         "bridge cannot see its calls or its parameters' gradients. Probe a "
         "copy.deepcopy of the model made before wrapping it."
     )
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> list[Any]:
+    """The forward pre-hooks registered on `module`, in order."""
+    return list(module._forward_pre_hooks.values())
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """The names of `module`'s own buffers registered with `persistent=False`."""
+    return getattr(module, "_non_persistent_buffers_set", set())
+
+
+def version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, bumped by each in-place change; `None`
+    where it keeps none (an inference-mode tensor)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+def qkv_same_embed_dim(attention: torch.nn.MultiheadAttention) -> bool:
+    """Whether the attention's query, key and value projections are one
+    `in_proj_weight` (else `q_proj_weight`, `k_proj_weight`, `v_proj_weight`)."""
+    return attention._qkv_same_embed_dim
+
+
+def is_weight_norm(parametrization: Any) -> bool:
+    """Whether a parametrization is `torch.nn.utils.parametrizations.weight_norm`'s."""
+    from torch.nn.utils.parametrizations import _WeightNorm
+
+    return isinstance(parametrization, _WeightNorm)

@@ -42,8 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 from torch.nn.utils.parametrize import ParametrizationList
 
 from bridge.adapter_api import (
@@ -62,6 +60,8 @@ from bridge.adapter_api import (
     weight_by_weight,
     weight_rmsnorm,
 )
+
+from . import internals
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
@@ -113,10 +113,8 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
 def _weight_norm_of(module: nn.Module) -> ParametrizationList | None:
     """A weight norm's `ParametrizationList` (the module `.parametrizations.
     weight` that computes the weight), else `None`."""
-    from torch.nn.utils.parametrizations import _WeightNorm
-
     if isinstance(module, ParametrizationList) and len(module) == 1:
-        return module if isinstance(module[0], _WeightNorm) else None
+        return module if internals.is_weight_norm(module[0]) else None
     return None
 
 
@@ -147,7 +145,9 @@ def _weight_normed(call: ParameterisedCall) -> Converted | None:
     weights = {name: call.weight(name, _array) for name in call.own}
     weights.update(found)
     converted = weight_by_weight(call, weights)
-    if isinstance(module, _ConvNd):  # channel-first, as the convolution's own
+    if isinstance(
+        module, internals.ConvBase
+    ):  # channel-first, as the convolution's own
         converted = dataclasses.replace(converted, to_common=_channel_last)
     return converted
 
@@ -173,7 +173,7 @@ def _calls(probe: Any, sites: list[Site]):
         module = site.module
         if not isinstance(module, nn.Module):
             continue
-        non_persistent = getattr(module, "_non_persistent_buffers_set", set())
+        non_persistent = internals.non_persistent_buffers(module)
         buffers = {
             name: buffer
             for name, buffer in module.named_buffers(recurse=False)
@@ -348,16 +348,16 @@ def _tensor_by_tensor(call: ParameterisedCall) -> Converted:
         for name, tensor in call.module.out_proj.named_parameters():
             name = f"out_proj.{name}"
             weights[name] = Weight(_array(tensor), (*call.at, name))
-    layout = (_ConvTransposeNd, nn.MultiheadAttention)
+    layout = (internals.ConvTransposeBase, nn.MultiheadAttention)
     return weight_by_weight(call, weights, same_class=isinstance(call.module, layout))
 
 
 KINDS = LayerKinds(
     {
         nn.Linear: _linear,
-        _ConvNd: _conv,
-        _ConvTransposeNd: _tensor_by_tensor,  # its kernel is (in, out, *window)
-        _BatchNorm: _batch_norm,
+        internals.ConvBase: _conv,
+        internals.ConvTransposeBase: _tensor_by_tensor,  # kernel (in, out, *window)
+        internals.BatchNormBase: _batch_norm,
         nn.GroupNorm: _group_norm,
         nn.LayerNorm: _layer_norm,
         **({nn.RMSNorm: _rms_norm} if hasattr(nn, "RMSNorm") else {}),
@@ -370,7 +370,7 @@ KINDS = LayerKinds(
     named="nn.",
     home="torch.",
     to_common=lambda call: _as_is,
-    kept_without_weights=(_BatchNorm,),
+    kept_without_weights=(internals.BatchNormBase,),
 )
 
 
@@ -399,7 +399,7 @@ def _attention_layers(call: ParameterisedCall) -> list[Layer]:
     found = []
     for number, role in enumerate(("query", "key", "value")):
         rows = slice(number * size, (number + 1) * size)
-        if module._qkv_same_embed_dim:
+        if internals.qkv_same_embed_dim(module):
             weight = module.in_proj_weight[rows]
             kernel_at = (path, "in_proj_weight", rows)
         else:
@@ -484,7 +484,7 @@ def deep_copy(module: nn.Module) -> nn.Module:
 
     computed, memo = [], {}
     for path, owner in module.named_modules():
-        for hook in owner._forward_pre_hooks.values():
+        for hook in internals.forward_pre_hooks(owner):
             if isinstance(hook, WeightNorm):
                 tensor = getattr(owner, hook.name, None)
                 if isinstance(tensor, torch.Tensor) and not tensor.is_leaf:

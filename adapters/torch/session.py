@@ -23,10 +23,7 @@ def _versions(tree: Any) -> list:
     found = []
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, torch.Tensor):
-            try:
-                found.append(leaf._version)
-            except RuntimeError:
-                found.append(None)
+            found.append(internals.version(leaf))
     return found
 
 
