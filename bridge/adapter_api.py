@@ -23,11 +23,12 @@ bridge does not know is added from outside with this module alone, as
     - optionally `_check_paths(self, at, patch)`: refuse, before any work,
       paths that can never be sites in this library, saying why.
 
-    `ProbeBase` is the front every framework shares: the checks, selection,
-    patch resolution, the discovery cache and the result in call order. Its
-    framework's steps are hooks whose defaults are JAX's; a probe of a model
-    of another framework (the built-in PyTorch adapter) overrides them
-    instead of implementing `_trainable` and `_run`:
+    `ProbeBase` is the JAX backend of `ProbeFront`, the front every
+    framework shares: the checks, selection, patch resolution, the discovery
+    cache and the result in call order. The front's framework steps are
+    hooks, which `ProbeBase` implements for JAX; a probe of a model of
+    another framework (the built-in PyTorch adapter's) subclasses
+    `ProbeFront` and implements them instead of `_trainable` and `_run`:
 
     - `runs_in_jax = False` (`bridge.compare` runs it outside `jax.jit`), and
       `_arrays`, its values as the core sees them (an `Arrays`);
@@ -108,11 +109,14 @@ bridge does not know is added from outside with this module alone, as
     (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
     traces them.
 
-2. For `bridge.transfer` and `bridge.compare`, name a module in the class's
-    `_porting` attribute with two functions: `layers(probe, sites) ->
-    list[Layer]` (each parameterised call, its weights in the canonical layout
-    of `bridge._porting.transfer`'s table) and `with_weights(probe, [(Layer, {name:
-    canonical array})]) -> probe`.
+2. For `bridge.transfer` and `bridge.compare`, name a module, the
+    adapter's `PortingSide`, in the class's `porting_side` attribute. It has
+    two functions: `layers(probe, sites) -> list[Layer]` (each parameterised
+    call, its weights in the canonical layout of `bridge._porting.transfer`'s
+    table) and `with_weights(probe, [(Layer, {name: canonical array})]) ->
+    probe`; optionally `in_float64(probe) -> probe` for
+    `bridge.compare(..., dtype="float64")`. `ProbeFront` makes the probe a
+    `PortableProbe`: porting calls nothing else of it.
 
 3. `register_adapter(ModelClass, factory)`, where `factory(model, *variables,
     vmap=bool)` returns the probe.
@@ -126,11 +130,14 @@ The built-in adapters (`bridge.adapters.*`) import from bridge only this
 module, so everything they rely on is here, documented, and a core change that
 breaks it breaks a tested API, not an adapter's private import:
 
-- the probe: `ProbeBase`, `BATCH_AXIS` (the probe's own `jax.vmap` axis name
-  with `vmap=True`), `register_adapter`; for the framework's steps,
-  `CallPlan`, `ProbeResult`, `Discovery`, `DiscoveryOwner`, `UNCHECKED_LOSS`
-  and `check_loss`;
-- the session: `Session`, `Call` (what `enter` returns), `BodyTraces`,
+- the probe: `ProbeBase` (JAX), `ProbeFront` (the front every backend
+  extends), `BATCH_AXIS` (the probe's own `jax.vmap` axis name with
+  `vmap=True`), `register_adapter`; for the framework's steps, `CallPlan`,
+  `ProbeResult`, `Discovery`, `DiscoveryOwner`, `UNCHECKED_LOSS` and
+  `check_loss`;
+- the session: `Session`, `Request` (what one trace is asked to do, from
+  which a backend of its own makes its sessions), `Recorder` (what
+  `session.recorder` answers), `Call` (what `enter` returns), `BodyTraces`,
   `current_session()` (the session tracing the model now, or `None`),
   `positional_arrays(args)` (a call's inputs as a recording keeps them);
 - sites and values: `Site`, `SiteOrigin`, `Arrays` (a framework's values as
@@ -138,8 +145,10 @@ breaks it breaks a tested API, not an adapter's private import:
   `is_carrier_name`, `add_epsilon`, `abstract`, `is_array`,
   `differentiable_part`, `merge_differentiable`, `zeros_like_struct`,
   `without_axis`;
-- porting (`transfer`/`compare`): `Layer` (with `tied`, the path of the module
-  whose tensors a tied layer holds, left unpaired); the table of a library's
+- porting (`transfer`/`compare`): `PortingSide` and `PortableProbe` (what
+  porting needs of an adapter and of its probe), `Layer` (with `tied`, the
+  path of the module whose tensors a tied layer holds, left unpaired); the
+  table of a library's
   layer kinds, `LayerKinds` (`{module class: converter}`, looked up along the
   class's MRO; a key may be a class's qualified name, so that another library's
   class is listed without importing it), whose converters read a
