@@ -29,7 +29,8 @@ from transformers import FlaxGPT2Model, GPT2Config
 from transformers.models.gpt2 import modeling_flax_gpt2
 
 import bridge
-from bridge import _discovery_cache, _inside
+from bridge._probe import discovery_cache as _discovery_cache
+from bridge._session import inside as _inside
 
 SEQ = 128
 

@@ -45,20 +45,3 @@ __all__ = [
     "transfer",
 ]
 
-
-#: Names that moved to `bridge.adapter_api`: still reachable here, with a warning.
-_MOVED_TO_ADAPTER_API = ("ProbeBase", "Session", "Site")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_ADAPTER_API:
-        import warnings
-
-        warnings.warn(
-            f"bridge.{name} is for adapter authors and moved to "
-            f"bridge.adapter_api.{name}; import it from there.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(adapter_api, name)
-    raise AttributeError(f"module 'bridge' has no attribute {name!r}")

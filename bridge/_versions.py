@@ -2,8 +2,10 @@
 
 The lower bounds are the versions CI installs in its minimum-versions
 environment (`.ci/run`), the same as `pyproject.toml`'s: tested, not guessed.
-Where an adapter relies on a library's private internals, its
-`_*_internals` module checks at import that they exist and calls
+Where an adapter relies on a library's private internals, its `internals`
+module (`bridge.adapters.<library>.internals`, and
+`bridge.adapters.shared.jax_internals` for JAX's) checks at import that they
+exist and calls
 `unsupported` where they do not, so an unsupported version fails at
 `bridge.probe` with this error, never with a wrong number.
 """

@@ -175,6 +175,8 @@ from ._errors import BridgeNotImplementedError as BridgeNotImplementedError
 from ._errors import BridgeRuntimeError as BridgeRuntimeError
 from ._errors import BridgeTypeError as BridgeTypeError
 from ._errors import BridgeValueError as BridgeValueError
+from ._porting.contract import PortableProbe as PortableProbe
+from ._porting.contract import PortingSide as PortingSide
 from ._porting.hyperparameters import AsGiven as AsGiven
 from ._porting.hyperparameters import as_float as as_float
 from ._porting.hyperparameters import conv_hyperparameters as conv_hyperparameters
@@ -201,12 +203,15 @@ from ._probe.checks import UNCHECKED_LOSS as UNCHECKED_LOSS
 from ._probe.checks import check_loss as check_loss
 from ._probe.discovery_cache import Discovery as Discovery
 from ._probe.discovery_cache import DiscoveryOwner as DiscoveryOwner
-from ._probe.jax_backend import CallPlan as CallPlan
+from ._probe.front import CallPlan as CallPlan
+from ._probe.front import ProbeFront as ProbeFront
 from ._probe.jax_backend import ProbeBase as ProbeBase
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
-from ._session.session import BodyTraces as BodyTraces
-from ._session.session import Call as Call
+from ._session.naming import BodyTraces as BodyTraces
+from ._session.naming import Call as Call
+from ._session.recorders import Recorder as Recorder
+from ._session.session import Request as Request
 from ._session.session import Session as Session
 from ._session.session import current as current_session
 from ._session.session import positional_arrays as positional_arrays
@@ -246,8 +251,13 @@ __all__ = [
     "Layer",
     "LayerKinds",
     "ParameterisedCall",
+    "PortableProbe",
+    "PortingSide",
     "ProbeBase",
+    "ProbeFront",
     "ProbeResult",
+    "Recorder",
+    "Request",
     "Session",
     "Site",
     "SiteOrigin",

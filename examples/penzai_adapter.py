@@ -114,7 +114,7 @@ class PenzaiProbe(ProbeBase):
 
     #: `bridge.transfer` and `bridge.compare` import the module named here and
     #: call its `layers(probe, sites)` and `with_weights(probe, updates)`.
-    _porting = __name__
+    porting_side = __name__
 
     def __init__(self, unbound: Any, params: tuple, state: tuple):
         self.unbound = unbound

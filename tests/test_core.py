@@ -461,12 +461,9 @@ def test_the_top_level_is_the_user_api_and_adapter_authors_have_their_module():
         "key_name",
         "register_adapter",
     }
-    # The names adapter authors imported from the top level still resolve,
-    # with a warning that says where they moved.
-    with pytest.warns(DeprecationWarning, match="moved to bridge.adapter_api.Site"):
-        assert bridge.Site is bridge.adapter_api.Site
-    with pytest.raises(AttributeError, match="no attribute 'Sites'"):
-        bridge.Sites  # noqa: B018
+    # Adapter authors' names are not the user's: 0.1.0 is the first release.
+    with pytest.raises(AttributeError, match="no attribute 'Site'"):
+        bridge.Site  # noqa: B018
 
 
 # -- the adapter author's helpers -------------------------------------------------
@@ -547,7 +544,7 @@ def test_carrier_names_are_told_from_any_name_a_user_gives(kind, method):
 
 
 def test_to_carry_in_gives_each_value_a_library_must_carry_under_its_name():
-    from bridge.adapter_api import Session, Site, SiteOrigin
+    from bridge.adapter_api import Request, Session, Site, SiteOrigin
 
     @dataclasses.dataclass(frozen=True)
     class Scanned(SiteOrigin):
@@ -566,11 +563,13 @@ def test_to_carry_in_gives_each_value_a_library_must_carry_under_its_name():
     in_scan, plain = site("cell", Scanned(), "step"), site("head", Plain())
     patched_only = site("norm", Scanned())
     session = Session(
-        selected={"cell": in_scan, "head": plain},
-        epsilons={"cell": jnp.ones((7, 2, 3)), "head": jnp.ones((7, 2, 3))},
-        patches={"norm": jnp.full((7, 2, 3), 2.0), "head": lambda v: v},
-        with_inputs=True,
-        patched={"norm": patched_only, "head": plain},
+        Request(
+            selected={"cell": in_scan, "head": plain},
+            epsilons={"cell": jnp.ones((7, 2, 3)), "head": jnp.ones((7, 2, 3))},
+            patches={"norm": jnp.full((7, 2, 3), 2.0), "head": lambda v: v},
+            with_inputs=True,
+            patched={"norm": patched_only, "head": plain},
+        )
     )
     carried = session.carrier.to_carry_in(
         lambda site: site.name != "head", lambda site: True

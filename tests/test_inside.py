@@ -800,7 +800,7 @@ class _ToyProbe(bridge.adapter_api.ProbeBase):
 @pytest.fixture
 def registered():
     """`register(matches, factory)`, undone after the test."""
-    from bridge import _registry
+    from bridge._probe import registry as _registry
 
     before = list(_registry._ADAPTERS)
     yield bridge.register_adapter

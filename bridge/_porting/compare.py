@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import BridgeTypeError, BridgeValueError
-from .._session.sites import split_arrays, zeros_like_struct
+from .._session.sites import split_arrays
+from .contract import porting_side
 from .hyperparameters import differing_hyperparameters
 from .report import ComparisonReport, LogitsComparison, PairComparison
 from .transfer import (
@@ -41,7 +42,6 @@ from .transfer import (
     label,
     pair_calls,
     parameterised_layers,
-    porting_module,
     second_inputs,
     untied,
     with_counterparts,
@@ -144,8 +144,8 @@ def compare(
     default_rtol, default_atol = _TOLERANCES[precision]
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
-    porting_module(probe_a, "probe_a")
-    porting_module(probe_b, "probe_b")
+    porting_side(probe_a, "probe_a")
+    porting_side(probe_b, "probe_b")
     args_b, kwargs_b = second_inputs(args, kwargs, args_b, kwargs_b)
     inputs = (
         inputs_for(probe_a, args, kwargs),
@@ -226,7 +226,7 @@ def _dead_layers(probes, losses, inputs, layers) -> list[tuple[str, Layer]]:
         probes, _NAMES, losses, inputs, layers, strict=True
     ):
         sites = [layer.site for layer in side if layer.site]
-        unreached = _unreached(probe, name, loss_fn, given, sites)
+        unreached = _unreached(probe, loss_fn, given, sites)
         found += [(name, layer) for layer in side if layer.site in unreached]
     return found
 
@@ -338,69 +338,15 @@ def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
 # -- dead calls -----------------------------------------------------------------
 
 
-def _unreached(probe, name, loss_fn, inputs, names) -> set[str]:
+def _unreached(probe, loss_fn, inputs, names) -> set[str]:
     """The sites among `names` whose output has no path to the loss, from
-    the computation's structure: a library's porting module may say
-    (`unreached(probe, loss_fn, names, args, kwargs)`: PyTorch's autograd
-    graph); a JAX model's jaxpr says otherwise."""
+    the computation's structure (`PortableProbe.unreached_sites`: a JAX
+    model's jaxpr, PyTorch's autograd graph)."""
     names = list(dict.fromkeys(names))
     if not names:
         return set()
     args, kwargs = inputs
-    finder = getattr(porting_module(probe, name), "unreached", None)
-    if finder is not None:
-        return set(finder(probe, loss_fn, names, args, kwargs))
-    if getattr(probe, "runs_in_jax", False):
-        return _unreached_in_jax(probe, loss_fn, names, args, kwargs)
-    return set()
-
-
-def _unreached_in_jax(probe, loss_fn, names, args, kwargs) -> set[str]:
-    """The loss as a function of a zero epsilon at each site, traced
-    (`jax.make_jaxpr`: no FLOPs); a site is dead where the loss's jaxpr,
-    dead code eliminated, does not use its epsilon. A zero gradient is not
-    taken as a sign: a live site's gradient may be zero by value."""
-    plan = probe._plan(names, None, args, kwargs, loss_fn)
-    epsilons = {site.name: zeros_like_struct(site.value_struct) for site in plan.chosen}
-    dynamic, rebuild = split_arrays((plan.args, plan.kwargs))
-
-    def loss_of(epsilons, trainable, dynamic):
-        call_args, call_kwargs = rebuild(dynamic)
-        outputs = probe._call(
-            trainable,
-            call_args,
-            call_kwargs,
-            chosen=plan.chosen,
-            epsilons=epsilons,
-            discovered=plan.discovered,
-        )[0]
-        return loss_fn(outputs)
-
-    closed = jax.make_jaxpr(loss_of)(epsilons, probe._trainable(), dynamic)
-    used = _used_inputs(closed.jaxpr)
-    flat = jax.tree_util.tree_flatten_with_path(epsilons)[0]
-    reached = {path[0].key for (path, _), use in zip(flat, used, strict=False) if use}
-    with_leaves = {path[0].key for path, _ in flat}
-    return {name for name in with_leaves if name not in reached}
-
-
-def _used_inputs(jaxpr: Any) -> list[bool]:
-    """Which of `jaxpr`'s inputs its outputs depend on: JAX's own dead code
-    elimination, which sees into the jaxprs of `jit`, `scan`, ...; where it
-    is not at hand, a walk back from the outputs that counts every input of
-    an equation whose output is used (more inputs used, never fewer)."""
-    try:
-        from jax._src.interpreters import partial_eval
-
-        return list(partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1])
-    except (ImportError, AttributeError, TypeError):  # pragma: no cover
-        from jax.extend.core import Var
-
-        needed = {v for v in jaxpr.outvars if isinstance(v, Var)}
-        for equation in reversed(jaxpr.eqns):
-            if equation.effects or any(v in needed for v in equation.outvars):
-                needed.update(v for v in equation.invars if isinstance(v, Var))
-        return [v in needed for v in jaxpr.invars]
+    return set(probe.unreached_sites(loss_fn, names, *args, **kwargs))
 
 
 def _matched_by_value(pairs, unpaired, results):
@@ -482,7 +428,7 @@ def _in_float64(probe: Any, name: str) -> Any:
     `in_float64` where its porting module has one (PyTorch's `.double()`,
     the Flax libraries' `dtype` fields), else the probe's floating leaves
     cast."""
-    own = getattr(porting_module(probe, name), "in_float64", None)
+    own = getattr(porting_side(probe, name), "in_float64", None)
     if own is not None:
         return own(probe)
     if getattr(probe, "runs_in_jax", False):
@@ -596,8 +542,6 @@ def _run_both(probes, loss_fns, sites, inputs, logits_fns=None):
     """Both models' `value_and_grad` at their paired sites, the logits as
     aux: JAX models under one `jax.jit` (no parameter baked in), a PyTorch
     model eagerly in PyTorch."""
-    from .._probe.jax_backend import ProbeBase
-
     if logits_fns is not None:
         loss_fns = tuple(
             _with_logits(loss_fn, logits_fn)
@@ -605,7 +549,7 @@ def _run_both(probes, loss_fns, sites, inputs, logits_fns=None):
         )
     has_aux = logits_fns is not None
     runs = list(zip(probes, loss_fns, sites, inputs, strict=True))
-    in_jax = [isinstance(probe, ProbeBase) and probe.runs_in_jax for probe in probes]
+    in_jax = [getattr(probe, "runs_in_jax", False) for probe in probes]
     if all(in_jax):
         return _jitted(runs, has_aux)
     return tuple(

@@ -7,7 +7,8 @@ order they are first called on the same inputs. Discovery is the probes' own
 abstract evaluation: pairing costs no FLOPs.
 
 Each library's knowledge lives in a porting module of its adapter (named by
-the probe class's `_porting` attribute, imported on first use). It lists a
+the probe class's `porting_side` attribute, imported on first use: the
+contract is `bridge._porting.contract`). It lists a
 model's parameterised calls as `Layer`s, each with its weights in one
 *canonical layout*, and builds a new probe with given canonical weights; the
 built-in ones declare a converter per kind of module (`bridge._porting.layer_kinds`).
@@ -33,7 +34,6 @@ converter moves them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
+from .contract import PortingSide, porting_side
 from .pairing import paired_in_groups
 
 
@@ -92,32 +93,15 @@ class Layer:
     optional: bool = False
 
 
-#: The libraries `transfer` and `compare` know, for error messages.
-_KNOWN = "Flax Linen, Flax NNX, Equinox, Haiku and PyTorch"
-
-
-def porting_module(probe: Any, argument: str) -> Any:
-    """The porting module of a probe's library, imported on first use."""
-    name = getattr(type(probe), "_porting", None)
-    if name is None:
-        raise BridgeTypeError(
-            f"`{argument}` is a {type(probe).__name__}, whose library bridge cannot "
-            f"port: transfer and compare know probes of {_KNOWN} models, made with "
-            "bridge.probe(model, ...). A third-party adapter can support porting by "
-            "naming a module with `layers(probe, sites)` and "
-            "`with_weights(probe, updates)` in its probe class's `_porting` "
-            "attribute."
-        )
-    return importlib.import_module(name)
-
-
-def parameterised_layers(probe: Any, argument: str, args: tuple, kwargs: dict):
-    """`(porting module, [Layer per call of a parameterised module])`, in call
+def parameterised_layers(
+    probe: Any, argument: str, args: tuple, kwargs: dict
+) -> tuple[PortingSide, list[Layer]]:
+    """`(porting side, [Layer per call of a parameterised module])`, in call
     order, found by abstract evaluation."""
-    library = porting_module(probe, argument)
-    args, kwargs = probe._prepare_inputs(*inputs_for(probe, args, kwargs))
-    discovered, _ = probe._discover(args, kwargs)
-    return library, library.layers(probe, discovered)
+    side = porting_side(probe, argument)
+    args, kwargs = inputs_for(probe, args, kwargs)
+    discovered = probe.discovered_sites(*args, **kwargs)
+    return side, side.layers(probe, discovered)
 
 
 def untied(layers: Sequence[Layer]) -> tuple[list[Layer], list[Layer]]:
@@ -344,8 +328,8 @@ def transfer(
       ...                          bridge.probe(eqx_model), x)
       >>> ported.apply(x).outputs
     """
-    porting_module(src_probe, "src_probe")
-    porting_module(dst_probe, "dst_probe")
+    porting_side(src_probe, "src_probe")
+    porting_side(dst_probe, "dst_probe")
     args_b, kwargs_b = second_inputs(args, kwargs, args_b, kwargs_b)
     _, source_layers = parameterised_layers(src_probe, "src_probe", args, kwargs)
     target, target_layers = parameterised_layers(
@@ -379,9 +363,7 @@ def transfer(
 def inputs_for(probe: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The inputs as `probe` takes them: a JAX model gets a PyTorch tensor
     given for both models (a porter's `x`) as a NumPy array."""
-    from .._probe.jax_backend import ProbeBase
-
-    if not isinstance(probe, ProbeBase) or not probe.runs_in_jax:
+    if not getattr(probe, "runs_in_jax", False):
         return args, kwargs
     return jax.tree.map(_host_if_torch, (tuple(args), dict(kwargs)))
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from .naming import SessionPart
 from .sites import Site, carrier_name
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .recorders import Recorder
+    from .session import Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +43,19 @@ class CarriedIn:
         return carrier_name(self.kind, site.method, site.index, site.origin.tap)
 
 
-class Carrier(SessionPart):
-    """What one session moves through lifted transforms (`session.carrier`)."""
+class Carrier:
+    """What one session moves through lifted transforms (`session.carrier`):
+    made from the trace's `Request`, and the `Recorder` that keeps what
+    comes out."""
 
-    def __init__(self, session: Session):
-        super().__init__(session)
-        self._recorder = session.recorder
+    def __init__(self, request: Request, recorder: Recorder):
+        self._request = request
+        self._recorder = recorder
         # Asked for at every call inside a lifted transform: computed once.
         self._patched_with_values = {
-            name: session.patched[name]
-            for name, patch in session.patches.items()
-            if not callable(patch) and name in session.patched
+            name: request.patched[name]
+            for name, patch in request.patches.items()
+            if not callable(patch) and name in request.patched
         }
         # Sites inside lifted transforms whose values leave in library state:
         # `{name: where}`, read back by `hand_over`.
@@ -80,10 +82,10 @@ class Carrier(SessionPart):
         its `recording` rows: zeros `(length, ...)` of its value's floating
         leaves and, with `with_inputs`, of its inputs (else `None`), which the
         adapter fills one row a step."""
-        session = self._session
+        request = self._request
         selected = [
             site
-            for site in session.selected.values()
+            for site in (request.selected or {}).values()
             if site.origin is not None and carried(site)
         ]
         patched = [
@@ -92,20 +94,20 @@ class Carrier(SessionPart):
             if site.origin is not None and patch_carried(site)
         ]
         placed = [
-            CarriedIn(site, "epsilon", session.epsilons[site.name])
+            CarriedIn(site, "epsilon", request.epsilons[site.name])
             for site in selected
-            if site.name in session.epsilons
+            if site.name in request.epsilons
         ]
         placed += [
-            CarriedIn(site, "patch", session.patches[site.name]) for site in patched
+            CarriedIn(site, "patch", request.patches[site.name]) for site in patched
         ]
         for site in {site.name: site for site in [*selected, *patched]}.values():
             if site.origin.scan is None:
                 continue
             placed.append(CarriedIn(site, "step", jnp.zeros((), jnp.int32)))
-            if site.name in session.selected:
+            if site.name in (request.selected or {}):
                 length = site.origin.scan[0]
-                inputs = site.origin.inputs if session.with_inputs else None
+                inputs = site.origin.inputs if request.with_inputs else None
                 rows = _zero_rows((site.origin.value, inputs), length)
                 placed.append(CarriedIn(site, "recording", rows))
         return placed
@@ -128,8 +130,8 @@ class Carrier(SessionPart):
         `(value, inputs)`, the whole value at discovery (its structure is the
         site's) and its floating leaves in a run (what a recording keeps);
         with `with_inputs`, the call's positional `args` (else `None`)."""
-        session = self._session
-        inputs = session.arrays.positional(args) if session.with_inputs else None
+        request = self._request
+        inputs = request.arrays.positional(args) if request.with_inputs else None
         return self._recorder.kept_part(value), inputs
 
     def defer(self, name: str, where: Any) -> None:

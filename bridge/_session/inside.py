@@ -49,7 +49,7 @@ probe a subclass of its own class (made once per class) whose pytree
 flattening carries the `Inside` beside what the adapter's flattening gives,
 so a probe rebuilt from its leaves (under `jax.jit`, or by discovery's
 `jax.eval_shape`) still looks inside, and whose discovery and runs make it
-the `Inside` of every session made meanwhile (`bridge._session.session.INSIDE`),
+the `Inside` of every session made meanwhile (`bridge._session.context.INSIDE`),
 by the core or by an adapter. An adapter knows nothing of it.
 """
 
@@ -79,7 +79,7 @@ from .._errors import (
     BridgeTypeError,
     BridgeValueError,
 )
-from .session import INSIDE, current
+from .context import INSIDE, current
 from .sites import Site, SiteOrigin, site_name
 
 #: The name the rewritten code imports `tap` from.
@@ -146,7 +146,7 @@ def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
         return value
     before = session.naming.checkpoint()[0]
     try:
-        tapped = session.taps.tap(name, value)
+        tapped = session.tap(name, value)
     except BridgeError as refusal:
         if _entered(session, before):
             raise  # not a refusal of the tap: an error of its site's run

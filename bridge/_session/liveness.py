@@ -91,6 +91,25 @@ def _marked_names(jaxpr: Any, found: set[str]) -> set[str]:
     return found
 
 
+def used_inputs(jaxpr: Any) -> list[bool]:
+    """Which of `jaxpr`'s inputs its outputs depend on: JAX's own dead code
+    elimination, which sees into the jaxprs of `jit`, `scan`, ...; where it
+    is not at hand, a walk back from the outputs that counts every input of
+    an equation whose output is used (more inputs used, never fewer)."""
+    try:
+        from jax._src.interpreters import partial_eval
+
+        return list(partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1])
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover
+        from jax.extend.core import Var
+
+        needed = {v for v in jaxpr.outvars if isinstance(v, Var)}
+        for equation in reversed(jaxpr.eqns):
+            if equation.effects or any(v in needed for v in equation.outvars):
+                needed.update(v for v in equation.invars if isinstance(v, Var))
+        return [v in needed for v in jaxpr.invars]
+
+
 def present_and_live(closed_jaxpr: Any) -> tuple[set[str], set[str] | None]:
     """The names of the markers in the jaxpr, and of those that reach its
     outputs (`None` where this JAX's dead-code elimination is not found:

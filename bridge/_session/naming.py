@@ -12,12 +12,17 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .sites import Site, SiteOrigin, site_name
 
-if TYPE_CHECKING:
-    from .session import Session
+
+class Restorable(Protocol):
+    """What `BodyTraces` needs of a session: its naming state, to go back to."""
+
+    def checkpoint(self) -> Any: ...
+
+    def restore(self, checkpoint: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -124,31 +129,26 @@ class Naming:
         del self._enclosing[depth:]
 
 
-class SessionPart:
-    """A part of a session that refers back to it (its carrier, taps,
-    recorder, body traces), weakly: the session holds its parts, so a strong
-    reference back would make a cycle, and a cycle keeps everything the
-    session holds — a PyTorch run's recorded tensors and gradient slots, a
-    whole training step's memory — alive until the garbage collector runs."""
-
-    def __init__(self, session: Session):
-        self._session_ref = weakref.ref(session)
-
-    @property
-    def _session(self) -> Session:
-        return self._session_ref()
-
-
-class BodyTraces(SessionPart):
+class BodyTraces:
     """Where the traces of lifted bodies began, for a library that traces a
     body more than once (Flax's `nn.scan` traces its body twice, Haiku's
     `layer_stack` once per `init` and `apply` pass). A repeated trace is the
     same code, not new calls: it re-uses the names of the first, so a site
-    inside it is one site, never `#1`."""
+    inside it is one site, never `#1`.
 
-    def __init__(self, session: Session):
-        super().__init__(session)
+    An adapter's helper, not a part of the session: it holds the session
+    weakly, as an adapter may keep it where the session's own records reach
+    it, and a cycle would keep everything the session holds (a PyTorch
+    run's recorded tensors, a training step's memory) alive until the
+    garbage collector runs."""
+
+    def __init__(self, session: Restorable):
+        self._session_ref = weakref.ref(session)
         self._starts: dict[Hashable, Any] = {}
+
+    @property
+    def _session(self) -> Restorable:
+        return self._session_ref()
 
     def begin(self, key: Hashable) -> None:
         """A trace of body `key` begins now; a later one begins here again."""

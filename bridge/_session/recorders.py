@@ -6,46 +6,47 @@ its value and changes nothing; `RunRecorder` patches the selected and patched
 sites, adds their epsilons and records their values. An adapter never asks
 which one it has: it asks the question it needs answered (`learns_sites`,
 `needs_value`, and the carrier's `carries_out`), and each recorder answers
-for its pass.
+for its pass. `Recorder` is the typed interface both implement (a
+`typing.Protocol`, exported by `bridge.adapter_api`); each is made from what
+it needs (`arrays`, or the run's `Request`), never from the session.
 """
 
 from __future__ import annotations
 
-import abc
+import contextlib
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from .._errors import BridgeRuntimeError
 from .liveness import mark
-from .naming import Call, SessionPart
+from .naming import Call
 from .sites import (
     JAX_ARRAYS,
+    Arrays,
     Site,
-    SiteOrigin,
     differentiable_part,
     patch_misfit,
 )
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .session import Request
 
 
-class Recorder(abc.ABC):
-    """The per-pass part of a `Session` (`session.recorder`)."""
+class Recorder(Protocol):
+    """The per-pass part of a `Session` (`session.recorder`): what happens at
+    each call, in a discovery or in a run."""
 
     #: `{site: value}` and `{site: positional inputs}` recorded so far.
     activations: dict[str, Any]
     inputs: dict[str, tuple]
 
-    @abc.abstractmethod
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         """A call starts (see `Session.enter`)."""
 
-    @abc.abstractmethod
     def exited(
         self,
         call: Call,
@@ -57,91 +58,67 @@ class Recorder(abc.ABC):
         """A call returned `value`: the value the model goes on with (see
         `Session.exit`)."""
 
-    @abc.abstractmethod
     def check_reached(self) -> None:
         """After the model's call: raise where a site the pass acts on was
         never reached (a run's selected and patched sites)."""
 
-    @abc.abstractmethod
     def learns_sites(self) -> bool:
         """Whether this pass learns what each site is (its shapes, its origin),
         rather than acting on sites already known: true at discovery, which
         is also the model's first trace on these inputs."""
 
-    @abc.abstractmethod
     def needs_value(self, name: str) -> bool:
         """Whether this pass needs site `name`'s value where the session runs:
         at discovery every site's (its shape), in a run a selected or patched
         site's (to record or change it)."""
 
-    @abc.abstractmethod
     def keeps(self, name: str) -> bool:
         """Whether this pass keeps something of site `name`'s value: at
         discovery every site's shape, in a run a selected site's recording."""
 
-    @abc.abstractmethod
     def keeps_any(self, where: Callable[[Site], bool]) -> bool:
         """Whether this pass keeps the value of any site where `where(site)`:
         at discovery any site may be there (none is known yet)."""
 
-    @abc.abstractmethod
     def kept_part(self, value: Any) -> Any:
         """What this pass keeps of a value: the whole value at discovery (its
         structure is the site's), the floating leaves in a run."""
 
-    @abc.abstractmethod
     def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
         """Site `name`'s value (and inputs) as it left a lifted transform,
         stacked over iterations or layers: at discovery it reshapes the site,
         in a run it is recorded."""
 
-    @abc.abstractmethod
     def holds_iterations(self, name: str, value: Any, length: int) -> None:
         """Site `name`, inside a scan, holds every iteration of `value`: at
         discovery its shape becomes `(length, ...)`; a run knows it."""
 
-    @abc.abstractmethod
-    def run_with_fallback(
-        self,
-        run: Callable[[bool], Any],
-        fallback: type[Exception],
-        needs_fallback: Callable[[SiteOrigin], bool],
-    ) -> Any:
-        """Run the model the cheap way, or the way its lifted transforms need.
+    def falling_back_with(
+        self, fallback: type[Exception]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Within it, `fall_back` raises `fallback` (at discovery: see
+        `Session.run_with_fallback`)."""
 
-        An adapter whose library hides some sites from its usual route (Linen
-        scans carry only `params`, Haiku's plain transforms refuse state)
-        calls `run(False)`. Discovery that meets such a site (`fall_back`) is
-        done again with `run(True)`, forgetting the calls of the first
-        attempt. A run takes the fallback route only where a selected or
-        patched site's origin `needs_fallback`.
-        """
-
-    @abc.abstractmethod
     def fall_back(self) -> None:
         """The call reached now is a site only the fallback route of
-        `run_with_fallback` reaches: discovery raises its `fallback` to start
-        again on that route; a run, whose route was chosen from the sites'
-        origins, goes on."""
+        `Session.run_with_fallback` reaches: discovery raises its `fallback`
+        to start again on that route; a run, whose route was chosen from the
+        sites' origins, goes on."""
 
-    @abc.abstractmethod
     def discovered(self) -> list[Site]:
         """The sites found, in call-entry order (none in a run)."""
 
-    @abc.abstractmethod
     def checkpoint(self) -> Any: ...
 
-    @abc.abstractmethod
     def restore(self, checkpoint: Any) -> None: ...
 
 
-class DiscoveryRecorder(Recorder, SessionPart):
+class DiscoveryRecorder(Recorder):
     """Discovery: every call becomes a `Site` with the abstract shape of its
     value; nothing is changed or recorded."""
 
-    def __init__(self, session: Session):
-        SessionPart.__init__(self, session)
-        self._arrays = session.arrays
+    def __init__(self, arrays: Arrays = JAX_ARRAYS):
+        self._arrays = arrays
         self._sites: list[Site | None] = []
         self.activations = {}
         self.inputs = {}
@@ -204,17 +181,13 @@ class DiscoveryRecorder(Recorder, SessionPart):
             ),
         )
 
-    def run_with_fallback(self, run, fallback, needs_fallback):
-        start = self._session.checkpoint()
+    @contextlib.contextmanager
+    def falling_back_with(self, fallback: type[Exception]) -> Iterator[None]:
         previous, self._fallback = self._fallback, fallback
         try:
-            try:
-                return run(False)
-            finally:
-                self._fallback = previous
-        except fallback:
-            self._session.restore(start)
-            return run(True)
+            yield
+        finally:
+            self._fallback = previous
 
     def fall_back(self) -> None:
         if self._fallback is not None:
@@ -245,14 +218,13 @@ class RunRecorder(Recorder):
     """A run: the selected sites are recorded and, where the session has an
     epsilon for them, perturbed; patched sites take their patch."""
 
-    def __init__(self, session: Session):
-        self._selected = session.selected
-        self._epsilons = session.epsilons
-        self._patches = session.patches
-        self._patched = session.patched
-        self._with_inputs = session.with_inputs
-        self._batch_axis = session.batch_axis
-        self._arrays = session.arrays
+    def __init__(self, request: Request):
+        self._selected = request.selected or {}
+        self._epsilons = request.epsilons
+        self._patches = request.patches
+        self._with_inputs = request.with_inputs
+        self._batch_axis = request.batch_axis
+        self._arrays = request.arrays
         self.activations = {}
         self.inputs = {}
         # The selected and patched sites this run has reached.
@@ -332,13 +304,9 @@ class RunRecorder(Recorder):
     def holds_iterations(self, name: str, value: Any, length: int) -> None:
         pass
 
-    def run_with_fallback(self, run, fallback, needs_fallback):
-        return run(
-            any(
-                site.origin is not None and needs_fallback(site.origin)
-                for site in [*self._selected.values(), *self._patched.values()]
-            )
-        )
+    @contextlib.contextmanager
+    def falling_back_with(self, fallback: type[Exception]) -> Iterator[None]:
+        yield  # a run's route was chosen from the sites' origins
 
     def fall_back(self) -> None:
         pass

@@ -2,31 +2,38 @@
 
 An adapter reaches each submodule call with its library's own mechanism and
 reports it with `session.enter` and `session.exit`. One session lives for one
-trace of the model; it is found through a `ContextVar`, so two threads (or
-two nested probes) never see each other's sites. It is a facade over parts
-with one job each:
+trace of the model; it is found through `bridge._session.context`, so two
+threads (or two nested probes) never see each other's sites. What the trace
+is asked to do is one record, the `Request`; the session is a facade over
+parts with one job each, made from the request and holding no reference
+back to the session:
 
 - `session.naming` (`Naming`, `bridge._session.naming`): names each call
-  `path[.method][#k]` and knows the calls running now; `BodyTraces` makes a
-  repeated trace of a lifted body re-use the first one's names;
-- `session.recorder` (`bridge._session.recorders`): what the session does at a call,
-  the one part that differs between a discovery (`DiscoveryRecorder`: list
-  every call as a `Site`) and a run (`RunRecorder`: patch, perturb, record
-  the selected sites), chosen once here; it answers the questions an
+  `path[.method][#k]` and knows the calls running now;
+- `session.recorder` (`bridge._session.recorders`): what the session does at
+  a call, the one part that differs between a discovery (`DiscoveryRecorder`:
+  list every call as a `Site`) and a run (`RunRecorder`: patch, perturb,
+  record the selected sites), chosen once here; it answers the questions an
   adapter has (`learns_sites`, `needs_value`), so no adapter asks which;
-- `session.carrier` (`Carrier`, `bridge._session.carrier`): bridge's values through
-  a library's lifted transforms;
-- `session.taps` (`Taps`, `bridge._session.taps`): `bridge.tap`.
+- `session.carrier` (`Carrier`, `bridge._session.carrier`): bridge's values
+  through a library's lifted transforms;
+- `session.taps` (`Taps`, `bridge._session.taps`): the adapter's route for
+  `bridge.tap`.
+
+What needs more than one part is the session's own: `enter`/`exit`,
+`tap_here`, `run_with_fallback`, `checkpoint`/`restore`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BridgeTypeError
+from . import context
 from .carrier import Carrier
 from .jit import traced_through
 from .naming import BodyTraces as BodyTraces
@@ -39,90 +46,142 @@ from .taps import Taps
 if TYPE_CHECKING:
     from .inside import Inside
 
-_ACTIVE: contextvars.ContextVar[Session | None] = contextvars.ContextVar(
-    "bridge_session", default=None
-)
-#: The `bridge._session.inside.Inside` of the probe whose discovery or run is in
-#: progress in this context (set by `bridge._session.inside`, whatever the adapter):
-#: a session made meanwhile, by the core or by an adapter, looks inside with it.
-INSIDE: contextvars.ContextVar[Inside | None] = contextvars.ContextVar(
-    "bridge_inside", default=None
-)
+_EMPTY: Mapping[str, Any] = types.MappingProxyType({})
 
 
-def current() -> Session | None:
-    """The session of the probe tracing the model now, if any."""
-    return _ACTIVE.get()
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one trace of the model is asked to do, made by the core.
+
+    With `selected=None` the trace discovers: it lists every call as a
+    `Site` with the abstract shape of its value, and changes nothing; it is
+    asked for nothing else (no epsilons, patches or inputs). Otherwise it
+    runs: selected sites are recorded and, where `epsilons` has an entry,
+    get their epsilon added; patched sites take their patch.
+
+    Attributes:
+      selected: `{name: Site}` of the sites to record, or `None`: discover.
+      epsilons: `{name: epsilon}` for the selected sites that get one.
+      patches: `{name: value or function}`.
+      patched: the discovered `Site` of each patched site, selected or not.
+      with_inputs: whether to record the selected calls' positional inputs.
+      batch_axis: the axis name where the model runs under the probe's own
+        `jax.vmap` (a patch function still sees the whole batch), else `None`.
+      arrays: the framework's values (JAX arrays, or an adapter's own).
+      renames: the public name of each call where discovery found a trace
+        JAX discards (`bridge._session.naming.renames_of`).
+      inside: the probe's `bridge._session.inside.Inside`: by default the one
+        the core set in this context (`bridge._session.context.INSIDE`), for
+        a request made by any adapter.
+    """
+
+    selected: Mapping[str, Site] | None = None
+    epsilons: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    patches: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    patched: Mapping[str, Site] = dataclasses.field(default_factory=dict)
+    with_inputs: bool = False
+    batch_axis: str | None = None
+    arrays: Arrays = JAX_ARRAYS
+    renames: Mapping[str, tuple[str, int]] | None = None
+    inside: Inside | None = dataclasses.field(default_factory=context.INSIDE.get)
+
+    def __post_init__(self):
+        if self.selected is None:  # a discovery lists the sites: nothing is asked
+            for name in ("epsilons", "patches", "patched"):
+                object.__setattr__(self, name, {})
+            object.__setattr__(self, "with_inputs", False)
+
+    @property
+    def discovering(self) -> bool:
+        return self.selected is None
+
+    def patch_values(self) -> dict[str, Any]:
+        """The patches given as values (not functions): a `vmap`ped run maps
+        them with the inputs."""
+        return {k: v for k, v in self.patches.items() if not callable(v)}
+
+    def varied(self, epsilons: Mapping[str, Any], patch_values: Mapping[str, Any]):
+        """This request with the epsilons and patch values one trace sees
+        (under the probe's `jax.vmap`: one example's)."""
+        functions = {k: v for k, v in self.patches.items() if callable(v)}
+        return dataclasses.replace(
+            self, epsilons=epsilons, patches={**patch_values, **functions}
+        )
 
 
 class Session:
-    """Bookkeeping for one trace of the model.
+    """Bookkeeping for one trace of the model, asked for by `request`.
 
-    With `selected=None` the session discovers: it lists every call as a `Site`
-    with the abstract shape of its value, and changes nothing; it is asked
-    for nothing else (no epsilons, patches or inputs). Otherwise it runs:
-    selected sites are recorded and, where `epsilons` has an entry, get their
-    epsilon added; patched sites take their patch.
-
-    What was asked is read by adapters: `selected` (`{name: Site}`),
-    `epsilons`, `patches`, `patched` (the discovered `Site` of each patched
-    site, selected or not), `with_inputs`, `batch_axis` (set when the model
-    runs under the probe's own `jax.vmap`: a patch function then still sees
-    the whole batch) and `arrays` (the framework's values: JAX arrays, or an
-    adapter's own). `renames` (`bridge._session.naming.renames_of`): the public
-    name of each call where discovery found a trace JAX discards.
+    What was asked is read by adapters as attributes of the session:
+    `selected`, `epsilons`, `patches`, `patched`, `with_inputs`,
+    `batch_axis`, `arrays`, `inside` (see `Request`).
     """
 
-    def __init__(
-        self,
-        selected: Mapping[str, Site] | None = None,
-        epsilons: Mapping[str, Any] | None = None,
-        patches: Mapping[str, Any] | None = None,
-        with_inputs: bool = False,
-        batch_axis: str | None = None,
-        arrays: Arrays = JAX_ARRAYS,
-        patched: Mapping[str, Site] | None = None,
-        renames: Mapping[str, tuple[str, int]] | None = None,
-    ):
-        if selected is None:  # a discovery lists the sites: nothing is asked
-            epsilons = patches = patched = None
-            with_inputs = False
-        self.selected = selected or {}
-        self.epsilons = epsilons or {}
-        self.patches = patches or {}
-        self.patched = patched or {}
-        self.with_inputs = with_inputs
-        self.batch_axis = batch_axis
-        self.arrays = arrays
-        self.naming = Naming(renames)
+    def __init__(self, request: Request | None = None):
+        request = Request() if request is None else request
+        self.request = request
+        self.naming = Naming(request.renames)
         self.recorder: Recorder = (
-            DiscoveryRecorder(self) if selected is None else RunRecorder(self)
+            DiscoveryRecorder(request.arrays)
+            if request.discovering
+            else RunRecorder(request)
         )
-        self.carrier = Carrier(self)
-        self.taps = Taps(self)
-        # The probe's `bridge._session.inside.Inside`, from the core (`INSIDE`).
-        self.inside: Inside | None = INSIDE.get()
+        self.carrier = Carrier(request, self.recorder)
+        self.taps = Taps()
         # `enter` and `exit` run at every call of the model: bound once.
         self._name_call = self.naming.enter
         self._close_call = self.naming.exit
         self._entered = self.recorder.entered
         self._exited = self.recorder.exited
 
+    # -- what was asked ------------------------------------------------------
+
+    @property
+    def selected(self) -> Mapping[str, Site]:
+        return self.request.selected or _EMPTY
+
+    @property
+    def epsilons(self) -> Mapping[str, Any]:
+        return self.request.epsilons
+
+    @property
+    def patches(self) -> Mapping[str, Any]:
+        return self.request.patches
+
+    @property
+    def patched(self) -> Mapping[str, Site]:
+        return self.request.patched
+
+    @property
+    def with_inputs(self) -> bool:
+        return self.request.with_inputs
+
+    @property
+    def batch_axis(self) -> str | None:
+        return self.request.batch_axis
+
+    @property
+    def arrays(self) -> Arrays:
+        return self.request.arrays
+
+    @property
+    def inside(self) -> Inside | None:
+        return self.request.inside
+
+    # -- the model's calls -------------------------------------------------------
+
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
         """The session of the model's calls while it runs: the model's own
-        `jax.jit`s run inline (`bridge._session.jit`), and the probe's `inside`
-        rewrites are in place (`bridge._session.inside`), both undone on leaving."""
-        token = _ACTIVE.set(self)
-        try:
-            with traced_through():
-                if self.inside is None:
+        `jax.jit`s run inline (`bridge._session.jit`), and the probe's
+        `inside` rewrites are in place (`bridge._session.inside`), both
+        undone on leaving."""
+        with context.active(self), traced_through():
+            if self.inside is None:
+                yield self
+            else:
+                with self.inside.applied():
                     yield self
-                else:
-                    with self.inside.applied():
-                        yield self
-        finally:
-            _ACTIVE.reset(token)
 
     def enter(
         self,
@@ -168,6 +227,53 @@ class Session:
         self._close_call()
         return self._exited(call, value, perturb, record, patch)
 
+    def tap(self, name: str, value: Any) -> Any:
+        """`bridge.tap(name, value)`: through the adapter's route where it
+        installed one (`taps.tapping`), else `tap_here`."""
+        route = self.taps.route
+        return self.tap_here(name, value) if route is None else route(name, value)
+
+    def tap_here(self, name: str, value: Any) -> Any:
+        """A site without a module, named under the enclosing call, whose value
+        is seen in the trace the session runs in."""
+        path = self.naming.under_enclosing(name)
+        return self.exit(self.enter(path, None, None), value)
+
+    def run_with_fallback(
+        self,
+        run: Callable[[bool], Any],
+        fallback: type[Exception],
+        needs_fallback: Callable[[SiteOrigin], bool],
+    ) -> Any:
+        """Run the model the cheap way, or the way its lifted transforms need.
+
+        An adapter whose library hides some sites from its usual route (Linen
+        scans carry only `params`, Haiku's plain transforms refuse state)
+        calls `run(False)`. A discovery that meets such a site (the
+        recorder's `fall_back`) is done again with `run(True)`, forgetting
+        the calls of the first attempt. A run takes the fallback route only
+        where a selected or patched site's origin `needs_fallback`.
+        """
+        if not self.recorder.learns_sites():
+            return run(
+                any(
+                    site.origin is not None and needs_fallback(site.origin)
+                    for site in [*self.selected.values(), *self.patched.values()]
+                )
+            )
+        start = self.checkpoint()
+        try:
+            with self.recorder.falling_back_with(fallback):
+                return run(False)
+        except fallback:
+            self.restore(start)
+            return run(True)
+
+    def check_reached(self) -> None:
+        """After the model's call: raise where a selected or patched site was
+        never reached (`Recorder.check_reached`)."""
+        self.recorder.check_reached()
+
     @property
     def enclosing(self) -> tuple[str, ...]:
         """The paths of the calls running now, outermost first: a tap, or a
@@ -207,6 +313,11 @@ class Session:
         self.carrier.restore(carrier)
 
 
+def current() -> Session | None:
+    """The session of the probe tracing the model now, if any."""
+    return context.current()
+
+
 def positional_arrays(args: tuple) -> tuple:
     """A call's positional arguments, array leaves kept, anything else `None`."""
     return JAX_ARRAYS.positional(args)
@@ -221,9 +332,9 @@ def tap(name: str, value: Any) -> Any:
     Examples:
       >>> h = bridge.tap("pre_activation", x @ w)
     """
-    session = _ACTIVE.get()
+    session = context.current()
     if session is None:
         return value
     if not isinstance(name, str) or not name:
         raise BridgeTypeError(f"`name` must be a non-empty string; got {name!r}.")
-    return session.taps.tap(name, value)
+    return session.tap(name, value)

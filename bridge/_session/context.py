@@ -1,0 +1,39 @@
+"""The probe at work in this context: a leaf every part may import.
+
+Found through `ContextVar`s, so two threads (or two nested probes) never see
+each other's. `active_session` is the session of the trace running now
+(`bridge.tap` and the adapters' hooks report to it); `INSIDE` is the
+`bridge._session.inside.Inside` of the probe whose discovery or run is in
+progress, set by the core whatever the adapter: a `Request` made meanwhile
+looks inside with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "bridge_session", default=None
+)
+INSIDE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "bridge_inside", default=None
+)
+
+
+def current() -> Any:
+    """The session of the probe tracing the model now, if any (a
+    `bridge._session.session.Session`)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def active(session: Any) -> Iterator[None]:
+    """`session` is the current one for the length of the block."""
+    token = _ACTIVE.set(session)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
