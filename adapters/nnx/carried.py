@@ -30,8 +30,6 @@ raises `NotImplementedError` naming it.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import jax
@@ -48,6 +46,12 @@ from bridge.adapter_api import (
 from ..shared import jax_internals
 from . import internals
 from .variables import BridgeVariable, Origin
+
+
+class NeedsCarried(Exception):
+    """Discovery met a module inside `nnx.scan` whose parameters keep their
+    full shape there (carried or broadcast, not sliced): it runs again with a
+    marker on each such module, to tell which."""
 
 
 def keeps_shape(module: nnx.Module, outside: nnx.Module) -> bool:
@@ -68,34 +72,26 @@ def broadcast_by_scan(stop: Any, outside: nnx.Module) -> bool:
     local, read up to the frame `stop`) is one of the module's parameter
     arrays. False where that cannot be read (a carried module keeps the
     same shapes; the scan's markers tell them apart, `discover`)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        code = frame.f_code
-        if code.co_name == "scan_wrapper" and code.co_filename.endswith(_NNX_ITERATION):
-            broadcast = frame.f_locals.get("broadcast_deque")
-            try:
-                leaves = jax.tree.leaves(list(broadcast))
-            except TypeError:
-                return False
-            ids = {id(leaf) for leaf in leaves}
-            return any(
-                id(internals.get_value(variable)) in ids
-                for _, variable in nnx.iter_graph(outside)
-                if isinstance(variable, nnx.Param)
-                and not isinstance(variable, BridgeVariable)
-            )
-        frame = frame.f_back
-    return False
+    broadcast = internals.scan_broadcasts(stop)
+    try:
+        leaves = jax.tree.leaves(list(broadcast))
+    except TypeError:
+        return False
+    ids = {id(leaf) for leaf in leaves}
+    return any(
+        id(internals.get_value(variable)) in ids
+        for _, variable in nnx.iter_graph(outside)
+        if isinstance(variable, nnx.Param) and not isinstance(variable, BridgeVariable)
+    )
 
 
-#: The file of NNX's scan, whose wrapper splits the modules it broadcasts.
-_NNX_ITERATION = os.path.join("nnx", "transforms", "iteration.py")
-
-
-def discover(run, module, marker, step_key, call, names, method, args, kwargs, session):
+def discover(
+    lifted, module, marker, step_key, call, names, method, args, kwargs, session
+):
     """Discovery of a call whose module nnx.scan did not slice: the site
     holds every step, `(length, *value shape)`, as the scan's ys would.
-    `run` is the `transforms.Run` of the copy."""
+    `lifted` is the `transforms.Lifted` of the run of the copy."""
+    run = lifted.run
     frames = jax_internals.scan_frames(run.stop)
     if frames is None:
         raise jax_internals.unreadable_scan("Flax NNX")
@@ -126,7 +122,7 @@ def discover(run, module, marker, step_key, call, names, method, args, kwargs, s
     length, reverse = frames[0]
     # Dropped if the scan broadcasts the module.
     internals.set_value(marker, internals.get_value(marker) + 1)
-    run.checks.append((call.path, step_key, names))  # in call order
+    lifted.checks.append((call.path, step_key, names))  # in call order
     value = method(module, *args, **kwargs)
     call.origin = Origin(
         call.path,

@@ -6,23 +6,25 @@ variables on every call; Linen's interceptor (the Linen adapter's, or
 Linen's guest) hands that call to `bridge.adapters.shared.guests.call_module`,
 which finds `call_to_linen` here by name, once `flax.nnx` is imported. It
 gives the module built reporting classes, as the NNX adapter gives its copy
-(`probe.GuestRun`).
+(`bridge.adapters.nnx.surgery`), reporting to a `GuestRun`.
 
 The other way round, `nnx.bridge.ToNNX` calls a Linen module's `apply` inside
 an NNX model, where Linen's guest interceptor reports its calls; the NNX
-adapter hides its own attributes from a `ToNNX` (`to_nnx_class`).
+adapter hides its own attributes from a `ToNNX` (`surgery.to_nnx_class`).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from flax import nnx
 
 from bridge.adapter_api import is_carrier_name
 
-from ..shared import guests
+from ..shared import guests, jax_internals
+from . import internals, surgery
+from .transforms import transform_name
+from .variables import PATH_ATTRIBUTE
 
 
 def call_to_linen(
@@ -40,9 +42,6 @@ def call_to_linen(
     """
     if module.is_initializing():
         return next_fun(*call_args, **call_kwargs)
-    # Here, not at the top: `probe` imports this module (`to_nnx_class`).
-    from .probe import GuestRun, running
-
     run = GuestRun(host, guests.enclosing_path(host.session))
     original = module.__dict__["nnx_class"]
 
@@ -57,7 +56,7 @@ def call_to_linen(
 
     object.__setattr__(module, "nnx_class", build)
     try:
-        with running(run):
+        with surgery.running(run):
             return next_fun(*call_args, **call_kwargs)
     finally:
         object.__setattr__(module, "nnx_class", original)
@@ -73,8 +72,48 @@ def _bridge_variables(module: Any) -> dict[str, Any]:
     }
 
 
-def to_nnx_class() -> type | None:
-    """`nnx.bridge.ToNNX`, where NNX's bridge was imported (a model using it
-    must have)."""
-    wrappers = sys.modules.get("flax.nnx.bridge.wrappers")
-    return getattr(wrappers, "ToNNX", None)
+class GuestRun:
+    """The NNX modules an `nnx.bridge.ToLinen` builds during one of its calls,
+    inside a Linen model (see `call_to_linen`).
+
+    Their submodules get reporting classes, named under the `ToLinen`'s path;
+    each call's epsilon is the session's own. That is right where the calls
+    run in the host's trace: a call inside a transform of the host's code, or
+    of the NNX module's own (`nnx.scan`, whose body runs on new module
+    objects), is listed but refused where selected.
+    """
+
+    def __init__(self, host: guests.Host, prefix: str):
+        self.host = host
+        self.prefix = prefix
+        self.trace = jax_internals.current_trace()
+        self.outer = internals.active_transforms()
+        self.ids: dict[int, str] = {}
+
+    def instrument(self, module: nnx.Module) -> nnx.Module:
+        """`module`, built by `ToLinen` for this call, with reporting classes."""
+        modules = surgery.instrument(module, self.prefix)
+        self.ids.update({id(m): path for path, m in modules.items()})
+        return module
+
+    def report(self, module, method_name, method, args, kwargs, session):
+        """A call of a module `instrument` gave a reporting class
+        (`surgery.Reporter`)."""
+        path = self.ids.get(id(module))
+        blocked = self.host.transform_around(self.trace)
+        if blocked is None and path is None:
+            inner = [t for t in internals.active_transforms() if t not in self.outer]
+            named = transform_name(inner[-1]) if inner else "an NNX transform"
+            blocked = f"{named} in the Flax NNX module's own code"
+        elif blocked is None and jax_internals.current_trace() is not self.trace:
+            blocked = "a JAX transform in the Flax NNX module's own code"
+        return guests.observe(
+            session,
+            "nnx",
+            path or vars(module).get(PATH_ATTRIBUTE, type(module).__name__),
+            None if method_name == "__call__" else method_name,
+            module,
+            args,
+            lambda: method(module, *args, **kwargs),
+            blocked,
+        )

@@ -19,20 +19,25 @@ Inside any other transform of JAX's (a `lax.scan`, `jax.checkpoint`,
 `lax.cond`, ...) no value can leave and no epsilon can enter: the site is
 listed with the shape its value has for the model and refused where selected
 or patched, naming the innermost such transform (`around`, `REFUSALS`); a
-`lax.scan` body JAX traces twice lists its sites once. A
-`jax.jit` is none: while a probe runs, the model's own jits run inline, in
-the probe's trace.
+`lax.scan` body JAX traces twice lists its sites once
+(`bridge.adapters.shared.scan_bodies`). A `jax.jit` is none: while a probe
+runs, the model's own jits run inline, in the probe's trace. `plain_call` is a
+call outside NNX's own transforms, the sites inside those are
+`bridge.adapters.nnx.transforms`.
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
-from ..shared import jax_internals
+from bridge.adapter_api import Session
+
+from ..shared import jax_internals, lifting
+from . import internals
+from .transforms import TREE_MODE
+from .variables import PATH_ATTRIBUTE, Origin
 
 _BRANCH = (
     "which branch runs is known only when the model runs, so a call in a "
@@ -102,20 +107,42 @@ def why(transform: str) -> tuple[str, str, str]:
     return transform, reason, fix
 
 
-#: The folder of NNX's transforms, and the one of them bridge sees through.
-_NNX_TRANSFORMS = os.path.join("flax", "nnx", "transforms") + os.sep
-_NNX_JIT = "compilation.py"
+def plain_call(run, module, site_method, method, args, kwargs, session: Session, path):
+    """A call outside NNX's transforms (but `nnx.jit`) in `run` (a `run.Run`):
+    a site of the session's own where it runs in the probe's trace, handed
+    out whole from inside the model's own `jax.vmap`s, listed and refused
+    inside JAX's other transforms."""
+    depth, blocker = around(run.base)
+    if blocker is not None:
+        # Where no NNX transform has pushed its update context, code of one
+        # running now runs in tree mode (`graph=False`, `graph_updates=False`),
+        # the module a pytree of its own.
+        if vars(module).get(PATH_ATTRIBUTE) is not None and (
+            run.ids.get(id(module)) is None and internals.in_transform_code(run.stop)
+        ):
+            reason = TREE_MODE
+        else:
+            reason = why(blocker)
+        return run.listed(
+            module, site_method, method, args, kwargs, session, path, reason
+        )
+    origin = Origin(path)
+    if depth == 0:
+        call = session.enter(path, site_method, module, args, origin=origin)
+        return session.exit(call, method(module, *args, **kwargs))
+    entered = []
 
+    def enter(full_args: tuple) -> tuple:
+        entered.append(session.enter(path, site_method, module, full_args, origin))
+        return full_args
 
-def inside_tree_mode_transform(stop: Any) -> bool:
-    """Whether an NNX transform other than `nnx.jit` runs now, up to the
-    frame `stop`. Called where no NNX transform has pushed its update
-    context: such a one runs in tree mode (`graph=False`,
-    `graph_updates=False`), the module a pytree of its own."""
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        filename = frame.f_code.co_filename
-        if _NNX_TRANSFORMS in filename and not filename.endswith(_NNX_JIT):
-            return True
-        frame = frame.f_back
-    return False
+    if session.with_inputs:
+        # Inputs are recorded at the probe's trace too, mapped axes first.
+        lifting.lift(args, depth, enter)
+    else:
+        enter(())
+    (call,) = entered
+    value = method(module, *args, **kwargs)
+    if not session.recorder.needs_value(call.name):
+        return session.exit(call, value)
+    return lifting.lift(value, depth, lambda full: session.exit(call, full))

@@ -20,57 +20,36 @@ Not `Module.perturb` + `nnx.capture`: capture with `method_outputs` patches
 the user's classes for everyone while it runs, and attaches `__captures__` to
 the module it is given.
 
-NNX transforms in the model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`)
-run the copy's modules as new objects: the run of the copy, and the sites
-inside those transforms, are `bridge.adapters.nnx.transforms`.
+Each run's copy is given reporting classes by `bridge.adapters.nnx.surgery`,
+and its calls go to the run of the copy, `bridge.adapters.nnx.run`; NNX
+transforms in the model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`) run
+the copy's modules as new objects, and the sites inside them are
+`bridge.adapters.nnx.transforms`.
 
 Modules of other libraries called inside the model — a Linen module under
 `nnx.bridge.ToNNX`, an `hk.transform`ed function's `apply` — are sites
 named under the NNX site that calls them (`bridge.adapters.shared.guests`).
 `ToNNX` hands every attribute of its module to Linen as a variable, so
 bridge's attributes on the copy are hidden while it runs. The NNX module an
-`nnx.bridge.ToLinen` builds inside a Linen model is instrumented here too
-(`GuestRun`).
+`nnx.bridge.ToLinen` builds inside a Linen model is instrumented too
+(`bridge.adapters.nnx.guest`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import inspect
 import sys
-import warnings
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from flax import nnx
 
-from bridge.adapter_api import BridgeTypeError, ProbeBase, Session, current_session
+from bridge.adapter_api import BridgeTypeError, ProbeBase, Session
 
-from ..shared import guests, jax_internals
-from . import internals
-from . import transforms as nnx_run
-from .guest import to_nnx_class
-
-#: The probe's run of its copy, while it runs: a reporting method reports only
-#: calls of the modules of the copy running now (or of the NNX module an
-#: `nnx.bridge.ToLinen` builds inside a Linen model: a `GuestRun`).
-_RUN: contextvars.ContextVar[nnx_run.Run | GuestRun | None] = contextvars.ContextVar(
-    "bridge_nnx_run", default=None
-)
-
-#: Containers are graph nodes (nnx.List is even an nnx.Module) but are never
-#: called: they hold sites and are not sites themselves.
-_CONTAINERS = (nnx.List, nnx.Dict)
-
-
-#: Methods that configure a module rather than compute with it.
-_NOT_SITES = frozenset(dir(nnx.Module)) | {"set_view"}
-
-#: `{class: its reporting subclass}`, made once per class.
-_REPORTING_CLASSES: dict[type, type] = {}
+from ..shared import guests
+from . import internals, surgery
+from .carried import NeedsCarried
+from .run import Run
 
 
 def probe(module: nnx.Module, *variables: Any, vmap: bool = False) -> NnxProbe:
@@ -167,7 +146,7 @@ class NnxProbe(ProbeBase):
             lambda markers: self._run_once(
                 trainable, args, kwargs, session, candidates, markers
             ),
-            nnx_run.NeedsCarried,
+            NeedsCarried,
             lambda origin: getattr(origin, "scan", None) is not None,
         )
 
@@ -183,26 +162,25 @@ class NnxProbe(ProbeBase):
         model = nnx.merge(self.graphdef, trainable, self.rest, copy=True)
         # Scans around this frame (a user's jit or scan of the probe) are not
         # the model's: the walks up the stack stop here.
-        run = nnx_run.Run(_instrument(model), sys._getframe(), candidates, markers)
-        run.place_variables(session)
+        modules = surgery.instrument(model)
+        run = Run(modules, sys._getframe(), session, candidates, markers)
+        run.lifted.place_variables(session)
         # Graph nodes among the inputs (an `nnx.Rngs` for dropout) are the
         # user's too: the model may advance them, so it gets copies.
         args, kwargs = _copy_graph_nodes((args, kwargs))
-        token = _RUN.set(run)
-        try:
-            with (
-                session.taps.tapping(functools.partial(run.tap, session)),
-                guests.hosting("nnx", run.innermost_transform),
-            ):
-                outputs = model(*args, **kwargs)
-        except ValueError as error:
-            run.explain(error)
-            raise
-        finally:
-            _RUN.reset(token)
+        with surgery.running(run):
+            try:
+                with (
+                    session.taps.tapping(functools.partial(run.tap, session)),
+                    guests.hosting("nnx", run.innermost_transform),
+                ):
+                    outputs = model(*args, **kwargs)
+            except ValueError as error:
+                run.lifted.explain(error)
+                raise
         if not markers and candidates:  # noted by discovery's first pass only
             session.recorder.fall_back()  # again, with a marker on each
-        run.hand_over(session)
+        run.lifted.hand_over(session)
         state = nnx.state(model, nnx.Not(nnx.Param))
         return outputs, state if jax.tree.leaves(state) else None
 
@@ -224,153 +202,3 @@ def _copy_graph_nodes(tree: Any) -> Any:
         tree,
         is_leaf=internals.graphlib.is_graph_node,
     )
-
-
-def _instrument(model: nnx.Module, prefix: str = "") -> dict[str, nnx.Module]:
-    """Give every submodule of `model` (a private copy) a reporting class.
-
-    Returns `{path: module}`, each path under `prefix` (the path of the
-    `nnx.bridge.ToLinen` site an NNX module is called in). A module reachable
-    by several paths (shared) gets the first in graph order, the path under
-    which `nnx.state` keys its parameters.
-    """
-    modules = {}
-    for path, module in internals.iter_modules(model):
-        if not path or isinstance(module, _CONTAINERS):
-            continue
-        if any(module is seen for seen in modules.values()):
-            continue
-        name = guests.joined(prefix, "/".join(str(part) for part in path))
-        modules[name] = module
-        module.__class__ = _reporting_class(type(module))
-        setattr(module, nnx_run.PATH_ATTRIBUTE, name)
-    return modules
-
-
-def _reporting_class(cls: type) -> type:
-    """A subclass of `cls` whose public methods report their calls (cached)."""
-    if getattr(cls, "_bridge_reports", False):
-        return cls
-    reporting = _REPORTING_CLASSES.get(cls)
-    if reporting is None:
-        to_nnx = to_nnx_class()
-        hides = to_nnx is not None and issubclass(cls, to_nnx)
-        namespace = {
-            name: _reporting_method(
-                name, _hiding_bridge_attributes(method) if hides else method
-            )
-            for name, method in _public_methods(cls)
-        }
-        namespace["_bridge_reports"] = True
-        namespace["__module__"] = cls.__module__
-        namespace["__qualname__"] = cls.__qualname__
-        with warnings.catch_warnings():
-            # Subclassing re-reads the class's annotations: a user's deprecated
-            # `nnx.Data[...]` annotation would warn again, for no fault of theirs.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            reporting = type(cls)(
-                cls.__name__, (cls,), namespace, **internals.class_keywords(cls)
-            )
-        _REPORTING_CLASSES[cls] = reporting
-    return reporting
-
-
-def _public_methods(cls: type) -> list[tuple[str, Callable]]:
-    methods = []
-    for name in dir(cls):
-        if name != "__call__" and (name.startswith("_") or name in _NOT_SITES):
-            continue
-        method = inspect.getattr_static(cls, name)
-        if inspect.isfunction(method):
-            methods.append((name, method))
-    return methods
-
-
-def _reporting_method(name: str, method: Callable) -> Callable:
-    @functools.wraps(method)
-    def reporting(self, *args, **kwargs):
-        run, session = _RUN.get(), current_session()
-        if run is None or session is None:  # not while a probe runs the copy
-            return method(self, *args, **kwargs)
-        return run.report(self, name, method, args, kwargs, session)
-
-    return reporting
-
-
-def _hiding_bridge_attributes(method: Callable) -> Callable:
-    """A method of `nnx.bridge.ToNNX`, which hands every attribute of its module
-    but its own to Linen as variables: bridge's attributes on the copy (its
-    path, the variables of sites inside transforms) are hidden while it runs."""
-
-    @functools.wraps(method)
-    def hiding(self, *args, **kwargs):
-        attributes = vars(self)
-        hidden = {
-            name: attributes.pop(name)
-            for name in list(attributes)
-            if nnx_run.is_bridge_attribute(name)
-        }
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            attributes.update(hidden)
-
-    return hiding
-
-
-# -- NNX as a guest: the module `nnx.bridge.ToLinen` builds -------------------------
-
-
-class GuestRun:
-    """The NNX modules an `nnx.bridge.ToLinen` builds during one of its calls,
-    inside a Linen model (see `bridge.adapters.nnx.guest.call_to_linen`).
-
-    Their submodules get reporting classes, named under the `ToLinen`'s path;
-    each call's epsilon is the session's own. That is right where the calls
-    run in the host's trace: a call inside a transform of the host's code, or
-    of the NNX module's own (`nnx.scan`, whose body runs on new module
-    objects), is listed but refused where selected.
-    """
-
-    def __init__(self, host: guests.Host, prefix: str):
-        self.host = host
-        self.prefix = prefix
-        self.trace = jax_internals.current_trace()
-        self.outer = internals.active_transforms()
-        self.ids: dict[int, str] = {}
-
-    def instrument(self, module: nnx.Module) -> nnx.Module:
-        """`module`, built by `ToLinen` for this call, with reporting classes."""
-        modules = _instrument(module, self.prefix)
-        self.ids.update({id(m): path for path, m in modules.items()})
-        return module
-
-    def report(self, module, method_name, method, args, kwargs, session):
-        path = self.ids.get(id(module))
-        blocked = self.host.transform_around(self.trace)
-        if blocked is None and path is None:
-            inner = [t for t in internals.active_transforms() if t not in self.outer]
-            named = nnx_run.transform_name(inner[-1]) if inner else "an NNX transform"
-            blocked = f"{named} in the Flax NNX module's own code"
-        elif blocked is None and jax_internals.current_trace() is not self.trace:
-            blocked = "a JAX transform in the Flax NNX module's own code"
-        return guests.observe(
-            session,
-            "nnx",
-            path or vars(module).get(nnx_run.PATH_ATTRIBUTE, type(module).__name__),
-            None if method_name == "__call__" else method_name,
-            module,
-            args,
-            lambda: method(module, *args, **kwargs),
-            blocked,
-        )
-
-
-@contextlib.contextmanager
-def running(run: GuestRun) -> Iterator[None]:
-    """Report the calls of the modules `run` instrumented while this runs."""
-    token = _RUN.set(run)
-    try:
-        yield
-    finally:
-        _RUN.reset(token)

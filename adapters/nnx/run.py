@@ -1,30 +1,16 @@
-"""The run of an NNX probe's copy, and its sites inside NNX transforms.
+"""One run of an NNX probe's copy: each call of its modules, reported to the
+session from where it runs.
 
-NNX transforms in the model's own code (`nnx.scan` over layers built with
-`nnx.vmap`, `nnx.vmap` over an ensemble, `nnx.remat`) split the copy and merge
-it again: the body runs on new module objects, of the same reporting classes,
-that carry their site path as a static attribute, and values seen there are
-tracers of the transform's trace. So a site there keeps its epsilon and its
-recording in bridge's own `nnx.Param` subclasses on the module, which the
-transform carries exactly as it carries the module's parameters: an epsilon
-placed on the copy before the call is sliced per iteration going in, and a
-recording made inside comes out stacked, `(iterations, *value shape)`, read
-back from the copy after the call. A call inside a transform that would not
-carry them (a module broadcast with `in_axes=None`, `graph=False` or
-`graph_updates=False`, loops and branches) is listed, with its whole shape,
-and refused only where selected or patched, naming the innermost such
-transform (`bridge.adapters.shared.unexpressible`).
-
-`nnx.jit` is none: while a probe runs the model's own jits run inline, in the
-probe's trace (`bridge._session.jit`), and a call on the copy `nnx.jit` merged is a
-call like any other. JAX's own transforms in the model's code (`jax.vmap`,
-`jax.checkpoint`, `lax.scan`, `lax.cond`) are
-`bridge.adapters.nnx.jax_transforms`; a scan body JAX traces twice (its
-carry starts as a Python `0`) lists its sites once (`_scan_body_traced`).
-
-A module that `nnx.scan` carries rather than slices is
-`bridge.adapters.nnx.carried`; bridge's variables on the copy are
-`bridge.adapters.nnx.variables`.
+The copy's modules report their calls (`bridge.adapters.nnx.surgery`) to the
+`Run` of the probe's call. A call outside NNX's transforms is a site of the
+session's own, handed out whole from inside the model's own `jax.vmap`s and
+listed but refused inside JAX's other transforms
+(`bridge.adapters.nnx.jax_transforms`); a call inside an NNX transform
+(`nnx.scan`, `nnx.vmap`, `nnx.remat`) keeps its values in bridge's variables
+on the module (`bridge.adapters.nnx.transforms`). `nnx.jit` is none: while a
+probe runs the model's own jits run inline, in the probe's trace
+(`bridge._session.jit`). A scan body JAX traces twice (its carry starts as a
+Python `0`) lists its sites once (`bridge.adapters.shared.scan_bodies`).
 """
 
 from __future__ import annotations
@@ -32,30 +18,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 
-from bridge.adapter_api import (
-    BodyTraces,
-    BridgeNotImplementedError,
-    BridgeValueError,
-    Session,
-    Site,
-    add_epsilon,
-    carrier_name,
-)
+from bridge.adapter_api import Session
 
 from ..shared import jax_internals, lifting, unexpressible
-from . import carried, internals, jax_transforms
-from .variables import PATH_ATTRIBUTE as PATH_ATTRIBUTE
-from .variables import Carried, Origin, Recording
-from .variables import is_bridge_attribute as is_bridge_attribute
+from ..shared.scan_bodies import ScanBodies
+from . import internals, jax_transforms
+from .transforms import Lifted, transform_name
+from .variables import PATH_ATTRIBUTE, Origin
 
 jax_internals.require_scan_frame("Flax NNX")
-
-#: NNX transforms (their update-context tags) that carry a module's `Param`
-#: variables in and out, mapped or not, so they carry bridge's too.
-_CARRYING = {"scan": "nnx.scan", "vmap": "nnx.vmap", "remat": "nnx.remat"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,65 +39,20 @@ class Refused(Origin):
     blocked: str | None = None
 
 
-#: Why a site inside each NNX transform cannot be expressed, and what to do.
-_REFUSALS = {
-    "nnx.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
-        "write the loop as an nnx.scan of fixed length",
-    ),
-    "nnx.fori_loop": (
-        "it carries the module through its iterations as one value, so one "
-        "epsilon would serve every iteration and their gradients would be summed",
-        "write the loop as an nnx.scan over stacked layers",
-    ),
-    "nnx.cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
-        "compute both branches and pick with jnp.where",
-    ),
-    "nnx.switch": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
-        "compute every branch and pick with jnp.where",
-    ),
-}
-
-#: The reason of a call inside an NNX transform in tree mode.
-_TREE_MODE = (
-    "an NNX transform with graph=False or graph_updates=False",
-    "it runs the module as a pytree, which carries none of bridge's variables "
-    "on the module",
-    "use the transform in graph mode (the default)",
-)
-
-
-class NeedsCarried(Exception):
-    """Discovery met a module inside `nnx.scan` whose parameters keep their
-    full shape there (carried or broadcast, not sliced): it runs again with a
-    marker on each such module, to tell which."""
-
-
 class Run:
-    """One run of the probe's copy: its modules, and the sites inside NNX
-    transforms, whose values leave through variables on those modules.
+    """One run of the probe's copy: its modules, and where each call runs.
 
-    A module inside `nnx.scan` is sliced (its parameters lose the scan's axis
-    inside), carried (they keep their full shape, and updates flow from one
-    iteration to the next: `nnx.RNN`'s cell) or broadcast (full shape, updates
-    dropped). Sliced modules are the stacked-layers route. Discovery tells the
-    other two apart on a second pass (`markers`): each such call gets a
-    `(length,)` marker on its module before the call; inside, the scan has
-    sliced it (shape `()`) or not, and the body bumps it; after the call a
-    marker still holding the very array placed was dropped: broadcast, which
-    raises. A carried site's epsilon, recording and step counter ride in the
-    carry whole, `(length, ...)`, and the counter picks the step's row.
+    `stop` is the Python frame of the probe's own call of the model (scans
+    around it are not the model's), `session` the session of the run. The
+    sites inside NNX transforms are `lifted`'s (`transforms.Lifted`), given
+    the `candidates` and `markers` of discovery's passes.
     """
 
     def __init__(
         self,
         modules: dict[str, nnx.Module],
         stop: Any,
+        session: Session,
         candidates: dict[tuple[str, str], int] | None = None,
         markers: bool = False,
     ):
@@ -134,43 +62,41 @@ class Run:
         self.base = jax_internals.current_trace()
         self.ids = {id(module): path for path, module in modules.items()}
         self.outer = internals.active_transforms()
-        self.first_lifted: tuple[str, tuple[str, ...]] | None = None
-        # `{(path, step key): scan length}`: calls whose module keeps its
-        # parameters' shape inside nnx.scan, met by the first discovery pass.
-        self.candidates = {} if candidates is None else candidates
-        self.markers = markers
-        # `(path, key) -> the array placed`: after the call, a variable still
-        # holding it was not carried out (the module was broadcast).
-        self.placed: dict[tuple[str, str], Any] = {}
-        self.checks: list[tuple[str, str, tuple[str, ...]]] = []
-        # The first trace of each `lax.scan`'s body, by the scan's frame
-        # (`_scan_body_traced`).
-        self.body_traces: BodyTraces | None = None
-        self.scan_bodies: dict[Any, Any] = {}
-        if markers:
-            for (path, key), length in self.candidates.items():
-                marker = jnp.zeros((length,), jnp.int32)
-                setattr(self.modules[path], key, Carried(marker))
-                self.placed[path, key] = marker
+        # The first trace of each `lax.scan`'s body, by the scan's frame.
+        self.scan_bodies = ScanBodies(session, self.base, stop)
+        self.lifted = Lifted(self, candidates, markers)
 
-    def place_variables(self, session: Session) -> None:
-        """Put on its module what the carrier's `to_carry_in` gives for each
-        selected or patched site inside a transform: its epsilon and patch value,
-        stacked like the site, and for a site inside a carrying `nnx.scan` its
-        step counter and, if selected, its recording rows."""
+    def transforms(self) -> tuple[str, ...]:
+        """The NNX transforms of the model's own code running now, but
+        `nnx.jit`: while a probe runs, the model's own jits run inline, in the
+        probe's trace (`bridge._session.jit`), so a call inside one is a call
+        like any other (on the module's copy that `nnx.jit` merged)."""
+        return tuple(
+            t
+            for t in internals.active_transforms()
+            if t not in self.outer and transform_name(t) != "nnx.jit"
+        )
 
-        def inside_transform(site: Site) -> bool:
-            return isinstance(site.origin, Origin) and bool(site.origin.transforms)
+    def innermost_transform(self) -> str | None:
+        """The name of the innermost NNX transform of the model's code running
+        now (`nnx.scan`), for errors about the calls inside it."""
+        transforms = self.transforms()
+        return transform_name(transforms[-1]) if transforms else None
 
-        unexpressible.refuse_patched(session)
-        carrier = session.carrier
-        for placed in carrier.to_carry_in(inside_transform, inside_transform):
-            module = self.modules[placed.site.origin.path]
-            if placed.kind == "recording":
-                setattr(module, placed.name, Recording(placed.value))
-                self.placed[placed.site.origin.path, placed.name] = placed.value
-            else:
-                setattr(module, placed.name, Carried(placed.value))
+    def report(self, module, method_name, method, args, kwargs, session):
+        """A call of a module of the copy (`surgery.Reporter`)."""
+        site_method = None if method_name == "__call__" else method_name
+        self.scan_bodies.traced()
+        path = self.ids.get(id(module))
+        if path is None and not self.transforms():
+            # The module's copy that `nnx.jit` merged, or a pytree copy handed
+            # to a JAX transform as an argument: a call outside NNX's own.
+            path = vars(module).get(PATH_ATTRIBUTE)
+        if path is not None:
+            return jax_transforms.plain_call(
+                self, module, site_method, method, args, kwargs, session, path
+            )
+        return self.lifted.call(module, site_method, method, args, kwargs, session)
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
         """`bridge.tap` in the model's code. Inside an NNX transform, where the
@@ -178,7 +104,7 @@ class Run:
         where selected or patched: bridge does not carry taps out of NNX
         transforms yet. Inside the model's own `jax.vmap`s it is handed out
         whole; inside JAX's other transforms, listed and refused."""
-        self._scan_body_traced(session)
+        self.scan_bodies.traced()
         transforms = self.transforms()
         if transforms:
             why = (
@@ -206,242 +132,7 @@ class Run:
         call = session.enter(path, None, None, origin=Refused(path), record=False)
         return self.refused(call, why, lambda _: value, None, (), {}, session)
 
-    def transforms(self) -> tuple[str, ...]:
-        """The NNX transforms of the model's own code running now, but
-        `nnx.jit`: while a probe runs, the model's own jits run inline, in the
-        probe's trace (`bridge._session.jit`), so a call inside one is a call like any
-        other (on the module's copy that `nnx.jit` merged)."""
-        return tuple(
-            t
-            for t in internals.active_transforms()
-            if t not in self.outer and transform_name(t) != "nnx.jit"
-        )
-
-    def innermost_transform(self) -> str | None:
-        """The name of the innermost NNX transform of the model's code running
-        now (`nnx.scan`), for errors about the calls inside it."""
-        transforms = self.transforms()
-        return transform_name(transforms[-1]) if transforms else None
-
-    def report(self, module, method_name, method, args, kwargs, session):
-        site_method = None if method_name == "__call__" else method_name
-        self._scan_body_traced(session)
-        path = self.ids.get(id(module))
-        if path is None and not self.transforms():
-            # The module's copy that `nnx.jit` merged, or a pytree copy handed
-            # to a JAX transform as an argument: a call outside NNX's own.
-            path = vars(module).get(PATH_ATTRIBUTE)
-        if path is not None:
-            return self._plain(module, site_method, method, args, kwargs, session, path)
-        return self._report_lifted(module, site_method, method, args, kwargs, session)
-
-    def _plain(self, module, site_method, method, args, kwargs, session, path):
-        """A call outside NNX's transforms (but `nnx.jit`): a site of the
-        session's own where it runs in the probe's trace, handed out whole from
-        inside the model's own `jax.vmap`s, listed and refused inside JAX's
-        other transforms (`bridge.adapters.nnx.jax_transforms`)."""
-        depth, blocker = jax_transforms.around(self.base)
-        if blocker is not None:
-            if vars(module).get(PATH_ATTRIBUTE) is not None and (
-                self.ids.get(id(module)) is None
-                and jax_transforms.inside_tree_mode_transform(self.stop)
-            ):
-                why = _TREE_MODE
-            else:
-                why = jax_transforms.why(blocker)
-            return self._listed(
-                module, site_method, method, args, kwargs, session, path, why
-            )
-        origin = Origin(path)
-        if depth == 0:
-            call = session.enter(path, site_method, module, args, origin=origin)
-            return session.exit(call, method(module, *args, **kwargs))
-        entered = []
-
-        def enter(full_args: tuple) -> tuple:
-            entered.append(session.enter(path, site_method, module, full_args, origin))
-            return full_args
-
-        if session.with_inputs:
-            # Inputs are recorded at the probe's trace too, mapped axes first.
-            lifting.lift(args, depth, enter)
-        else:
-            enter(())
-        (call,) = entered
-        value = method(module, *args, **kwargs)
-        if not session.recorder.needs_value(call.name):
-            return session.exit(call, value)
-        return lifting.lift(value, depth, lambda full: session.exit(call, full))
-
-    def _report_lifted(self, module, site_method, method, args, kwargs, session):
-        """A call inside an NNX transform, on the module's copy NNX merged."""
-        path = vars(module).get(PATH_ATTRIBUTE)
-        transforms = self.transforms()
-        unsupported = [t for t in transforms if t not in _CARRYING]
-        if path is None:
-            raise BridgeNotImplementedError(
-                f"A {type(module).__name__} submodule that is not one of the "
-                "model's own is called inside "
-                + (", ".join(transform_name(t) for t in transforms) or "a transform")
-                + " in the model's own code: bridge cannot tell which site it is. "
-                "Call the model's own submodules there."
-            )
-        if not transforms or unsupported:
-            # Listed, and refused where selected or patched.
-            return self._refused(
-                module, site_method, method, args, kwargs, session, path, unsupported
-            )
-        names = tuple(_CARRYING[t] for t in transforms)
-        if session.recorder.learns_sites():
-            broadcast = self._broadcast(module, path, names[-1])
-            if broadcast is not None:
-                return self._listed(
-                    module, site_method, method, args, kwargs, session, path, broadcast
-                )
-        call = session.enter(
-            path, site_method, module, args, origin=Origin(path, names), record=False
-        )
-        if self.first_lifted is None:
-            self.first_lifted = (path, names)
-        step_key = carrier_name("step", site_method, call.index)
-        if "nnx.scan" in names and session.recorder.learns_sites():
-            if not self.markers and carried.keeps_shape(module, self.modules[path]):
-                # Carried or broadcast: the second pass tells which. Nothing
-                # is set on the module, so the scan's carry keeps its structure.
-                frames = jax_internals.scan_frames(self.stop)
-                if frames is None:
-                    raise jax_internals.unreadable_scan("Flax NNX")
-                (length, _), *_ = frames
-                self.candidates[path, step_key] = length
-                return session.exit(call, method(module, *args, **kwargs))
-            marker = vars(module).get(step_key)
-            if marker is not None and jnp.ndim(internals.get_value(marker)):
-                return carried.discover(
-                    self,
-                    module,
-                    marker,
-                    step_key,
-                    call,
-                    names,
-                    method,
-                    args,
-                    kwargs,
-                    session,
-                )
-        elif step_key in vars(module):
-            # A run placed its step counter (`to_carry_in`); discovery's
-            # markers are met above.
-            return carried.run_step(module, call, method, args, kwargs, session)
-        value = method(module, *args, **kwargs)
-        variables = vars(module)
-        epsilon = variables.get(carrier_name("epsilon", site_method, call.index))
-        patch = variables.get(carrier_name("patch", site_method, call.index))
-
-        def perturb(value):
-            return add_epsilon(value, internals.get_value(epsilon))
-
-        value = session.exit(
-            call,
-            value,
-            perturb if epsilon is not None else None,
-            record=False,
-            # this iteration's slice of the stacked patch
-            patch=None if patch is None else internals.get_value(patch),
-        )
-        if session.carrier.carries_out(call.name):
-            key = carrier_name("recording", site_method, call.index)
-            setattr(module, key, Recording(session.carrier.to_carry_out(value, args)))
-            session.carrier.defer(call.name, (path, key, names))
-        return value
-
-    def _scan_body_traced(self, session: Session) -> None:
-        """A call (or tap) inside a scan of the model's own code (`lax.scan`,
-        `nnx.scan`): where JAX traces the scan's body again (its carry starts
-        as a Python `0` that the body turns into a float), the calls of the
-        discarded trace are forgotten, so the site is one, never a phantom
-        `#1`. The body's trace is the innermost scan's, told by the frame of
-        the `lax.scan` running it."""
-        scan = jax_internals.scan_call(self.stop)
-        if scan is None:
-            return
-        body = next(
-            (
-                t
-                for t in unexpressible.traces(self.base)
-                if unexpressible.name(t) in unexpressible.SCANS
-            ),
-            None,
-        )
-        if self.body_traces is None:
-            self.body_traces = BodyTraces(session)
-        first = self.scan_bodies.setdefault(scan, body)
-        if first is body:
-            if scan not in set(self.body_traces):
-                self.body_traces.begin(scan)
-        else:  # the same scan's body, traced again
-            self.body_traces.again(scan)
-            self.scan_bodies[scan] = body
-
-    def _scan_call(self) -> Any:
-        """The Python frame of the innermost `lax.scan` running now (`None`
-        outside any): a body JAX traces twice is traced from one frame."""
-        return jax_internals.scan_call(self.stop)
-
-    def _refused(self, module, site_method, method, args, kwargs, session, path, tags):
-        """A call inside NNX transforms that do not carry bridge's variables
-        (`tags`, outermost first; none in tree mode): listed, refused where
-        selected or patched, naming the innermost."""
-        names = [transform_name(t) for t in tags]
-        if names:
-            transform = names[-1]
-            why, fix = _REFUSALS.get(
-                transform,
-                (
-                    "bridge carries its variables through nnx.scan, nnx.vmap and "
-                    "nnx.remat only",
-                    "use one of those transforms",
-                ),
-            )
-        else:
-            transform, why, fix = _TREE_MODE
-        why = (transform, why, fix)
-        return self._listed(
-            module, site_method, method, args, kwargs, session, path, why
-        )
-
-    def _broadcast(self, module, path: str, innermost: str) -> tuple | None:
-        """The reason of a call whose module the innermost `nnx.vmap` or
-        `nnx.scan` broadcasts (`in_axes=None` for it, or `None` for its
-        parameters in `nnx.StateAxes`): its parameters keep their full shape,
-        which a vmap gives only a broadcast module, and a scan also a carried
-        one (told apart by what the scan broadcasts,
-        `carried.broadcast_by_scan`). `None` otherwise, or where it cannot be
-        told (a module without parameters: the scan's markers or NNX's own
-        error tell, `hand_over` and `explain`)."""
-        outside = self.modules[path]
-        if innermost not in ("nnx.vmap", "nnx.scan") or not carried.has_params(module):
-            return None
-        if not carried.keeps_shape(module, outside):
-            return None
-        if innermost == "nnx.scan" and not carried.broadcast_by_scan(
-            self.stop, outside
-        ):
-            return None
-        return (
-            innermost,
-            "it broadcasts the module (in_axes=None for it, or None for its "
-            "parameters in nnx.StateAxes), so one epsilon would serve every "
-            + ("iteration" if innermost == "nnx.scan" else "mapped example")
-            + " and their gradients would be summed",
-            "map the module over its stacked parameters (in_axes=0)"
-            + (
-                ", or carry it (nnx.Carry for it in nnx.StateAxes)"
-                if innermost == "nnx.scan"
-                else ""
-            ),
-        )
-
-    def _listed(self, module, site_method, method, args, kwargs, session, path, why):
+    def listed(self, module, site_method, method, args, kwargs, session, path, why):
         """Call `method` as the model does, listed as a refused site (see
         `bridge.adapters.shared.unexpressible`)."""
         call = session.enter(
@@ -458,64 +149,3 @@ class Run:
         )
         value = method(module, *args, **kwargs)
         return unexpressible.listed(session, call, value, self.base, self.stop)
-
-    def hand_over(self, session: Session) -> None:
-        """Give the session the values recorded inside transforms, as they left."""
-        for path, key, names in self.checks:
-            if (
-                internals.get_value(vars(self.modules[path]).get(key))
-                is self.placed[path, key]
-            ):
-                raise self._broadcast_error(path, names)
-        session.carrier.hand_over(self._recorded)
-
-    def _recorded(self, where: tuple) -> tuple[Any, Any]:
-        """A value recorded inside transforms, as it left them on the copy."""
-        path, key, names = where
-        recording = vars(self.modules[path]).get(key)
-        if recording is None:
-            raise BridgeValueError(
-                f"bridge cannot see through {' inside '.join(reversed(names))} "
-                f"around '{path}': its values did not come out with the module's "
-                "parameters, so a perturbation there would be silently dropped. "
-                "Select sites outside it."
-            )
-        if internals.get_value(recording) is self.placed.get((path, key)):
-            raise self._broadcast_error(path, names)
-        return internals.get_value(recording)
-
-    def explain(self, error: ValueError) -> None:
-        """NNX's own error when a transform broadcasts a module bridge records in."""
-        message = str(error)
-        if self.first_lifted is None or not (
-            "Incorrect number of leaves" in message
-            or "got axis spec None but output was batched" in message
-        ):
-            return
-        raise self._broadcast_error(*self.first_lifted) from error
-
-    @staticmethod
-    def _broadcast_error(path: str, names: tuple[str, ...]) -> ValueError:
-        return BridgeValueError(
-            f"bridge cannot see through this {names[-1]} around '{path}': it "
-            "broadcasts the module (in_axes=None for it, or None for its "
-            "parameters in nnx.StateAxes), so one epsilon would serve every "
-            "iteration (or mapped example) and their gradients would be summed. "
-            "Select sites outside it, or map the module over its stacked "
-            "parameters (in_axes=0)"
-            + (
-                ", or carry it (nnx.Carry for it in nnx.StateAxes)."
-                if names[-1] == "nnx.scan"
-                else "."
-            )
-        )
-
-
-def transform_name(tag: Any) -> str:
-    if isinstance(tag, str):
-        return f"nnx.{tag.removesuffix('_body')}"
-    name = type(tag).__name__.lower()
-    for transform in ("jit", "shard_map", "pmap", "cond", "switch"):
-        if transform in name:
-            return f"nnx.{transform}"
-    return f"an NNX transform ({type(tag).__name__})"
