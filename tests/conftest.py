@@ -1,6 +1,24 @@
-"""A strict test configuration, in the style of Equinox's."""
+"""A strict test configuration, in the style of Equinox's.
+
+Required imports: `BRIDGE_TEST_REQUIRED_IMPORTS` (set by `.ci/run`, unset by
+default) names the packages the run's install must provide, separated by
+spaces or commas. There, a skip because one of them does not import is a
+failure (an Equinox broken by a missing `jaxtyping` once showed as one
+SKIPPED line), and so is one of them not importing at all, skip or none
+(`tests/cases` leaves out the conformance cases of an absent library). A skip
+counts as caused by a required package when it is `pytest.importorskip`'s of
+that package or a module under it, or when its reason names one that does not
+import in that process (`find_spec` guards: "torch is not installed"). An
+optional package (not named) still skips. Checked by
+`tests/test_required_imports.py`.
+"""
+
+from __future__ import annotations
 
 import functools
+import importlib
+import os
+import re
 
 import jax
 import pytest
@@ -53,3 +71,123 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group("-".join(parts[:2])))
         if parts[0] == "torch":
             item.own_markers = [m for m in item.own_markers if m.name != "slow"]
+
+
+#: The environment variable naming the packages the run must import.
+REQUIRED_IMPORTS_VARIABLE = "BRIDGE_TEST_REQUIRED_IMPORTS"
+REQUIRED_IMPORTS = tuple(
+    os.environ.get(REQUIRED_IMPORTS_VARIABLE, "").replace(",", " ").split()
+)
+
+#: `pytest.importorskip`'s reasons: a failed import, a too old version.
+_IMPORTORSKIP_REASON = re.compile(
+    r"could not import '([\w.]+)'|module '([\w.]+)' has __version__"
+)
+
+
+@functools.cache
+def _import_error(module: str) -> str | None:
+    """Why `module` does not import here, or `None` where it does."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # a broken install raises anything
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _required_package(module: str) -> str | None:
+    """The required package `module` is or lies under, if any."""
+    for package in REQUIRED_IMPORTS:
+        if module == package or module.startswith(package + "."):
+            return package
+    return None
+
+
+def required_import_failure(reason: str) -> str | None:
+    """Why a skip with this reason is a failure under `REQUIRED_IMPORTS`, or
+    `None` where it may stay a skip."""
+    match = _IMPORTORSKIP_REASON.search(reason)
+    if match:
+        module = match.group(1) or match.group(2)
+        package = _required_package(module)
+        if package is not None:
+            return f"{module} is under the required {package}"
+    for package in REQUIRED_IMPORTS:
+        named = re.search(rf"(?<![\w.]){re.escape(package)}(?!\w)", reason)
+        if named and _import_error(package) is not None:
+            return f"the required {package} does not import ({_import_error(package)})"
+    return None
+
+
+def _failed_instead(report, skipped: BaseException) -> None:
+    why = required_import_failure(str(skipped))
+    if why is None:
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"Skipped: {skipped}\n"
+        f"A failure instead: {why}. {REQUIRED_IMPORTS_VARIABLE} says this "
+        f"run's install provides {' '.join(REQUIRED_IMPORTS)}: a skip for one "
+        "of them is a failure (tests/conftest.py)."
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module-level `pytest.importorskip` of a required package fails."""
+    report = yield
+    excinfo = getattr(getattr(report, "call", None), "excinfo", None)
+    if REQUIRED_IMPORTS and report.skipped and excinfo is not None:
+        _failed_instead(report, excinfo.value)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip in a test (or a fixture) for a required package fails."""
+    report = yield
+    if (
+        REQUIRED_IMPORTS
+        and report.skipped
+        and not hasattr(report, "wasxfail")
+        and call.excinfo is not None
+        and isinstance(call.excinfo.value, pytest.skip.Exception)
+    ):
+        _failed_instead(report, call.excinfo.value)
+    return report
+
+
+def _missing_required_imports() -> list[str]:
+    return [
+        f"{package}: {_import_error(package)}"
+        for package in REQUIRED_IMPORTS
+        if _import_error(package) is not None
+    ]
+
+
+_MISSING = pytest.StashKey[list]()
+
+
+def pytest_sessionfinish(session):
+    """Every required package imports, whether or not a test skipped for it
+    (checked once, where the results are reported: not on xdist's workers)."""
+    if REQUIRED_IMPORTS and not hasattr(session.config, "workerinput"):
+        session.config.stash[_MISSING] = missing = _missing_required_imports()
+        if missing and session.exitstatus in (
+            pytest.ExitCode.OK,
+            pytest.ExitCode.NO_TESTS_COLLECTED,
+        ):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    missing = config.stash.get(_MISSING, [])
+    if missing:
+        terminalreporter.section("required imports", sep="=", red=True, bold=True)
+        terminalreporter.line(
+            f"{REQUIRED_IMPORTS_VARIABLE} names packages this environment does "
+            "not import, so the run fails:",
+            red=True,
+        )
+        for line in missing:
+            terminalreporter.line(f"  {line}", red=True)
