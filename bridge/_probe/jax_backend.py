@@ -105,8 +105,8 @@ class ProbeBase(ProbeFront):
 
         def trace(probe, dynamic):
             args, kwargs = rebuild(dynamic)
-            outputs, state, _, _ = probe._call(
-                probe._trainable(), args, kwargs, sessions=sessions
+            outputs, state, _, _ = call_model(
+                probe, probe._trainable(), args, kwargs, sessions=sessions
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
             # What the model computes for: its outputs and its new state, the
@@ -132,7 +132,8 @@ class ProbeBase(ProbeFront):
         return found, loss_struct
 
     def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
-        outputs, state, activations, _ = self._call(
+        outputs, state, activations, _ = call_model(
+            self,
             self._trainable(),
             plan.args,
             plan.kwargs,
@@ -154,7 +155,8 @@ class ProbeBase(ProbeFront):
         epsilons = _zero_epsilons(plan.chosen)
 
         def objective(trainable, epsilons):
-            outputs, state, activations, inputs = self._call(
+            outputs, state, activations, inputs = call_model(
+                self,
                 trainable,
                 plan.args,
                 plan.kwargs,
@@ -201,7 +203,8 @@ class ProbeBase(ProbeFront):
 
         def loss_of(epsilons, trainable, dynamic):
             call_args, call_kwargs = rebuild(dynamic)
-            outputs = self._call(
+            outputs = call_model(
+                self,
                 trainable,
                 call_args,
                 call_kwargs,
@@ -219,76 +222,76 @@ class ProbeBase(ProbeFront):
         }
         return {path[0].key for path, _ in flat} - reached
 
-    # -- the run -------------------------------------------------------------------
 
-    def _call(
-        self,
-        trainable: Any,
-        args: tuple,
-        kwargs: dict,
-        *,
-        chosen: list[Site] | None = None,
-        epsilons: Mapping[str, Any] | None = None,
-        patches: Mapping[str, Any] | None = None,
-        with_inputs: bool = False,
-        discovered: Sequence[Site] = (),
-        sessions: list[Session] | None = None,
-    ) -> tuple[Any, Any, dict, dict]:
-        """Run the model under a session: `(outputs, state, activations, inputs)`.
+def call_model(
+    probe: ProbeBase,
+    trainable: Any,
+    args: tuple,
+    kwargs: dict,
+    *,
+    chosen: list[Site] | None = None,
+    epsilons: Mapping[str, Any] | None = None,
+    patches: Mapping[str, Any] | None = None,
+    with_inputs: bool = False,
+    discovered: Sequence[Site] = (),
+    sessions: list[Session] | None = None,
+) -> tuple[Any, Any, dict, dict]:
+    """Run `probe`'s model under a session: `(outputs, state, activations,
+    inputs)`.
 
-        `chosen=None` discovers (and `sessions` collects the session). With
-        `vmap=True` the model runs under the probe's own `jax.vmap`, and
-        epsilons and patch values, which have the batch axis first (after a
-        stacked site's iteration axes), are mapped with the inputs, and so are
-        the random keys among the keywords, one per example
-        (`per_example_keys`).
-        """
-        patches = patches or {}
-        request = Request(
-            selected=None if chosen is None else {site.name: site for site in chosen},
-            epsilons=dict(epsilons or {}),
-            patches=dict(patches),
-            patched={site.name: site for site in discovered if site.name in patches},
-            with_inputs=with_inputs,
-            batch_axis=BATCH_AXIS if self.vmap else None,
-            renames=renames_of(discovered),
-        )
+    `chosen=None` discovers (and `sessions` collects the session). With
+    `vmap=True` the model runs under the probe's own `jax.vmap`, and
+    epsilons and patch values, which have the batch axis first (after a
+    stacked site's iteration axes), are mapped with the inputs, and so are
+    the random keys among the keywords, one per example
+    (`per_example_keys`).
+    """
+    patches = patches or {}
+    request = Request(
+        selected=None if chosen is None else {site.name: site for site in chosen},
+        epsilons=dict(epsilons or {}),
+        patches=dict(patches),
+        patched={site.name: site for site in discovered if site.name in patches},
+        with_inputs=with_inputs,
+        batch_axis=BATCH_AXIS if probe.vmap else None,
+        renames=renames_of(discovered),
+    )
 
-        def single(dynamic_args, call_kwargs, epsilons, patch_values):
-            session = Session(request.varied(epsilons, patch_values))
-            if sessions is not None:
-                sessions.append(session)
-            with session.active():
-                outputs, state = self._run(
-                    trainable, rebuild_args(dynamic_args), call_kwargs, session
-                )
-            session.check_reached()
-            return outputs, state, session.activations, session.inputs
+    def single(dynamic_args, call_kwargs, epsilons, patch_values):
+        session = Session(request.varied(epsilons, patch_values))
+        if sessions is not None:
+            sessions.append(session)
+        with session.active():
+            outputs, state = probe._run(
+                trainable, rebuild_args(dynamic_args), call_kwargs, session
+            )
+        session.check_reached()
+        return outputs, state, session.activations, session.inputs
 
-        dynamic_args, rebuild_args = split_arrays(args)
-        patch_values = request.patch_values()
-        if not self.vmap:
-            return single(dynamic_args, kwargs, request.epsilons, patch_values)
-        # Each example draws its own randomness, as in a batched model.
-        keys, rebuild_kwargs = per_example_keys(kwargs, batch_size(args))
-        stacked = {site.name: site.stacked for site in discovered}
-        outputs, state, activations, inputs = jax.vmap(
-            lambda args, keys, *mapped: single(args, rebuild_kwargs(keys), *mapped),
-            in_axes=(
-                0,
-                0,
-                {name: stacked[name] for name in request.epsilons},
-                {name: stacked[name] for name in patch_values},
-            ),
-            out_axes=(0, None, 0, 0),
-            axis_name=BATCH_AXIS,
-        )(dynamic_args, keys, request.epsilons, patch_values)
-        return (
-            outputs,
-            state,
-            batch_axis_to(activations, stacked),
-            batch_axis_to(inputs, stacked),
-        )
+    dynamic_args, rebuild_args = split_arrays(args)
+    patch_values = request.patch_values()
+    if not probe.vmap:
+        return single(dynamic_args, kwargs, request.epsilons, patch_values)
+    # Each example draws its own randomness, as in a batched model.
+    keys, rebuild_kwargs = per_example_keys(kwargs, batch_size(args))
+    stacked = {site.name: site.stacked for site in discovered}
+    outputs, state, activations, inputs = jax.vmap(
+        lambda args, keys, *mapped: single(args, rebuild_kwargs(keys), *mapped),
+        in_axes=(
+            0,
+            0,
+            {name: stacked[name] for name in request.epsilons},
+            {name: stacked[name] for name in patch_values},
+        ),
+        out_axes=(0, None, 0, 0),
+        axis_name=BATCH_AXIS,
+    )(dynamic_args, keys, request.epsilons, patch_values)
+    return (
+        outputs,
+        state,
+        batch_axis_to(activations, stacked),
+        batch_axis_to(inputs, stacked),
+    )
 
 
 def _zero_epsilons(chosen: Sequence[Site]) -> dict[str, Any]:
