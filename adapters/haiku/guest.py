@@ -19,7 +19,8 @@ import haiku as hk
 from bridge.adapter_api import current_session
 
 from ..shared import guests
-from .probe import is_site
+from . import internals
+from .run import is_site
 
 
 class _HaikuGuest(guests.Guest):
@@ -45,7 +46,7 @@ class _HaikuGuest(guests.Guest):
         ):
             return next_fun(*call_args, **call_kwargs)
         depth = guests.depth(session)
-        if type(context.module).__name__ == "LiftingModule":
+        if internals.is_lifting(context.module):
             # Returns the lifted parameters, not an activation: not a site.
             self.lifts[depth] = context.module.module_name
             return next_fun(*call_args, **call_kwargs)

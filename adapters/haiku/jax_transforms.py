@@ -11,8 +11,9 @@ each enclosing `vmap` the rule moves that vmap's axis to the front
 out, until it reaches the probe's own trace. There the session takes it as
 any site's value (epsilon, patch, recording), and the rule hands the result
 back in, mapped along axis 0 at every level. No tracer leaves its trace, and
-autodiff sees ordinary operations (`bridge.adapters.shared.lifting.lift`,
-shared with the Linen and NNX adapters).
+autodiff sees ordinary operations (`mapped`, through
+`bridge.adapters.shared.lifting.lift`, shared with the Linen and NNX
+adapters).
 
 Inside any other transform of JAX's (a `lax.scan`, `jax.checkpoint`,
 `lax.cond`, ...), no value can leave and no epsilon can enter: the site is
@@ -24,10 +25,15 @@ The trace stack is read through `bridge.adapters.shared.jax_internals`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
+
+from bridge.adapter_api import Session, SiteOrigin, is_array
+
 from ..shared import jax_internals
-from ..shared.lifting import lift as lift
+from ..shared.lifting import lift
 
 
 def around(base: Any) -> tuple[int, str | None]:
@@ -76,3 +82,43 @@ REFUSALS = {
         "write the loop as hk.scan of fixed length",
     ),
 }
+
+
+def mapped(
+    session: Session,
+    run: Callable[[], Any],
+    call_args: tuple,
+    module: Any,
+    method: str,
+    name: str,
+    origin: SiteOrigin,
+    depth: int,
+) -> Any:
+    """The call `run()` inside `depth` of the model's own `jax.vmap`s: a
+    site at the probe's trace, its value (and inputs) handed out whole,
+    mapped axes first (`lift`); the session adds its epsilon and patch
+    there."""
+    entered = []
+
+    def enter(full_args: tuple) -> tuple:
+        entered.append(
+            session.enter(
+                name,
+                None if method == "__call__" else method,
+                module,
+                full_args,
+                origin=origin,
+            )
+        )
+        return full_args
+
+    if session.with_inputs and any(map(is_array, jax.tree.leaves(call_args))):
+        # Inputs are recorded at the probe's trace too, mapped axes first.
+        lift(call_args, depth, enter)
+    else:
+        enter(())
+    (call,) = entered
+    value = run()
+    if not session.recorder.needs_value(call.name):
+        return session.exit(call, value)  # bookkeeping only
+    return lift(value, depth, lambda full: session.exit(call, full))
