@@ -85,13 +85,10 @@ def broadcast_by_scan(stop: Any, outside: nnx.Module) -> bool:
     )
 
 
-def discover(
-    lifted, module, marker, step_key, call, names, method, args, kwargs, session
-):
+def discover(run, module, marker, step_key, call, names, method, args, kwargs, session):
     """Discovery of a call whose module nnx.scan did not slice: the site
     holds every step, `(length, *value shape)`, as the scan's ys would.
-    `lifted` is the `transforms.Lifted` of the run of the copy."""
-    run = lifted.run
+    `run` is the `run.Run` of the copy."""
     frames = jax_internals.scan_frames(run.stop)
     if frames is None:
         raise jax_internals.unreadable_scan("Flax NNX")
@@ -122,7 +119,7 @@ def discover(
     length, reverse = frames[0]
     # Dropped if the scan broadcasts the module.
     internals.set_value(marker, internals.get_value(marker) + 1)
-    lifted.checks.append((call.path, step_key, names))  # in call order
+    run.variables.checks.append((call.path, step_key, names))  # in call order
     value = method(module, *args, **kwargs)
     call.origin = Origin(
         call.path,

@@ -164,7 +164,7 @@ class NnxProbe(ProbeBase):
         # the model's: the walks up the stack stop here.
         modules = surgery.instrument(model)
         run = Run(modules, sys._getframe(), session, candidates, markers)
-        run.lifted.place_variables(session)
+        run.variables.place(session)
         # Graph nodes among the inputs (an `nnx.Rngs` for dropout) are the
         # user's too: the model may advance them, so it gets copies.
         args, kwargs = _copy_graph_nodes((args, kwargs))
@@ -180,7 +180,7 @@ class NnxProbe(ProbeBase):
                 raise
         if not markers and candidates:  # noted by discovery's first pass only
             session.recorder.fall_back()  # again, with a marker on each
-        run.lifted.hand_over(session)
+        run.variables.hand_over(session)
         state = nnx.state(model, nnx.Not(nnx.Param))
         return outputs, state if jax.tree.leaves(state) else None
 

@@ -26,7 +26,7 @@ from ..shared import jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
 from . import internals, jax_transforms
 from .transforms import Lifted, transform_name
-from .variables import PATH_ATTRIBUTE, Origin
+from .variables import PATH_ATTRIBUTE, CopyVariables, Origin
 
 jax_internals.require_scan_frame("Flax NNX")
 
@@ -44,8 +44,9 @@ class Run:
 
     `stop` is the Python frame of the probe's own call of the model (scans
     around it are not the model's), `session` the session of the run. The
-    sites inside NNX transforms are `lifted`'s (`transforms.Lifted`), given
-    the `candidates` and `markers` of discovery's passes.
+    calls inside NNX transforms are `lifted`'s (`transforms.Lifted`), and
+    bridge's variables on the copy `variables`' (`variables.CopyVariables`),
+    given the `candidates` and `markers` of discovery's passes.
     """
 
     def __init__(
@@ -64,6 +65,8 @@ class Run:
         self.outer = internals.active_transforms()
         # The first trace of each `lax.scan`'s body, by the scan's frame.
         self.scan_bodies = ScanBodies(session, self.base, stop)
+        candidates = {} if candidates is None else candidates
+        self.variables = CopyVariables(modules, candidates, markers)
         self.lifted = Lifted(self, candidates, markers)
 
     def transforms(self) -> tuple[str, ...]:

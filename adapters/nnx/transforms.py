@@ -29,16 +29,13 @@ import jax.numpy as jnp
 
 from bridge.adapter_api import (
     BridgeNotImplementedError,
-    BridgeValueError,
-    Session,
-    Site,
     add_epsilon,
     carrier_name,
 )
 
-from ..shared import jax_internals, unexpressible
+from ..shared import jax_internals
 from . import carried, internals
-from .variables import PATH_ATTRIBUTE, Carried, Origin, Recording
+from .variables import PATH_ATTRIBUTE, Origin, Recording, broadcast_error
 
 #: NNX transforms (their update-context tags) that carry a module's `Param`
 #: variables in and out, mapped or not, so they carry bridge's too.
@@ -89,8 +86,9 @@ def transform_name(tag: Any) -> str:
 
 
 class Lifted:
-    """The sites inside NNX transforms of one run of the copy (`run`, a
-    `run.Run`), whose values leave through variables on their modules.
+    """The calls inside NNX transforms of one run of the copy (`run`, a
+    `run.Run`), whose values leave through variables on their modules
+    (`run.variables`, a `variables.CopyVariables`).
 
     A module inside `nnx.scan` is sliced (its parameters lose the scan's axis
     inside), carried (they keep their full shape, and updates flow from one
@@ -108,43 +106,15 @@ class Lifted:
     def __init__(
         self,
         run: Any,
-        candidates: dict[tuple[str, str], int] | None = None,
+        candidates: dict[tuple[str, str], int],
         markers: bool = False,
     ):
         self.run = run
         self.first_lifted: tuple[str, tuple[str, ...]] | None = None
         # `{(path, step key): scan length}`: calls whose module keeps its
         # parameters' shape inside nnx.scan, met by the first discovery pass.
-        self.candidates = {} if candidates is None else candidates
+        self.candidates = candidates
         self.markers = markers
-        # `(path, key) -> the array placed`: after the call, a variable still
-        # holding it was not carried out (the module was broadcast).
-        self.placed: dict[tuple[str, str], Any] = {}
-        self.checks: list[tuple[str, str, tuple[str, ...]]] = []
-        if markers:
-            for (path, key), length in self.candidates.items():
-                marker = jnp.zeros((length,), jnp.int32)
-                setattr(run.modules[path], key, Carried(marker))
-                self.placed[path, key] = marker
-
-    def place_variables(self, session: Session) -> None:
-        """Put on its module what the carrier's `to_carry_in` gives for each
-        selected or patched site inside a transform: its epsilon and patch value,
-        stacked like the site, and for a site inside a carrying `nnx.scan` its
-        step counter and, if selected, its recording rows."""
-
-        def inside_transform(site: Site) -> bool:
-            return isinstance(site.origin, Origin) and bool(site.origin.transforms)
-
-        unexpressible.refuse_patched(session)
-        carrier = session.carrier
-        for placed in carrier.to_carry_in(inside_transform, inside_transform):
-            module = self.run.modules[placed.site.origin.path]
-            if placed.kind == "recording":
-                setattr(module, placed.name, Recording(placed.value))
-                self.placed[placed.site.origin.path, placed.name] = placed.value
-            else:
-                setattr(module, placed.name, Carried(placed.value))
 
     def call(self, module, site_method, method, args, kwargs, session):
         """A call inside an NNX transform, on the module's copy NNX merged."""
@@ -190,7 +160,7 @@ class Lifted:
             marker = vars(module).get(step_key)
             if marker is not None and jnp.ndim(internals.get_value(marker)):
                 return carried.discover(
-                    self,
+                    self.run,
                     module,
                     marker,
                     step_key,
@@ -257,7 +227,7 @@ class Lifted:
         one (told apart by what the scan broadcasts,
         `carried.broadcast_by_scan`). `None` otherwise, or where it cannot be
         told (a module without parameters: the scan's markers or NNX's own
-        error tell, `hand_over` and `explain`)."""
+        error tell, `CopyVariables.hand_over` and `explain`)."""
         outside = self.run.modules[path]
         if innermost not in ("nnx.vmap", "nnx.scan") or not carried.has_params(module):
             return None
@@ -281,31 +251,6 @@ class Lifted:
             ),
         )
 
-    def hand_over(self, session: Session) -> None:
-        """Give the session the values recorded inside transforms, as they left."""
-        for path, key, names in self.checks:
-            if (
-                internals.get_value(vars(self.run.modules[path]).get(key))
-                is self.placed[path, key]
-            ):
-                raise self._broadcast_error(path, names)
-        session.carrier.hand_over(self._recorded)
-
-    def _recorded(self, where: tuple) -> tuple[Any, Any]:
-        """A value recorded inside transforms, as it left them on the copy."""
-        path, key, names = where
-        recording = vars(self.run.modules[path]).get(key)
-        if recording is None:
-            raise BridgeValueError(
-                f"bridge cannot see through {' inside '.join(reversed(names))} "
-                f"around '{path}': its values did not come out with the module's "
-                "parameters, so a perturbation there would be silently dropped. "
-                "Select sites outside it."
-            )
-        if internals.get_value(recording) is self.placed.get((path, key)):
-            raise self._broadcast_error(path, names)
-        return internals.get_value(recording)
-
     def explain(self, error: ValueError) -> None:
         """NNX's own error when a transform broadcasts a module bridge records in."""
         message = str(error)
@@ -314,20 +259,4 @@ class Lifted:
             or "got axis spec None but output was batched" in message
         ):
             return
-        raise self._broadcast_error(*self.first_lifted) from error
-
-    @staticmethod
-    def _broadcast_error(path: str, names: tuple[str, ...]) -> ValueError:
-        return BridgeValueError(
-            f"bridge cannot see through this {names[-1]} around '{path}': it "
-            "broadcasts the module (in_axes=None for it, or None for its "
-            "parameters in nnx.StateAxes), so one epsilon would serve every "
-            "iteration (or mapped example) and their gradients would be summed. "
-            "Select sites outside it, or map the module over its stacked "
-            "parameters (in_axes=0)"
-            + (
-                ", or carry it (nnx.Carry for it in nnx.StateAxes)."
-                if names[-1] == "nnx.scan"
-                else "."
-            )
-        )
+        raise broadcast_error(*self.first_lifted) from error
