@@ -2,16 +2,34 @@
 
 - The built-in adapters import from bridge only `bridge.adapter_api` (and
   `bridge`): that API is what they are proven against.
-- The library packages under `bridge.adapters` import one another without a
-  circle, at module level or inside functions.
+- No import circle among bridge's modules, within a package or across
+  packages, core and adapters alike: every `import` statement counts, module
+  level or inside a function (not those under `if TYPE_CHECKING:`, which never
+  run). The library packages under `bridge.adapters` also import one another
+  without a circle, as packages.
+- The model libraries' private names (`jax._src`, `module._forward_hooks`,
+  `haiku._src.lift`) are used only in the files that say they do: each
+  adapter's `internals.py`, `adapters/shared/jax_internals.py`, and two files
+  of the core (`CORE_INTERNALS`). A JAX or library release that moves one
+  then breaks those files alone, and they say what to check.
 - Every error bridge raises is a `bridge.BridgeError` (and still the built-in
   type it always was): no bare built-in exception is raised.
+
+Each check reads every `.py` under `bridge/` and `adapters/` with `ast`; the
+readers themselves are tested on small synthetic sources and graphs, so that
+a check cannot pass by reading nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
+import functools
+import itertools
 import pathlib
+import re
+import textwrap
+from typing import NamedTuple
 
 import pytest
 
@@ -20,29 +38,76 @@ import bridge
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ADAPTERS = ROOT / "adapters"
 CORE = ROOT / "bridge"
-SOURCES = sorted([*CORE.glob("*.py"), *ADAPTERS.rglob("*.py")])
+SOURCES = sorted([*CORE.rglob("*.py"), *ADAPTERS.rglob("*.py")])
+
+
+def _module_name(path: pathlib.Path) -> str:
+    """The name `path` imports as (`adapters/` installs as `bridge.adapters`)."""
+    if path.is_relative_to(CORE):
+        parts = ["bridge", *path.relative_to(CORE).with_suffix("").parts]
+    else:
+        parts = [
+            "bridge",
+            "adapters",
+            *path.relative_to(ADAPTERS).with_suffix("").parts,
+        ]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+#: Every module of bridge, by the name it imports as.
+MODULES = {_module_name(path): path for path in SOURCES}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _statements(
+    source: str, module: str, is_package: bool
+) -> list[tuple[str, tuple[str, ...], int, bool]]:
+    """Every import statement of `source`, module `module`, at any depth:
+    `(module imported or imported from, names imported from it, line, whether
+    it runs)`, relative imports resolved. Those under `if TYPE_CHECKING:` do
+    not run."""
+    package = module if is_package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    typing_only = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and _is_type_checking(branch.test)
+        for statement in branch.body
+        for node in ast.walk(statement)
+    }
+    found = []
+    for node in ast.walk(tree):
+        runs = id(node) not in typing_only
+        if isinstance(node, ast.Import):
+            found += [(alias.name, (), node.lineno, runs) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1]
+                imported = ".".join([*base, node.module] if node.module else base)
+            else:
+                imported = node.module
+            names = tuple(alias.name for alias in node.names)
+            found.append((imported, names, node.lineno, runs))
+    return found
+
+
+def _statements_of(path: pathlib.Path):
+    return _statements(path.read_text(), _module_name(path), path.name == "__init__.py")
 
 
 def _imports(path: pathlib.Path) -> list[tuple[str, int]]:
     """Every imported module of `path` (module level and inside functions),
-    absolute, with its line: relative imports resolved against the package
-    `bridge.adapters` installs as."""
-    if path.is_relative_to(CORE):
-        package = ["bridge"]
-    else:
-        package = ["bridge", "adapters", *path.relative_to(ADAPTERS).parts[:-1]]
+    absolute, with its line: `from m import n` gives `m` and `m.n`."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            module = ".".join([*base, node.module] if node.module else base)
-            if node.module is None or not node.level:
-                found += [
-                    (f"{module}.{alias.name}", node.lineno) for alias in node.names
-                ]
-            found.append((module, node.lineno))
+    for module, names, line, _ in _statements_of(path):
+        found.append((module, line))
+        found += [(f"{module}.{name}", line) for name in names]
     return found
 
 
@@ -85,6 +150,562 @@ def test_library_packages_import_each_other_without_a_circle():
     for package in packages:
         circle = circle_from(package, [package])
         assert circle is None, " -> ".join(circle)
+
+
+# The module graph ------------------------------------------------------------
+
+
+def _graph_edges(module: str, statements, modules) -> dict[str, int]:
+    """The modules of `modules` that `module`'s running import statements
+    execute, each with the line of the first statement that does.
+
+    `from m import n` imports the module `m.n` where there is one, else `m`
+    (whose body defines `n`); `import m.n` imports `m.n`. Importing a module
+    first runs its packages' `__init__`s, except those `module` lies in,
+    which are already running when it does."""
+    parts = module.split(".")
+    running = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    edges: dict[str, int] = {}
+    for imported, names, line, runs in statements:
+        if not runs:
+            continue
+        targets = [
+            f"{imported}.{name}" if f"{imported}.{name}" in modules else imported
+            for name in names
+        ] or [imported]
+        for target in targets:
+            if target not in modules or target == module:
+                continue
+            edges.setdefault(target, line)
+            target_parts = target.split(".")
+            for i in range(1, len(target_parts)):
+                package = ".".join(target_parts[:i])
+                if package in modules and package not in running:
+                    edges.setdefault(package, line)
+    return edges
+
+
+def _unresolved(statements, modules) -> list[tuple[str, int]]:
+    """Runtime imports of a `bridge.` module that is not in `modules`."""
+    return [
+        (imported, line)
+        for imported, _, line, runs in statements
+        if runs
+        and (imported == "bridge" or imported.startswith("bridge."))
+        and imported not in modules
+    ]
+
+
+def _module_graph() -> dict[str, dict[str, int]]:
+    return {
+        module: _graph_edges(module, _statements_of(path), MODULES)
+        for module, path in MODULES.items()
+    }
+
+
+def _circles(graph: dict[str, dict[str, int] | set[str]]) -> list[list[str]]:
+    """One shortest circle `[a, b, ..., a]` through each strongly connected
+    component of `graph` that has one (Tarjan's algorithm, without recursion),
+    sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in graph:
+                    continue
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph[successor]))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    components.append(component)
+    circles = []
+    for component in components:
+        start = min(component)
+        if len(component) == 1 and start not in graph[start]:
+            continue
+        # Breadth first from `start`, within the component, back to `start`.
+        previous: dict[str, str] = {}
+        queue = collections.deque([start])
+        while queue:
+            node = queue.popleft()
+            if start in graph[node]:
+                circle = [start]
+                while node != start:
+                    circle.append(node)
+                    node = previous[node]
+                circles.append([start, *reversed(circle[1:]), start])
+                break
+            for successor in sorted(graph[node]):
+                if successor in component and successor not in previous:
+                    previous[successor] = node
+                    queue.append(successor)
+    return sorted(circles)
+
+
+def test_the_circle_finder_finds_each_circle_and_nothing_else():
+    assert _circles({}) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"b", "c"}}) == []
+    assert _circles({"a": {"a"}}) == [["a", "a"]]
+    graph = {
+        "a": {"b"},
+        "b": {"c", "x"},
+        "c": {"a", "d"},
+        "d": {"e"},
+        "e": {"d", "f"},
+        "f": set(),
+        "x": {"y"},
+        "y": {"b"},
+        "z": {"a", "outside"},
+    }
+    assert _circles(graph) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    # The shortest circle through the component's first module.
+    assert _circles({"a": {"b", "c"}, "b": {"c"}, "c": {"a"}}) == [["a", "c", "a"]]
+    # Deep chains: no recursion limit.
+    chain = {str(i).zfill(5): {str(i + 1).zfill(5)} for i in range(5000)}
+    chain["05000"] = {"00000"}
+    assert len(_circles(chain)[0]) == 5002
+
+
+def test_the_import_reader_sees_every_import_that_runs():
+    source = textwrap.dedent(
+        """
+        from typing import TYPE_CHECKING
+        import bridge.adapters.nnx.run
+        from bridge.adapter_api import ProbeBase
+        from . import internals
+        from .variables import PATH_ATTRIBUTE
+        from ..shared import guests
+
+        if TYPE_CHECKING:
+            from .porting import Layer
+
+        def late():
+            from .guest import call_to_linen
+
+            class Inner:
+                def method(self):
+                    import bridge.adapters.nnx.carried
+        """
+    )
+    modules = {
+        f"bridge.{name}" if name else "bridge"
+        for name in (
+            "",
+            "adapter_api",
+            "adapters",
+            "adapters.shared",
+            "adapters.shared.guests",
+            "adapters.nnx",
+            *(
+                f"adapters.nnx.{name}"
+                for name in (
+                    "probe run internals variables guest carried porting".split()
+                )
+            ),
+        )
+    }
+    statements = _statements(source, "bridge.adapters.nnx.probe", is_package=False)
+    edges = _graph_edges("bridge.adapters.nnx.probe", statements, modules)
+    assert edges == {
+        "bridge.adapters.nnx.run": 3,
+        "bridge.adapter_api": 4,
+        "bridge.adapters.nnx.internals": 5,
+        "bridge.adapters.nnx.variables": 6,
+        "bridge.adapters.shared": 7,  # its __init__ runs first
+        "bridge.adapters.shared.guests": 7,
+        "bridge.adapters.nnx.guest": 13,  # inside a function
+        "bridge.adapters.nnx.carried": 17,  # inside a method of a local class
+    }
+    # A package's `from . import x` is relative to the package itself.
+    statements = _statements("from . import run\n", "bridge.adapters.nnx", True)
+    assert _graph_edges("bridge.adapters.nnx", statements, modules) == {
+        "bridge.adapters.nnx.run": 1
+    }
+    # `from bridge import name` runs bridge's `__init__`: an edge to it.
+    statements = _statements("from bridge import probe\n", "bridge.adapter_api", False)
+    assert _graph_edges("bridge.adapter_api", statements, modules) == {"bridge": 1}
+    assert _unresolved(
+        _statements("from .missing import x\n", "bridge.adapters.nnx.run", False),
+        modules,
+    ) == [("bridge.adapters.nnx.missing", 1)]
+
+
+def test_the_module_graph_covers_the_source():
+    """The graph the next test checks is the whole of bridge: a reader that
+    missed modules or imports would find no circle in nothing."""
+    graph = _module_graph()
+    assert len(MODULES) >= 60, sorted(MODULES)
+    assert {"bridge", "bridge.adapter_api", "bridge.adapters.nnx.probe"} <= set(graph)
+    assert sum(len(edges) for edges in graph.values()) >= 200
+    assert "bridge._probe.registry" in graph["bridge"]
+    for package in ("linen", "nnx", "equinox", "haiku", "torch"):
+        assert "bridge.adapter_api" in graph[f"bridge.adapters.{package}.probe"]
+    unresolved = [
+        f"{path.relative_to(ROOT)}:{line}: {imported}"
+        for module, path in MODULES.items()
+        for imported, line in _unresolved(_statements_of(path), MODULES)
+    ]
+    assert not unresolved, "imports of no module of bridge:\n" + "\n".join(unresolved)
+
+
+def test_no_import_circle_among_bridge_modules():
+    """Within each package of `bridge/` and `adapters/` and across them,
+    function-level imports included. A circle that works today works by the
+    order its modules happen to be imported in."""
+    graph = _module_graph()
+    circles = _circles(graph)
+    described = [
+        " -> ".join(circle)
+        + "\n"
+        + "\n".join(
+            f"    {MODULES[a].relative_to(ROOT)}:{graph[a][b]} imports {b}"
+            for a, b in itertools.pairwise(circle)
+        )
+        for circle in circles
+    ]
+    assert not circles, "import circles:\n" + "\n".join(described)
+
+
+# The model libraries' private names ------------------------------------------
+
+#: The libraries whose private names (a `_`-prefixed module, attribute or
+#: class, dunders aside) only the files below may use.
+LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "haiku", "torch", "transformers")
+
+#: The core's files that use JAX's internals, each for one purpose.
+CORE_INTERNALS = {
+    # `jax.jit`'s cache miss, wrapped so that a jitted function called inside
+    # a probed model inlines (`jax._src.pjit`, `jax._src.core`).
+    CORE / "_session" / "jit.py",
+    # JAX's dead-code elimination of a jaxpr, which sees into `jit` and
+    # `scan` (`jax._src.interpreters.partial_eval.dce_jaxpr`), with a
+    # public-API fallback.
+    CORE / "_session" / "liveness.py",
+}
+INTERNALS = {
+    *ADAPTERS.glob("*/internals.py"),
+    ADAPTERS / "shared" / "jax_internals.py",
+    *CORE_INTERNALS,
+}
+
+#: `_`-names that are public API (namedtuple's methods), and Python's own
+#: private names bridge uses (no model library's).
+_PUBLIC_UNDERSCORE = {"_replace", "_fields", "_asdict", "_make", "_field_defaults"}
+_PYTHON_PRIVATE = {"sys._getframe"}
+
+_LIBRARY_PATH = re.compile(rf"(?:{'|'.join(LIBRARIES)})(?:\.\w+)+\.?")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+class _Own(NamedTuple):
+    """The `_`-names bridge itself defines."""
+
+    #: Of its objects: methods, class attributes, `self.`/`cls.` attributes,
+    #: `__slots__`, string keys set in a mapping (a class namespace) or read
+    #: from `self.__dict__`.
+    members: set[str]
+    #: Of its modules: functions, classes, assignments, imports `as _x`.
+    globals: set[str]
+
+
+def _own_private_names(sources: list[str]) -> _Own:
+    """What bridge's own `_`-names are: an access to another, a library's.
+
+    (A library's private attribute that bridge also defines as a member
+    passes unseen: a limit of reading the source without types.)"""
+    members, globals_ = set(), set()
+
+    def assigned(statement):
+        targets = []
+        if isinstance(statement, ast.Assign):
+            targets = statement.targets
+        elif isinstance(statement, (ast.AnnAssign, ast.AugAssign)):
+            targets = [statement.target]
+        for target in targets:
+            yield from (n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            if isinstance(target, ast.Name) and target.id == "__slots__":
+                yield from (
+                    node.value
+                    for node in ast.walk(statement.value)
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                )
+
+    for source in sources:
+        tree = ast.parse(source)
+        for statement in tree.body:
+            # Module level, also under a version or import check.
+            for node in [statement, *ast.walk(statement)]:
+                if isinstance(statement, (ast.If, ast.Try)) or node is statement:
+                    globals_.update(assigned(node))
+                    if isinstance(node, _DEFINITIONS):
+                        globals_.add(node.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    members.update(assigned(statement))
+                    if isinstance(statement, _DEFINITIONS):
+                        members.add(statement.name)
+            elif isinstance(node, ast.alias) and node.asname:
+                globals_.add(node.asname)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                members.add(node.attr)
+            elif (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)
+            ):
+                members.add(node.slice.value)
+            elif (  # self.__dict__.get("_x"): set on a new instance
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and ast.unparse(node.func.value) in ("self.__dict__", "vars(self)")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                members.add(node.args[0].value)
+    return _Own(
+        {n for n in members if _private(n)}, {n for n in globals_ if _private(n)}
+    )
+
+
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _bridge_module_names(tree: ast.Module) -> set[str]:
+    """The names a module binds to bridge's modules by importing them."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").split(".")[0] == "bridge"
+        ):
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if alias.name.split(".")[0] == "bridge"
+            )
+    return names
+
+
+def _private_uses(source: str, own: _Own) -> list[tuple[int, str]]:
+    """Each use in `source` of a model library's private name, with its
+    line: an import of one (`jax._src`, `from torch.nn.modules.conv import
+    _ConvNd`), an attribute bridge does not define (`module._forward_hooks`,
+    read, written or through `getattr(module, "_forward_hooks")`), or a
+    string naming one (`importlib.import_module("haiku._src.lift")`)."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    bridge_modules = _bridge_module_names(tree)
+
+    def foreign(attribute: str, owner: ast.expr) -> bool:
+        """Whether `owner.attribute` is a library's private name."""
+        of_bridge_module = isinstance(owner, ast.Name) and owner.id in bridge_modules
+        return (
+            _private(attribute)
+            and attribute not in own.members
+            and not (of_bridge_module and attribute in own.globals)
+            and attribute not in _PUBLIC_UNDERSCORE
+            and f"{ast.unparse(owner)}.{attribute}" not in _PYTHON_PRIVATE
+        )
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [
+                (node.lineno, f"import {alias.name}")
+                for alias in node.names
+                if alias.name.split(".")[0] in LIBRARIES
+                and any(map(_private, alias.name.split(".")))
+            ]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module.split(".")[0] in LIBRARIES:
+                if any(map(_private, node.module.split("."))):
+                    found.append((node.lineno, f"from {node.module} import ..."))
+                else:
+                    found += [
+                        (node.lineno, f"from {node.module} import {alias.name}")
+                        for alias in node.names
+                        if _private(alias.name)
+                    ]
+        elif isinstance(node, ast.Attribute) and foreign(node.attr, node.value):
+            found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and foreign(node.args[1].value, node.args[0])
+        ):
+            found.append((node.lineno, f'{node.func.id}(..., "{node.args[1].value}")'))
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and _LIBRARY_PATH.fullmatch(node.value)
+            and any(map(_private, node.value.split(".")))
+        ):
+            found.append((node.lineno, repr(node.value)))
+    return sorted(found)
+
+
+def test_the_private_name_reader_finds_each_kind_of_use():
+    own = _own_private_names(
+        [
+            textwrap.dedent(
+                """
+                import numpy as _np
+                _CACHE = {}
+                if True:
+                    _FALLBACK = None
+                def _helper():
+                    _local = 1
+                class A:
+                    __slots__ = ("_slot",)
+                    _flag = 1
+                    def __init__(self):
+                        self._mine = 1
+                    def _method(self):
+                        pass
+                    def get(self):
+                        return self.__dict__.get("_cached")
+                namespace = {}
+                namespace["_marker"] = True
+                """
+            )
+        ]
+    )
+    assert own == _Own(
+        members={"_slot", "_flag", "_mine", "_method", "_cached", "_marker"},
+        globals={"_np", "_CACHE", "_FALLBACK", "_helper"},
+    )
+    source = textwrap.dedent(
+        """
+        import jax._src.core
+        from jax._src import pjit
+        from torch.nn.modules.conv import _ConvNd, Conv1d
+        from flax import nnx
+        import importlib, sys
+        module._qkv_same_embed_dim
+        module._forward_hooks = {}
+        getattr(module, "_non_persistent_buffers_set")
+        importlib.import_module("haiku._src.lift")
+        pjit._infer_params = wrapper
+        klass.__module__.startswith("equinox._module")
+        module._helper  # bridge's name, but `module` is no module of bridge
+        # Not uses: bridge's own names, public ones, Python's frames, prose.
+        from . import porting
+        import bridge.adapters.shared as shared
+        porting._helper()
+        shared._CACHE
+        self._mine
+        other._method()
+        result._replace(x=1)
+        sys._getframe(1)
+        getattr(module, "_marker", False)
+        hasattr(value, "_fields")
+        "jax._src.pjit"  # a bare string: prose, like a docstring
+        nnx.Module.__init__
+        """
+    )
+    assert _private_uses(source, own) == [
+        (2, "import jax._src.core"),
+        (3, "from jax._src import ..."),
+        (4, "from torch.nn.modules.conv import _ConvNd"),
+        (7, "module._qkv_same_embed_dim"),
+        (8, "module._forward_hooks"),
+        (9, 'getattr(..., "_non_persistent_buffers_set")'),
+        (10, "'haiku._src.lift'"),
+        (11, "pjit._infer_params"),
+        (12, "'equinox._module'"),
+        (13, "module._helper"),
+    ]
+
+
+@functools.cache
+def _uses_by_file() -> dict[pathlib.Path, list[tuple[int, str]]]:
+    own = _own_private_names([path.read_text() for path in SOURCES])
+    return {path: _private_uses(path.read_text(), own) for path in SOURCES}
+
+
+def test_the_internals_files_are_where_private_names_are_used():
+    """Each designated file exists and uses some (the reader finds them: it
+    does not pass the other files by finding nothing anywhere)."""
+    uses = _uses_by_file()
+    assert ADAPTERS / "shared" / "jax_internals.py" in INTERNALS
+    assert len([path for path in INTERNALS if path.parent.parent == ADAPTERS]) >= 4
+    unused = [
+        str(path.relative_to(ROOT))
+        for path in sorted(INTERNALS)
+        if not path.exists() or not uses[path]
+    ]
+    assert not unused, "designated, but using no library's private name:\n" + (
+        "\n".join(unused)
+    )
+    assert sum(len(uses[path]) for path in INTERNALS) >= 20
+
+
+@pytest.mark.parametrize(
+    "path",
+    [path for path in SOURCES if path not in INTERNALS],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_private_names_of_the_libraries_only_in_the_internals_files(path):
+    uses = _uses_by_file()[path]
+    described = [f"{path.relative_to(ROOT)}:{line}: {use}" for line, use in uses]
+    assert not described, (
+        "a library's private name, outside the files designated for them "
+        "(adapters/*/internals.py, adapters/shared/jax_internals.py, "
+        "tests/test_architecture.py's CORE_INTERNALS): move it there\n"
+        + "\n".join(described)
+    )
+
+
+# Errors ----------------------------------------------------------------------
 
 
 _BUILT_IN_ERRORS = {
