@@ -1,16 +1,29 @@
 """bridge's variables in a Linen `apply`: the epsilons, in the probe's own
-collection laid out like `params`, and the recordings that leave lifted
-transforms in a mutable collection; inside `nn.scan` and `nn.vmap`, which
-carry only the collections their `variable_axes` name, both ride among the
-parameters, under reserved names (see `bridge.adapters.linen.probe`).
+collection laid out like `params` and added by the module's own `perturb`
+(`perturbation`), and the recordings that leave lifted transforms in a
+mutable collection; inside `nn.scan` and `nn.vmap`, which carry only the
+collections their `variable_axes` name, both ride among the parameters,
+under reserved names (see `bridge.adapters.linen.transforms`). Where a site's
+values live is its `Origin`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from bridge.adapter_api import Session
+import jax
+
+from bridge.adapter_api import (
+    BridgeRuntimeError,
+    Call,
+    Session,
+    SiteOrigin,
+    carrier_name,
+    differentiable_part,
+    merge_differentiable,
+)
 
 #: The variable collection holding the probe's epsilons. A private name, so a
 #: model that calls `self.perturb` itself (collection "perturbations") is not
@@ -19,6 +32,34 @@ EPSILON_COLLECTION = "bridge_epsilons"
 
 #: The mutable collection carrying recordings out of lifted transforms.
 RECORDING_COLLECTION = "bridge_recordings"
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin(SiteOrigin):
+    """Where a Linen site lives: its scope path, and whether its epsilon and
+    recording ride with the parameters (inside `nn.scan` or `nn.vmap`).
+
+    `in_session`: the epsilon is the session's own, not a variable. So is an
+    `nnx.bridge.ToLinen`'s outside lifted transforms: it hands every variable
+    of its scope, bridge's collection too, to the NNX module it builds.
+
+    `tap`: the name of a `bridge.tap` inside a lifted transform, whose
+    variables live in the scope of the module that calls it.
+
+    `given`: the call is inside an `apply` the model makes itself, whose
+    variables are the model's own arguments (a tied head's kernel, the
+    embedding's transpose), not the probe's.
+
+    `blocked`: why bridge cannot express the call, naming the transform that
+    holds it (see `bridge.adapters.shared.unexpressible`); listed only.
+    """
+
+    scope: tuple[str, ...]
+    in_params: bool = False
+    in_session: bool = False
+    tap: str | None = None
+    given: bool = False
+    blocked: str | None = None
 
 
 def names_params(mutable: Any) -> bool:
@@ -80,3 +121,68 @@ def recorded(state: Mapping, where: tuple) -> tuple[Any, Any]:
     for part in path:
         node = node[part]
     return node[key]
+
+
+def perturbation(
+    module: Any, method: str, call: Call, tap: str | None, collection: str
+) -> Callable[[Any], Any]:
+    """The perturbation of `call` (of `module`'s `method`, or a `bridge.tap`
+    named `tap` inside it): the module's own `perturb`, reading the epsilon
+    from `collection`."""
+
+    def perturb(value):
+        unperturbed = differentiable_part(value)
+        floats = module.perturb(
+            carrier_name("epsilon", method, call.index, tap),
+            unperturbed,
+            collection=collection,
+        )
+        _check_perturbed(floats, unperturbed, call.name)
+        return merge_differentiable(value, floats)
+
+    return perturb
+
+
+def _check_perturbed(floats: Any, value: Any, name: str) -> None:
+    """`Module.perturb` adds an epsilon leaf by leaf since flax 0.10.1; before,
+    `value += epsilon` concatenated a tuple-valued call's output with its
+    epsilon, and the epsilon's gradient would silently be zero."""
+    if jax.tree.structure(floats) != jax.tree.structure(value):
+        raise BridgeRuntimeError(
+            f"flax.linen.Module.perturb changed the structure of site {name!r}'s "
+            "value (a pytree): this flax adds perturbations to pytrees wrongly. "
+            "bridge supports flax >= 0.10.1."
+        )
+
+
+def patch_in_params(module: Any, method: str, call: Call, tap: str | None) -> Any:
+    """The patch value of `call` inside `nn.scan`, among the parameters beside
+    its epsilon (this iteration's row)."""
+    return module.scope.get_variable(
+        "params", carrier_name("patch", method, call.index, tap)
+    )
+
+
+def record_in_scope(
+    session: Session,
+    module: Any,
+    method: str,
+    call: Call,
+    tap: str | None,
+    in_params: bool,
+    path: tuple[str, ...],
+    value: Any,
+    call_args: tuple,
+) -> None:
+    """Record `call`'s value (and inputs) in the scope of its module (at
+    `path` in the model), to leave the lifted transform: in the probe's
+    collection, or among the parameters inside `nn.scan` (`recorded` reads
+    it back)."""
+    carrier = session.carrier
+    key = carrier_name("recording", method, call.index, tap)
+    module.scope.put_variable(
+        "params" if in_params else RECORDING_COLLECTION,
+        key,
+        carrier.to_carry_out(value, call_args),
+    )
+    carrier.defer(call.name, (in_params, path, key))
