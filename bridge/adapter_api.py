@@ -68,12 +68,13 @@ bridge does not know is added from outside with this module alone, as
       discovery, a selected or patched one's in a run); and takes
       `holds_iterations(name, value, length)` (a site inside a scan holds
       every iteration). An adapter whose library hides some sites from its
-      usual route runs the model with `run_with_fallback(run, fallback,
-      needs_fallback)` and calls `fall_back()` where it meets such a site:
+      usual route runs the model with `session.run_with_fallback(run,
+      fallback, needs_fallback)` and calls the recorder's `fall_back()`
+      where it meets such a site:
       a discovery starts again on the fallback route; a run, whose route was
       chosen from the sites' origins, goes on;
     - taps (`session.taps`): `with session.taps.tapping(handler):` routes
-      `bridge.tap` through the adapter, which calls `session.taps.tap_here`
+      `bridge.tap` through the adapter, which calls `session.tap_here`
       where the value is reachable, and inside a lifted transform may report
       the tap as a site of the module calling it (`session.enter(path, None,
       None)`, an origin with `tap=name`), carried like that module's own
