@@ -40,8 +40,9 @@ from bridge.adapter_api import (
     weight_by_weight,
 )
 
-from .probe import _clone, _is_function
-from .transforms import Mapped
+from .jax_transforms import Mapped
+from .probe import clone_state
+from .surgery import is_function
 
 #: The step count written with a moved `mode="batch"` statistic (see above).
 SETTLED_COUNTER = 2**30
@@ -53,7 +54,7 @@ def _modules(model: Any) -> dict[str, Any]:
 
     def walk(module: Any, prefix: tuple[str, ...]) -> None:
         def is_child(x: Any) -> bool:
-            return x is not module and (isinstance(x, eqx.Module) or _is_function(x))
+            return x is not module and (isinstance(x, eqx.Module) or is_function(x))
 
         children = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_child)[0]
         for key_path, child in children:
@@ -279,7 +280,7 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
         else:  # a BatchNorm's statistic: both are set together
             module, name = where
             running.setdefault(id(module), (layer, module, {}))[2][name] = value
-    state = _clone(probe.state) if probe.state is not None else None
+    state = clone_state(probe.state) if probe.state is not None else None
     for layer, module, statistics in running.values():
         state = _set_statistics(state, module, statistics, layer)
     model = replace_leaves(

@@ -3,51 +3,39 @@
 Each submodule of the model (at its pytree path, `layers/0`) is replaced with
 a wrapper that reports its calls to the probe's session, and so is each
 function-valued field such as `eqx.nn.MLP.activation` (`activation`,
-`activation#1`, …). A wrapper is an instance of a subclass of the module's
-own class with the same fields (`_site_class`): the surgery is invisible to
-the model's code, whose `isinstance` checks, attribute and property reads,
-private methods and unwrapping functions (a `Parameterize`-style parameter
-wrapper that the model never calls but unwraps) see the module they expect.
-Only calls are sites: `__call__`, and every other method the model calls on
-a submodule from outside, private ones included (`base._log_prob`). The
-surgery happens on the copy the probe builds inside its traced function:
-the user's model is never changed. The epsilon of a selected call is the
-session's own, added to the call's value.
+`activation#1`, …), invisibly to the model's code
+(`bridge.adapters.equinox.surgery`). The surgery happens on the copy the
+probe builds inside its traced function: the user's model is never changed.
+The epsilon of a selected call is the session's own, added to the call's
+value.
 
-A wrapper reports its call from where it runs (`bridge.adapters.equinox.calls`):
-calls inside JAX transforms of the model's own code (its `jax.vmap`s, a
-`lax.scan` over stacked layers, `jax.checkpoint`, and the model's vmaps
-inside those) are the work of `bridge.adapters.equinox.transforms` and
-`bridge.adapters.equinox.scan`.
+A wrapper reports its call from where it runs (`bridge.adapters.equinox.run`):
+calls inside JAX transforms of the model's own code are the work of
+`bridge.adapters.equinox.jax_transforms` (its `jax.vmap`s, and the calls no
+route reaches) and `bridge.adapters.equinox.transforms` (a `lax.scan` over
+stacked layers, `jax.checkpoint`, and the model's vmaps inside those, through
+the leaves in the tree of `bridge.adapters.equinox.variables`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-import threading
-import warnings
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 
 from bridge.adapter_api import (
-    BATCH_AXIS,
     BridgeError,
     BridgeTypeError,
     BridgeValueError,
     ProbeBase,
     Session,
     key_name,
-    strip_call_index,
 )
 
-from ..shared import guests as _guests
-from ..shared import jax_internals as internals
-from . import calls, scan
+from ..shared import guests, jax_internals
+from . import run, surgery
+from .variables import Leaves, run_with_tree_leaves
 
 
 def probe(model: eqx.Module, *variables: Any, vmap: bool = False) -> EquinoxProbe:
@@ -127,43 +115,43 @@ class EquinoxProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        return scan.run_with_tree_leaves(
+        return run_with_tree_leaves(
             lambda leaves: self._call_model(trainable, args, kwargs, session, leaves),
             session,
             self.vmap,
             type(self.model).__name__,
         )
 
-    @_guests.hosted("equinox")
+    @guests.hosted("equinox")
     def _call_model(
         self,
         trainable: Any,
         args: tuple,
         kwargs: dict,
         session: Session,
-        leaves: dict[str, scan.Leaves],
+        leaves: dict[str, Leaves],
     ) -> tuple[Any, Any]:
         # A fresh token in every wrapper's static structure: JAX caches the traces
         # of scan and checkpoint bodies by structure, and a cached trace would
         # skip the wrappers, and so the sites.
-        model = _instrument(
-            eqx.combine(trainable, self.model), (), self.vmap, leaves, _Token()
+        model = surgery.instrument(
+            eqx.combine(trainable, self.model), (), self.vmap, leaves, surgery.Token()
         )
-        context = calls.Context(session, internals.current_trace())
-        token = calls.CONTEXT.set(context)
+        context = run.Context(session, jax_internals.current_trace())
+        token = run.CONTEXT.set(context)
         # `bridge.tap` inside the model's own vmap must leave it the same way.
         tapping = session.taps.tapping(
-            lambda name, value: calls.tap(context, name, value)
+            lambda name, value: run.tap(context, name, value)
         )
         try:
             with tapping:
                 # A root `__call__` under `eqx.filter_jit` is traced inline.
-                call = calls.unjitted(model, "__call__")
+                call = run.unjitted(model, "__call__")
                 if self.state is None:
                     return call(*args, **kwargs), None
                 # `State.set` invalidates the State it was called on: hand the
                 # model a copy, so the user's state stays usable.
-                result = call(*args, _clone(self.state), **kwargs)
+                result = call(*args, clone_state(self.state), **kwargs)
         except (TypeError, ValueError) as error:
             # Only the model's first trace on these inputs, discovery's, meets
             # a shape error of the user's own.
@@ -177,7 +165,7 @@ class EquinoxProbe(ProbeBase):
             )
             raise type(error)(f"{said}\n\n{_FORGOT_VMAP}") from error
         finally:
-            calls.CONTEXT.reset(token)
+            run.CONTEXT.reset(token)
         if not (
             isinstance(result, tuple)
             and len(result) == 2
@@ -199,86 +187,15 @@ class EquinoxProbe(ProbeBase):
         state it is called on: the probe's own stays valid)."""
         if self.state is None:
             return (self.model,)
-        return self.model, _clone(self.state)
+        return self.model, clone_state(self.state)
 
 
-def _clone(state: eqx.nn.State) -> eqx.nn.State:
+def clone_state(state: eqx.nn.State) -> eqx.nn.State:
     leaves, treedef = jax.tree.flatten(state)
     return jax.tree.unflatten(treedef, leaves)
 
 
 # -- the surgery ----------------------------------------------------------------
-
-
-def _instrument(
-    module: eqx.Module,
-    prefix: tuple[str, ...],
-    vmap: bool,
-    leaves: dict[str, scan.Leaves] | None = None,
-    token: _Token | None = None,
-) -> Any:
-    """A copy of `module` whose submodules and function fields report their calls.
-
-    Submodules are wrapped after their own children, so a wrapper holds an
-    instrumented module. `eqx.nn.Lambda.fn` is not a site of its own: the
-    Lambda's call is the same value.
-    """
-
-    def is_child(x: Any) -> bool:
-        return x is not module and (isinstance(x, eqx.Module) or _is_function(x))
-
-    children, treedef = jax.tree_util.tree_flatten_with_path(module, is_leaf=is_child)
-    replaced = []
-    for key_path, child in children:
-        path = (*prefix, *(key_name(key) for key in key_path))
-        if isinstance(child, eqx.nn.StateIndex):
-            pass  # a key into the State, looked up by identity: keep it as is
-        elif isinstance(child, eqx.Module):
-            if vmap and isinstance(child, eqx.nn.BatchNorm):
-                # The probe's vmap is the batch: average over it.
-                child = eqx.tree_at(lambda bn: bn.axis_name, child, BATCH_AXIS)
-            inner = _instrument(child, path, vmap, leaves, token)
-            name = "/".join(path)
-            child = _wrapped(
-                inner,
-                _leaves_of(leaves, name),
-                name,
-                scan.param_shapes(child),
-                token,
-            )
-        elif _is_function(child) and not _is_plumbing(module, key_path):
-            name = "/".join(path)
-            child = _FunctionSite(child, _leaves_of(leaves, name), name, (), token)
-        replaced.append(child)
-    return jax.tree_util.tree_unflatten(treedef, replaced)
-
-
-def _leaves_of(
-    leaves: dict[str, scan.Leaves] | None, path: str
-) -> dict[str, scan.Leaves]:
-    """The leaves of the calls of the module at `path` (`path`, `path#1`, ...)."""
-    return {
-        name: leaf
-        for name, leaf in (leaves or {}).items()
-        if strip_call_index(name).partition(".")[0] == path
-    }
-
-
-def _is_plumbing(module: Any, key_path: tuple) -> bool:
-    """A function field that is not a step of the forward pass: `eqx.nn.Lambda`'s
-    `fn` (the Lambda's own call is that value), a pool's `operation`, the
-    binary reduction `lax.reduce_window` traces on scalars, and the selectors
-    `where` and `get` of `eqx.nn.Shared`."""
-    if isinstance(module, eqx.nn.Lambda):
-        return True
-    field = key_name(key_path[0]) if key_path else None
-    if isinstance(module, eqx.nn.Shared):
-        return field in ("where", "get")
-    return isinstance(module, eqx.nn.Pool) and field == "operation"
-
-
-def _is_function(x: Any) -> bool:
-    return callable(x) and not isinstance(x, eqx.Module | type) and not eqx.is_array(x)
 
 
 #: Appended to a shape error of the model's own code under `vmap=False`.
@@ -299,240 +216,3 @@ def _state_indices(model: eqx.Module) -> list[str]:
         for path, leaf in found
         if isinstance(leaf, eqx.nn.StateIndex)
     ]
-
-
-class _Token:
-    """Equal only to itself: makes each probe call's wrappers a new structure."""
-
-    __slots__ = ()
-
-
-#: The fields a wrapper adds to its module's own (`_site_class`); names no
-#: model's field is likely to take.
-_SITE_FIELDS = ("bridge_leaves", "bridge_path", "bridge_shapes", "bridge_token")
-
-#: Methods that are protocol rather than a step of the forward pass.
-_NOT_SITES = frozenset({"is_stateful"})
-
-#: `type(module) -> its wrapper class` (`None`: a `_ForwardingSite`), made
-#: once per class.
-_SITE_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SITE_CLASSES_LOCK = threading.Lock()
-
-
-def _wrapped(
-    inner: eqx.Module, leaves: dict, path: str, shapes: tuple, token: Any
-) -> eqx.Module:
-    """`inner` as a site: an instance of a subclass of its own class
-    (`_site_class`) holding the same fields, and bridge's; where its class
-    is not to be subclassed, a `_ForwardingSite` holding it."""
-    site_class = _site_class(type(inner))
-    if site_class is None:
-        forwarding = (
-            _StatefulForwardingSite
-            if isinstance(inner, eqx.nn.StatefulLayer)
-            else _ForwardingSite
-        )
-        return forwarding(inner, leaves, path, shapes, token)
-    wrapper = object.__new__(site_class)
-    vars(wrapper).update(vars(inner))
-    for name, value in zip(_SITE_FIELDS, (leaves, path, shapes, token), strict=True):
-        object.__setattr__(wrapper, name, value)
-    return wrapper
-
-
-def _site_class(cls: type) -> type | None:
-    """A subclass of the module class `cls` whose calls are sites, or `None`
-    where `cls` is not to be subclassed.
-
-    Tree surgery stays invisible to the model's code: a wrapper is an
-    instance of the module's own class, with the same fields, so `isinstance`
-    checks, attribute access, properties, operators (`__getitem__`) and the
-    model's own unwrapping functions (`jax.tree.map(..., is_leaf=lambda x:
-    isinstance(x, Parameterize))`) see the module they expect. Its calls and
-    the calls of its methods from outside, private ones included
-    (`self.base._log_prob(x)` is the site `base._log_prob`), are reported;
-    each runs on a plain instance of `cls` (`_unwrapped`), so a method that
-    the module calls on itself is part of the call, not a site of its own.
-    Dunder methods other than `__call__` run as they are.
-
-    A class with an `__init_subclass__` of its own (a registry of subclasses
-    would learn of bridge's), with a field named like one of bridge's, or
-    that refuses to be subclassed is wrapped by a `_ForwardingSite` instead.
-    """
-    with _SITE_CLASSES_LOCK:
-        if cls in _SITE_CLASSES:
-            return _SITE_CLASSES[cls]
-        made = _make_site_class(cls)
-        _SITE_CLASSES[cls] = made
-        return made
-
-
-def _make_site_class(cls: type) -> type | None:
-    fields = {field.name for field in dataclasses.fields(cls)}
-    hooked = any(
-        "__init_subclass__" in vars(klass)
-        for klass in cls.__mro__
-        if not _is_equinox_base(klass)
-    )
-    if hooked or fields.intersection(_SITE_FIELDS):
-        return None
-    namespace: dict[str, Any] = {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-        "__annotations__": {name: Any for name in _SITE_FIELDS},
-        "bridge_leaves": eqx.field(default=None),
-        "bridge_path": eqx.field(static=True, default=""),
-        "bridge_shapes": eqx.field(static=True, default=()),
-        "bridge_token": eqx.field(static=True, default=None),
-    }
-    for name in _method_names(cls, fields):
-        namespace[name] = _observed_method(cls, name)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the class's own, warned at its making
-            return type(cls)(cls.__name__, (cls,), namespace)
-    except Exception:  # a class that will not be subclassed (strict, final)
-        return None
-
-
-_BASE_MODULES = frozenset({"builtins", "abc", "typing", "collections.abc"})
-
-
-def _is_equinox_base(klass: type) -> bool:
-    """`eqx.Module` and what it derives from: no class of a model."""
-    module = klass.__module__
-    return module.startswith("equinox._module") or module in _BASE_MODULES
-
-
-def _method_names(cls: type, fields: set[str]) -> list[str]:
-    """The methods of `cls` whose calls are sites: `__call__` and every other
-    method defined below `eqx.Module`, private ones included; not fields
-    (a function as a field's default), static or class methods, properties,
-    nor other dunder methods."""
-    if issubclass(cls, eqx.nn.Shared):
-        return []  # its call rebuilds the tree it shares nodes of: no layer
-    names: dict[str, None] = {}
-    for klass in cls.__mro__:
-        if _is_equinox_base(klass):
-            continue
-        for name, attribute in vars(klass).items():
-            dunder = name.startswith("__") and name.endswith("__")
-            if (dunder and name != "__call__") or name in fields or name in _NOT_SITES:
-                continue
-            if not isinstance(attribute, staticmethod | classmethod | property | type):
-                if _is_method(getattr(cls, name, None)):
-                    names.setdefault(name)
-    return list(names)
-
-
-def _is_method(attribute: Any) -> bool:
-    """A method as its class holds it: a function (equinox < 0.12 wraps it in
-    a descriptor that gives the function back), or a callable that binds to
-    its instance (`eqx.filter_jit`, `jax.jit` on a method)."""
-    return inspect.isfunction(attribute) or (
-        callable(attribute) and hasattr(type(attribute), "__get__")
-    )
-
-
-def _observed_method(cls: type, name: str) -> Callable:
-    original = inspect.getattr_static(cls, name)
-
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        inner = _unwrapped(self, cls)
-        site = calls.Site(
-            self.bridge_path, self.bridge_leaves, self.bridge_shapes, inner
-        )
-        function = calls.unjitted(inner, name)
-        method_name = None if name == "__call__" else name
-        return calls.observed_call(site, method_name, inner, function, args, kwargs)
-
-    method.__name__ = name
-    method.__qualname__ = f"{cls.__qualname__}.{name}"
-    method.__doc__ = getattr(original, "__doc__", None)
-    return method
-
-
-def _unwrapped(wrapper: Any, cls: type) -> Any:
-    """A plain `cls` instance with the wrapper's fields (sliced, inside a scan)."""
-    module = object.__new__(cls)
-    for name, value in vars(wrapper).items():
-        if name not in _SITE_FIELDS:
-            object.__setattr__(module, name, value)
-    return module
-
-
-class _ForwardingSite(eqx.Module):
-    """Stands in for a submodule whose class is not to be subclassed (see
-    `_site_class`): it answers every attribute and method of the module,
-    private ones included; its call and the calls of its methods are sites.
-    An `isinstance` check of the model's code does not see the module's class
-    through it."""
-
-    module: eqx.Module
-    bridge_leaves: dict
-    bridge_path: str = eqx.field(static=True)
-    bridge_shapes: tuple = eqx.field(static=True)
-    bridge_token: Any = eqx.field(static=True, default=None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._observed("__call__", args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for names the wrapper lacks: forward to the module.
-        if name in _FORWARDING_FIELDS:
-            raise AttributeError(name)
-        attribute = getattr(self.module, name)
-        dunder = name.startswith("__") and name.endswith("__")
-        fields = {field.name for field in dataclasses.fields(self.module)}
-        if dunder or name in fields or name in _NOT_SITES:
-            return attribute
-        static = inspect.getattr_static(type(self.module), name, None)
-        if isinstance(static, staticmethod | classmethod) or not _is_method(
-            getattr(type(self.module), name, None)
-        ):
-            return attribute
-        return lambda *args, **kwargs: self._observed(name, args, kwargs)
-
-    def _observed(self, name: str, args: tuple, kwargs: dict) -> Any:
-        site = calls.Site(
-            self.bridge_path, self.bridge_leaves, self.bridge_shapes, self.module
-        )
-        function = calls.unjitted(self.module, name)
-        method = None if name == "__call__" else name
-        return calls.observed_call(site, method, self.module, function, args, kwargs)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.module[index]
-
-    def __len__(self) -> int:
-        return len(self.module)
-
-    def __iter__(self):
-        return iter(self.module)
-
-
-_FORWARDING_FIELDS = frozenset({"module", *_SITE_FIELDS})
-
-
-class _StatefulForwardingSite(_ForwardingSite, eqx.nn.StatefulLayer):
-    """A forwarding `StatefulLayer`, so `eqx.nn.Sequential` threads its state."""
-
-    def is_stateful(self) -> bool:
-        return self.module.is_stateful()
-
-
-class _FunctionSite(eqx.Module):
-    """Stands in for a function-valued field such as `eqx.nn.MLP.activation`."""
-
-    function: Callable
-    bridge_leaves: dict
-    path: str = eqx.field(static=True)
-    shapes: tuple = eqx.field(static=True, default=())
-    token: _Token | None = eqx.field(static=True, default=None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return calls.observed_call(
-            self, None, self.function, self.function, args, kwargs
-        )

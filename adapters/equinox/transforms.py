@@ -1,189 +1,345 @@
-"""Equinox sites inside JAX transforms of the model's own code: which
-transforms enclose a call, and the route out of the model's own `jax.vmap`.
+"""Equinox sites inside `lax.scan` over stacked layers and `jax.checkpoint`:
+the transforms of the model's own code that carry its tree, and so bridge's
+leaves in it (`bridge.adapters.equinox.variables`).
 
-Inside the model's own `jax.vmap` (`eqx.nn.MultiheadAttention` projects every
-token with `jax.vmap(self.query_proj)`; `eqx.nn.MLP` applies its activation
-per neuron), the wrapper sees one token, yet the site holds every token, with
-per-token gradients. The wrapper binds a private primitive whose batching rule
-is the only code that sees the whole mapped value: at each enclosing `vmap`
-the rule moves that vmap's axis to the front (broadcasting a value that does
-not vary along it) and passes the value one trace out, until it reaches the
-probe's own trace. There the session records it and adds an epsilon of the
-full shape, `(tokens, features)`, outermost mapped axis first, and the rule
-hands the result back in, mapped along axis 0 at every level. No tracer leaves
-its trace and autodiff sees ordinary operations, so gradients are per token,
-eager or jitted (`lift`).
+Inside `lax.scan` over stacked layers (`eqx.filter_vmap` builds them, the scan
+slices them per step, directly or after `eqx.partition`) and inside
+`jax.checkpoint` / `eqx.filter_checkpoint`, no value can be handed out: the
+epsilon lives in the tree instead (the design's tree surgery). Discovery finds
+these calls and their iterations (a wrapper whose parameters lost a leading
+axis of size L was sliced by the scan: `iterations`); a run takes each call's
+epsilon and patch value from its leaves and records through them
+(`call_in_transform`).
 
-Inside `lax.scan` over stacked layers and inside `jax.checkpoint` no value
-can be handed out: that route, through the tree, is
-`bridge.adapters.equinox.scan`. The model's own vmaps inside a scan body
-hand their value out the same way, to the body's trace, where that route
-takes it on (`lift` with the call's leaves from the tree as `extra`).
+A layer the scan body applies per token with the model's own `jax.vmap`
+(`jax.vmap(self.linear)(x)` in a scanned block) sees one token, yet its
+site holds every token: its value is handed out of those vmaps to the
+body's trace whole, mapped axes first (`jax_transforms.lift`), and there it
+is patched, recorded and perturbed with the call's leaves as a call in the
+body itself is (`_call_mapped`). The site is `(iterations, *mapped axes,
+*value)`, and with `vmap=True` the probe's batch axis after the iterations.
 
-The trace stack is read through `bridge.adapters.shared.jax_internals`, the one
-place that touches JAX's private modules.
+A call inside a transform this cannot express (`lax.cond`, `while_loop`, a
+`jax.jit` called in the model's code, a scan or checkpoint inside the
+model's own `jax.vmap`, nested scans, a layer closed over by the scan body
+rather than scanned over) is listed, and raises an error naming it where it
+is selected or patched (`bridge.adapters.equinox.jax_transforms.unreachable`):
+a site is never silently missing or summed over iterations, nor does it block
+the others.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextvars
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
-from bridge.adapter_api import BridgeRuntimeError, SiteOrigin
+from bridge.adapter_api import (
+    BridgeRuntimeError,
+    BridgeValueError,
+    Session,
+    positional_arrays,
+)
 
-from ..shared import jax_internals as internals
-from ..shared.lifting import mapped_depth as mapped_depth
+from ..shared import jax_internals
+from .jax_transforms import (
+    CHECKPOINT,
+    SCAN,
+    describe,
+    lift,
+    transforms,
+    unreachable,
+    whole_axes,
+)
+from .variables import (
+    InTransform,
+    Leaves,
+    as_floats,
+    inputs_origin,
+    param_shapes,
+    through_patch,
+    through_tree,
+)
 
-# -- inside the model's own jax.vmap: handing the whole value out ----------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Mapped(SiteOrigin):
-    """Where the model's own vmaps took a call's input from.
-
-    The site's value holds the mapped axes first, outermost first (the
-    contract's layout); `compare` needs the layout around the layer instead:
-    a LayerNorm applied per pixel of a channel-first image by
-    `jax.vmap(jax.vmap(norm, 1, 1), 2, 2)` holds `(W, H, C)` per example,
-    which no shape tells from `(H, W, C)`.
-
-    Attributes:
-      input_axes: the axis each vmap mapped in the first array argument,
-        innermost vmap first (`None`: not mapped there).
-      input_ndim: that argument's rank as the layer sees it.
-    """
-
-    input_axes: tuple[int | None, ...]
-    input_ndim: int
-
-
-def mapped_origin(args: tuple, depth: int) -> Mapped | None:
-    """The `Mapped` origin of a call `depth` vmaps deep, or `None` where its
-    first array argument's layout cannot be read."""
-    arrays = [leaf for leaf in jax.tree.leaves(args) if eqx.is_array(leaf)]
-    if not arrays:
-        return None
-    axes = internals.mapped_dims(arrays[0], internals.current_trace(), depth)
-    if axes is None:
-        return None
-    return Mapped(axes, jnp.ndim(arrays[0]))
+# -- inside lax.scan and jax.checkpoint: epsilons, patches, recorders in the tree --
 
 
-# -- which transforms enclose a call -------------------------------------------
-
-#: JAX's names of the transforms bridge sees through with tree leaves.
-SCAN = "scan"
-CHECKPOINT = "checkpoint / remat"
-
-
-def transforms(base_trace: Any) -> tuple[str, ...]:
-    """The transforms between here and the probe's trace, innermost first:
-    `vmap` for a `jax.vmap`, otherwise JAX's own name (`scan`, `cond`, ...)."""
-    trace = internals.current_trace()
-    found = []
-    while trace is not base_trace:
-        if trace is None:
-            # jax < 0.6.2: a jaxpr trace (of scan, checkpoint, cond, ...) does
-            # not record the trace it runs in; nothing beyond it can be seen.
-            found.append(_PARENT_UNKNOWN)
-            break
-        found.append(
-            "vmap" if internals.is_vmap(trace) else internals.traced_for(trace)
-        )
-        trace = internals.parent(trace)
-    return tuple(found)
-
-
-#: What `transforms` names past a jaxpr trace of jax < 0.6.2.
-_PARENT_UNKNOWN = (
-    "a transform whose enclosing trace this jax does not record (bridge sees "
-    "through jax.lax.scan and jax.checkpoint from jax 0.6.2)"
+#: The innermost scan over stacked layers now running a sliced wrapper:
+#: `(the scan body's trace, iterations)`. A call without parameters of its
+#: own (a function field, a parameterless module) inside it is sliced too.
+_SLICED: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar(
+    "bridge_equinox_sliced", default=None
 )
 
 
-def describe(transforms: tuple[str, ...]) -> str:
-    names = internals.TRANSFORM_NAMES
-    return " inside ".join(names.get(t, t) for t in transforms)
+def iterations(site: Any) -> int | None:
+    """L when the wrapper's arrays lost a leading axis of size L (a scan sliced
+    them), 0 when they are whole, `None` when it cannot tell (no arrays)."""
+    if not site.shapes:
+        return None
+    module = getattr(site, "module", None)  # a function site has no arrays
+    now = () if module is None else param_shapes(module)
+    if now == site.shapes:
+        return 0
+    leading = {shape[:1] for shape in site.shapes}
+    if (
+        len(now) == len(site.shapes)
+        and len(leading) == 1
+        and all(n == s[1:] for n, s in zip(now, site.shapes, strict=True))
+    ):
+        return site.shapes[0][0]
+    return None
 
 
-def lift(tree: Any, depth: int, observe: Callable[..., Any], extra: Any = None) -> Any:
-    """Hand `tree`, seen inside `depth` vmaps, to `observe` at the trace
-    `depth` vmaps out: the probe's trace, or the body of a `lax.scan` or
-    `jax.checkpoint` around those vmaps.
-
-    `observe(full)` gets the full value, mapped axes first, outermost first,
-    and returns the value to go on with, of the same structure and shapes.
-    With `extra` (bridge's leaves of the call in the tree, which the vmaps do
-    not map), it is `observe(full, extra)`, `extra` as it is out there.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    positions = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
-    extra_leaves, extra_treedef = jax.tree.flatten(extra)
-
-    def observe_arrays(full_arrays: list, extra_arrays: list) -> list:
-        full = list(leaves)
-        for i, array in zip(positions, full_arrays, strict=True):
-            full[i] = array
-        full_tree = jax.tree.unflatten(treedef, full)
-        if extra is None:
-            observed = observe(full_tree)
-        else:
-            observed = observe(
-                full_tree, jax.tree.unflatten(extra_treedef, extra_arrays)
+def call_in_transform(
+    context: Any,
+    site: Any,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """A call inside `lax.scan` or `jax.checkpoint`, perhaps inside the
+    model's own `jax.vmap`s there: see the module docstring."""
+    session = context.session
+    enclosing = transforms(context.base_trace)
+    # The model's own vmaps inside the scan or checkpoint (a layer applied per
+    # token): their value is handed out to the body's trace whole.
+    depth = next((i for i, t in enumerate(enclosing) if t != "vmap"), 0)
+    outer = enclosing[depth:]
+    site_path = site.path if method is None else f"{site.path}.{method}"
+    unsupported = [t for t in outer if t not in (SCAN, CHECKPOINT)]
+    if unsupported or outer.count(SCAN) > 1:
+        # Listed, and refused only where selected or patched (`refused`).
+        count = _count(site, depth) if outer.count(SCAN) == 1 else None
+        origin = InTransform(None, enclosing, _why(site_path, enclosing, unsupported))
+        whole = whole_axes(enclosing, count)
+        return unreachable(
+            session, site, method, module, function, args, kwargs, origin, whole
+        )
+    count = None
+    if SCAN in outer:
+        count = _count(site, depth)
+        if not count:
+            return unreachable(
+                session,
+                site,
+                method,
+                module,
+                function,
+                args,
+                kwargs,
+                InTransform(None, enclosing, _not_sliced(site, site_path)),
             )
-        returned = treedef.flatten_up_to(observed)
-        return [returned[i] for i in positions]
+    if depth:
+        return _call_mapped(
+            session,
+            site,
+            method,
+            module,
+            function,
+            args,
+            kwargs,
+            count,
+            depth,
+            enclosing,
+        )
+    # How the inputs are recorded is learnt once, with the site.
+    learnt = inputs_origin(args, count) if session.recorder.learns_sites() else {}
+    origin = InTransform(count, enclosing, **learnt)
+    call = session.enter(site.path, method, module, args, origin=origin, record=False)
+    value = _run_sliced(site, count, 0, site_path, enclosing, function, args, kwargs)
+    leaves = site.bridge_leaves.get(call.name)
+    # The patch value and the epsilon come from the tree, not from the session.
+    value = _exit(session, call, value, None if leaves is None else leaves.patch)
+    if count:
+        session.recorder.holds_iterations(call.name, value, count)
+    if call.name not in session.selected:
+        return value
+    _check_leaves(call.name, leaves, enclosing)
+    inputs = None
+    if leaves.inputs is not None:
+        inputs = jax.tree.map(as_floats, positional_arrays(args))
+    return through_tree(value, inputs, leaves)
 
-    arrays = _lift_p.bind(
-        *[leaves[i] for i in positions],
-        *extra_leaves,
-        observe=observe_arrays,
-        depth=depth,
-        extra=len(extra_leaves),
-    )
-    new = list(leaves)
-    for i, array in zip(positions, arrays, strict=True):
-        new[i] = array
-    return jax.tree.unflatten(treedef, new)
 
-
-def _lift_batched(axis_size, values, dims, *, observe, depth, extra):
-    """The batching rule: runs one trace out, where the mapped value is whole."""
-    cut = len(values) - extra
-    full = [
-        jnp.broadcast_to(value, (axis_size, *jnp.shape(value)))
-        if dim is None
-        else jnp.moveaxis(value, dim, 0)
-        for value, dim in zip(values[:cut], dims[:cut], strict=True)
-    ]
-    # The call's leaves are whole where this vmap closes over them; where it
-    # maps them (the model maps a stack of layers: `jax.vmap(lambda head:
-    # head(x))(self.heads)`), they are mapped as the layers' value is.
-    leaves = [
-        value if dim is None else jnp.moveaxis(value, dim, 0)
-        for value, dim in zip(values[cut:], dims[cut:], strict=True)
-    ]
-    if depth > 1:
-        out = _lift_p.bind(
-            *full, *leaves, observe=observe, depth=depth - 1, extra=extra
+def _call_mapped(
+    session: Session,
+    site: Any,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    count: int | None,
+    depth: int,
+    enclosing: tuple[str, ...],
+) -> Any:
+    """A call `depth` vmaps of the model's own code deep inside a scan or
+    checkpoint (`jax.vmap(self.linear)(x)` in a scanned layer): the value is
+    handed out of the vmaps to the body's trace whole, mapped axes first
+    (`transforms.lift`), and there it is patched, recorded and perturbed with
+    the call's leaves from the tree, as a call in the body itself is: one
+    iteration's row holds every token."""
+    if session.recorder.learns_sites():
+        # How the inputs are recorded, learnt once, whole like the value.
+        learnt: list = []
+        arrays = positional_arrays(args)
+        if jax.tree.leaves(arrays):
+            lift(arrays, depth, lambda full: learnt.append(full) or full)
+        origin = InTransform(
+            count, enclosing, **inputs_origin(learnt[0] if learnt else arrays, count)
         )
     else:
-        out = observe(full, leaves)
-    return list(out), [0] * len(out)
+        origin = InTransform(count, enclosing)
+    call = session.enter(site.path, method, module, args, origin=origin, record=False)
+    site_path = site.path if method is None else f"{site.path}.{method}"
+    value = _run_sliced(
+        site, count, depth, site_path, enclosing, function, args, kwargs
+    )
+    if not session.recorder.needs_value(call.name):
+        return _exit(session, call, value, None)  # nothing to see: no cost
+    leaves = site.bridge_leaves.get(call.name)
+    selected = call.name in session.selected
+    if selected:
+        _check_leaves(call.name, leaves, enclosing)
+    inputs = positional_arrays(args) if selected and leaves.inputs is not None else None
+
+    def observe(full: tuple, extra: Any) -> tuple:
+        whole, whole_inputs = full
+        patch = None if extra is None else extra.patch
+        whole = _exit(session, call, whole, patch)
+        if count:
+            session.recorder.holds_iterations(call.name, whole, count)
+        if not selected:
+            return whole, whole_inputs
+        floats = None
+        if whole_inputs is not None:
+            floats = jax.tree.map(as_floats, whole_inputs)
+        return through_tree(whole, floats, extra), whole_inputs
+
+    value, _ = lift(
+        (value, inputs),
+        depth,
+        observe,
+        extra=leaves if leaves is not None else Leaves(),
+    )
+    return value
 
 
-def _outside_a_vmap(*args, **params):
-    raise BridgeRuntimeError(
-        "bridge's Equinox site primitive was evaluated outside a jax.vmap. This is "
-        "a bug in bridge: please report it."
+def _run_sliced(
+    site: Any,
+    count: int | None,
+    depth: int,
+    site_path: str,
+    enclosing: tuple[str, ...],
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """`function(*args, **kwargs)`; a call without parameters of its own made
+    from inside it is sliced by the same scan (see `_SLICED`)."""
+    token = (
+        _SLICED.set((_body_trace(depth), count)) if count and iterations(site) else None
+    )
+    try:
+        value = function(*args, **kwargs)
+    finally:
+        if token is not None:
+            _SLICED.reset(token)
+    if any(isinstance(leaf, eqx.nn.State) for leaf in _leaves_with_state(value)):
+        raise BridgeValueError(
+            f"site {site_path!r} is a stateful layer inside {describe(enclosing)}: "
+            "bridge cannot thread its eqx.nn.State there. Move it out of the "
+            "transform."
+        )
+    return value
+
+
+def _check_leaves(name: str, leaves: Any, enclosing: tuple[str, ...]) -> None:
+    if leaves is None or leaves.recorder is None:
+        raise BridgeRuntimeError(
+            f"bridge found no epsilon for site {name!r} inside "
+            f"{describe(enclosing)}: the model called it differently from the "
+            "discovery pass. This is a bug in bridge: please report it."
+        )
+
+
+def _body_trace(depth: int) -> Any:
+    """The trace `depth` vmaps out from here: the scan or checkpoint body."""
+    trace = jax_internals.current_trace()
+    for _ in range(depth):
+        trace = jax_internals.parent(trace)
+    return trace
+
+
+def _count(site: Any, depth: int = 0) -> int | None:
+    """The iterations of the scan slicing this call (see `_SLICED`), `depth`
+    vmaps of the model's own code inside the scan body."""
+    count = iterations(site)
+    sliced = _SLICED.get()
+    if not count and sliced and sliced[0] is _body_trace(depth):
+        count = sliced[1]
+    return count
+
+
+def _not_sliced(site: Any, site_path: str) -> str:
+    """Why a call in every iteration of a scan that does not slice it cannot
+    be a site."""
+    function = getattr(site, "module", None) is None
+    return (
+        f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
+        "called in every iteration, but the scan does not slice its "
+        "parameters (a layer closed over by the scan body, as in an RNN), "
+        "so one epsilon would sum the gradients of all iterations. Select "
+        "sites outside the scan with `at=`, scan over stacked layers "
+        "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
+        "unroll the loop."
+        + (
+            " (eqx.nn.MLP(scan=True) applies its activation so: use scan=False.)"
+            if function
+            else ""
+        )
     )
 
 
-_lift_p = internals.mapped_primitive(
-    "bridge_equinox_site", _lift_batched, _outside_a_vmap
-)
+def _why(site_path: str, enclosing: tuple[str, ...], unsupported: list) -> str:
+    """Why a call inside `enclosing` cannot be a site."""
+    where = describe(enclosing)
+    if not unsupported:
+        return (
+            f"bridge cannot see through nested jax.lax.scan: site {site_path!r} "
+            f"is called inside {where}. Scan over one stack of layers at a time, "
+            "or select other sites with `at=`."
+        )
+    detail = (
+        "a jax.lax.scan or jax.checkpoint inside a jax.vmap of the model's own "
+        "code (an epsilon in the tree cannot vary along the mapped axis; "
+        "bridge sees the model's own jax.vmap inside the scan body, not around "
+        "the scan)"
+        if "vmap" in unsupported
+        else describe((unsupported[0],))
+    )
+    return (
+        f"bridge cannot see through {detail}: site {site_path!r} is called "
+        f"inside {where}. bridge sees through jax.lax.scan over stacked layers "
+        "and jax.checkpoint; select other sites with `at=`, move the call out "
+        "of the transform, or unroll it."
+    )
+
+
+def _exit(session: Session, call: Any, value: Any, patch: Any) -> Any:
+    """`session.exit` for a call whose epsilon the caller adds, patched with
+    `patch`, the patch value's leaf in the tree: one iteration's row of a
+    stacked patch inside a scan. Without it, the session's own patch applies
+    (a patch function, to this iteration's value)."""
+    patched = session.exit(call, value, perturb=lambda v: v, record=False, patch=patch)
+    return through_patch(session, call.name, value, patched)
+
+
+def _leaves_with_state(value: Any) -> list:
+    return jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, eqx.nn.State))

@@ -61,8 +61,15 @@ from bridge.adapter_api import (
 )
 
 from ..shared import guests, unexpressible
-from . import transforms, variables
 from .run import Interceptor
+from .transforms import tap_handler
+from .variables import (
+    NeedsState,
+    with_epsilons,
+    without_epsilons,
+)
+from .variables import placed as placed_in_state
+from .variables import with_state as with_state_transform
 
 _PLAIN_USAGE = (
     "bridge.probe(transformed, params) with params = transformed.init(rng, x)"
@@ -178,14 +185,14 @@ class HaikuProbe(ProbeBase):
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
         unexpressible.refuse_patched(session)
-        placed = variables.placed(session)
+        placed = placed_in_state(session)
         if self.with_state:
             return self._apply(trainable, args, kwargs, session, True, placed)
         return session.run_with_fallback(
             lambda state_route: self._apply(
                 trainable, args, kwargs, session, state_route, placed
             ),
-            variables.NeedsState,
+            NeedsState,
             lambda origin: origin.lifted,
         )
 
@@ -206,7 +213,7 @@ class HaikuProbe(ProbeBase):
         here = sys._getframe()
         interceptor = Interceptor(session, state_route, placed, here)
         tapping = session.taps.tapping(
-            transforms.tap_handler(session, here, interceptor.base, interceptor.tap)
+            tap_handler(session, here, interceptor.base, interceptor.tap)
         )
         if not state_route:  # a plain transform: epsilons from the session
             with tapping, hk.intercept_methods(interceptor):
@@ -217,9 +224,9 @@ class HaikuProbe(ProbeBase):
         transformed = (
             self.transformed
             if self.with_state
-            else variables.with_state(self.transformed, self.takes_rng)
+            else with_state_transform(self.transformed, self.takes_rng)
         )
-        state = variables.with_epsilons(self.state or {}, session, placed)
+        state = with_epsilons(self.state or {}, session, placed)
         with tapping, hk.intercept_methods(interceptor):
             outputs, new_state = transformed.apply(
                 trainable, state, *leading, *args, **model_kwargs
@@ -227,7 +234,7 @@ class HaikuProbe(ProbeBase):
         # The values recorded inside lifted transforms, as they leave them in
         # state (stacked over a layer stack's layers).
         session.carrier.hand_over(lambda where: new_state[where[0]][where[1]])
-        new_state = variables.without_epsilons(new_state)
+        new_state = without_epsilons(new_state)
         if self.with_state:
             return outputs, new_state
         if new_state:

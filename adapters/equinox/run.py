@@ -1,9 +1,13 @@
-"""A wrapper's call, reported to the probe's session from where it runs.
+"""One run of an Equinox model: a wrapper's call, reported to the probe's
+session from where it runs.
 
-At the probe's own trace the call is an ordinary site. Inside the model's own
-`jax.vmap`s its value is handed out to the probe's trace whole
-(`bridge.adapters.equinox.transforms.lift`); inside `lax.scan` or
-`jax.checkpoint` it goes through the tree (`bridge.adapters.equinox.scan`).
+The wrappers of the surgery (`bridge.adapters.equinox.surgery`) report each
+call here (`observed_call`). At the probe's own trace the call is an ordinary
+site. Inside the model's own `jax.vmap`s its value is handed out to the
+probe's trace whole (`bridge.adapters.equinox.jax_transforms.lift`); inside
+`lax.scan` or `jax.checkpoint` it goes through the tree
+(`bridge.adapters.equinox.transforms`). `bridge.tap` takes the same routes
+(`tap`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax
 from bridge.adapter_api import BridgeValueError, Session, current_session
 
 from ..shared import unexpressible
-from . import refused, scan, transforms
+from . import jax_transforms, transforms, variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,7 @@ CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 @dataclasses.dataclass(frozen=True)
 class Site:
     """A wrapped submodule at one of its calls: its `path`, its leaves in the
-    tree (`bridge.adapters.equinox.scan.Leaves`, per call name), the shapes of
+    tree (`bridge.adapters.equinox.variables.Leaves`, per call name), the shapes of
     its arrays as given (`shapes`: a scan slices them) and the plain module
     the call runs on."""
 
@@ -68,9 +72,9 @@ def observed_call(
     session = current_session()
     if context is None or session is not context.session:
         return function(*args, **kwargs)
-    depth = transforms.mapped_depth(context.base_trace)
+    depth = jax_transforms.mapped_depth(context.base_trace)
     if depth is None:
-        return scan.call_in_transform(
+        return transforms.call_in_transform(
             context, site, method, module, function, args, kwargs
         )
     if depth == 0:
@@ -78,7 +82,7 @@ def observed_call(
         return _report(session, call, function(*args, **kwargs))
 
     entered = []
-    origin = transforms.mapped_origin(args, depth)
+    origin = jax_transforms.mapped_origin(args, depth)
 
     def enter(full_args: tuple) -> tuple:
         entered.append(session.enter(path, method, module, full_args, origin))
@@ -86,7 +90,7 @@ def observed_call(
 
     if session.with_inputs:
         # Inputs are recorded at the probe's trace too, mapped axes first.
-        transforms.lift(args, depth, enter)
+        jax_transforms.lift(args, depth, enter)
     else:
         enter(())
     (call,) = entered
@@ -94,7 +98,7 @@ def observed_call(
     if not session.recorder.needs_value(call.name):
         # Nothing to list, record or change: bookkeeping only, and no cost.
         return session.exit(call, value)
-    return transforms.lift(value, depth, lambda full: _report(session, call, full))
+    return jax_transforms.lift(value, depth, lambda full: _report(session, call, full))
 
 
 #: The wrappers `jax.jit` and `eqx.filter_jit` return, told by the public
@@ -126,7 +130,9 @@ def _report(session: Session, call: Any, value: Any) -> Any:
         return isinstance(x, eqx.nn.State | eqx.Module)
 
     def exit(value: Any) -> Any:
-        return scan.through_patch(session, call.name, value, session.exit(call, value))
+        return variables.through_patch(
+            session, call.name, value, session.exit(call, value)
+        )
 
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_state)
     if not any(is_state(leaf) for leaf in leaves):
@@ -145,17 +151,17 @@ def tap(context: Context, name: str, value: Any) -> Any:
     """`bridge.tap` in the model's code: a site at the probe's trace, handed
     out of the model's own vmaps; refused inside other transforms."""
     session = context.session
-    depth = transforms.mapped_depth(context.base_trace)
+    depth = jax_transforms.mapped_depth(context.base_trace)
     if depth is None:
         return _unreachable_tap(context, name, value)
     if depth == 0:
         return session.tap_here(name, value)
-    return transforms.lift(value, depth, lambda full: session.tap_here(name, full))
+    return jax_transforms.lift(value, depth, lambda full: session.tap_here(name, full))
 
 
 @dataclasses.dataclass(frozen=True)
 class _TapSite:
-    """A `bridge.tap` as `refused.unreachable` takes a call: its path, and no
+    """A `bridge.tap` as `jax_transforms.unreachable` takes a call: its path, and no
     module."""
 
     path: str
@@ -167,19 +173,19 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
     `lax.scan`, `jax.checkpoint` or `lax.cond` of the model's own code: a tap
     has no leaves in the tree that carry a module call's value out): listed
     with the shape its value has for the model, run as it is, and refused
-    where selected or patched, naming the transform (`refused`)."""
+    where selected or patched, naming the transform (`jax_transforms.unreachable`)."""
     session = context.session
-    enclosing = transforms.transforms(context.base_trace)
+    enclosing = jax_transforms.transforms(context.base_trace)
     if _from_inside():
         # A local of the probe's `inside=`: the core lists it and says so.
         raise BridgeValueError(
-            f"bridge.tap({name!r}) is inside {transforms.describe(enclosing)}, "
+            f"bridge.tap({name!r}) is inside {jax_transforms.describe(enclosing)}, "
             "where bridge cannot see a tap."
         )
     outer = [t for t in enclosing if t != "vmap"]
     path = f"{session.enclosing[-1]}/{name}" if session.enclosing else name
-    where = transforms.describe(enclosing)
-    blocker = transforms.describe((outer[0],)) if outer else where
+    where = jax_transforms.describe(enclosing)
+    blocker = jax_transforms.describe((outer[0],)) if outer else where
     why = unexpressible.reason(
         path,
         blocker,
@@ -188,8 +194,8 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
         "move the tap out of the transform, or mark the value by wrapping its "
         "computation in an eqx.Module (a module call there is a site)",
     )
-    origin = scan.InTransform(None, enclosing, why)
-    return refused.unreachable(
+    origin = variables.InTransform(None, enclosing, why)
+    return jax_transforms.unreachable(
         session,
         _TapSite(path),
         None,
@@ -198,7 +204,7 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
         (),
         {},
         origin,
-        refused.whole_axes(enclosing, None),
+        jax_transforms.whole_axes(enclosing, None),
     )
 
 

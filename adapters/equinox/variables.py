@@ -1,0 +1,287 @@
+"""Equinox's leaves in the tree as the route of bridge's values inside
+`lax.scan` over stacked layers and `jax.checkpoint`
+(`bridge.adapters.equinox.transforms`).
+
+Each wrapper called inside them holds, per call, its `Leaves`, stacked
+`(L, *shape)` so that the scan slices them with the parameters: going in, a
+zero epsilon (its gradient is the stacked activation gradient) and the patch
+value, of which each iteration takes its row (a patch function needs no
+leaf: it is applied to each iteration's value); coming out, zero "recorders"
+of the value and, with `with_inputs=True`, of the positional inputs. Values
+leave the scan backwards: the recorders enter through a `custom_vjp` identity
+whose backward pass returns the recorded value and inputs themselves as the
+recorders' cotangents (`record`), and `run_with_tree_leaves` pulls them out
+with one `jax.vjp` of the model. Inputs that are not floating-point travel
+as float32 numbers that a cotangent carries exactly (`as_floats`). Where
+such a site lives is its `InTransform` origin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from bridge.adapter_api import (
+    BridgeValueError,
+    Session,
+    SiteOrigin,
+    abstract,
+    differentiable_part,
+    merge_differentiable,
+    positional_arrays,
+    without_axis,
+    zeros_like_struct,
+)
+
+from .jax_transforms import describe
+
+
+class Leaves(eqx.Module):
+    """A call's leaves inside a transform: array leaves of the tree, so a scan
+    slices them per iteration as it slices the parameters. The epsilon and the
+    patch value go in; the recorders of the value and of the positional
+    inputs bring them out, as their cotangents (see `record`). `None` where
+    the call has none."""
+
+    epsilon: Any = None
+    recorder: Any = None
+    inputs: Any = None
+    patch: Any = None
+
+
+def param_shapes(module: Any) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a module's arrays, bridge's own leaves left out."""
+    arrays = eqx.filter(module, eqx.is_array, is_leaf=lambda x: isinstance(x, Leaves))
+    return tuple(tuple(a.shape) for a in jax.tree.leaves(arrays))
+
+
+def in_tree(session: Session) -> dict[str, Any]:
+    """The selected sites whose epsilons live in the tree."""
+    return {
+        name: site
+        for name, site in session.selected.items()
+        if isinstance(site.origin, InTransform)
+    }
+
+
+def patches_in_tree(session: Session) -> dict[str, Any]:
+    """The patch values of the sites inside transforms, which ride in the tree
+    (sliced per iteration inside a scan). A patch function needs no leaf."""
+    return {
+        name: session.patches[name]
+        for name, site in session.carrier.patched_with_values().items()
+        if isinstance(site.origin, InTransform)
+    }
+
+
+def run_with_tree_leaves(
+    call_model: Callable[[dict[str, Leaves]], tuple[Any, Any]],
+    session: Session,
+    vmap: bool,
+    model_name: str,
+) -> tuple[Any, Any]:
+    """Run the model with the `Leaves` of the calls inside transforms
+    (`call_model(leaves) -> (outputs, state)`), and record the selected sites
+    there, whose values and inputs leave the scan as the recorders' cotangents
+    (see `record`)."""
+    patches = patches_in_tree(session)
+    sites = in_tree(session)
+    if not sites:  # nothing to record in there: no backward pass needed
+        return call_model({name: Leaves(patch=p) for name, p in patches.items()})
+    for site in sites.values():
+        if site.origin.blocked:
+            raise BridgeValueError(site.origin.blocked)
+
+    def shaped(site: Any) -> Any:
+        struct = site.value_struct
+        if vmap:  # the probe's own vmap: one example here
+            struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
+        return zeros_like_struct(struct)
+
+    def shaped_inputs(site: Any) -> Any:
+        if not session.with_inputs:
+            return None
+        # Shaped at discovery, where the probe's vmap had already taken the
+        # batch axis away.
+        return zeros_like_struct(site.origin.inputs_recorder)
+
+    recorders = {
+        name: (shaped(site), shaped_inputs(site)) for name, site in sites.items()
+    }
+
+    def forward(recorders: dict) -> tuple[Any, Any]:
+        leaves = {name: Leaves(patch=p) for name, p in patches.items()}
+        for name, site in sites.items():
+            value_recorder, inputs_recorder = recorders[name]
+            epsilon = session.epsilons.get(name)
+            leaves[name] = Leaves(
+                shaped(site) if epsilon is None else epsilon,
+                value_recorder,
+                inputs_recorder,
+                patches.get(name),
+            )
+        outputs, state = call_model(leaves)
+        floats = [
+            jnp.sum(leaf)
+            for leaf in jax.tree.leaves(differentiable_part(outputs))
+            if leaf is not None
+        ]
+        if not floats:
+            raise BridgeValueError(
+                "bridge records the sites inside jax.lax.scan or "
+                "jax.checkpoint through the backward pass of the model's "
+                f"outputs, but {model_name} returned no floating-point array."
+            )
+        # What the session recorded in here must leave `jax.vjp` as outputs.
+        return sum(floats, jnp.zeros(())), (
+            outputs,
+            state,
+            session.carrier.recordings(),
+        )
+
+    total, pullback, (outputs, state, recorded) = jax.vjp(
+        forward, recorders, has_aux=True
+    )
+    session.carrier.adopt(recorded)
+    (cotangents,) = pullback(jnp.ones_like(total))
+    for name, site in sites.items():
+        value, inputs = cotangents[name]
+        if session.with_inputs:
+            inputs = jax.tree.map(_from_floats, site.origin.inputs, inputs)
+        session.carrier.carried_out(name, value, inputs)
+    return outputs, state
+
+
+@dataclasses.dataclass(frozen=True)
+class InTransform(SiteOrigin):
+    """Where a site lives that takes its epsilon and patch value from the tree
+    and records through it: `iterations` of the enclosing scan (`None` when
+    only a checkpoint encloses it)."""
+
+    iterations: int | None
+    transforms: tuple[str, ...]
+    #: Why a call there cannot be a site (raised where it is selected).
+    blocked: str | None = None
+    #: How each positional array input comes back from its float32 transport
+    #: (an `_Encoding`, `None` for other arguments), and the abstract zeros of
+    #: its recorder, stacked like the site.
+    inputs: Any = None
+    inputs_recorder: Any = None
+
+    @property
+    def described(self) -> str:
+        return describe(self.transforms)
+
+
+def through_tree(value: Any, inputs: Any, leaves: Leaves) -> Any:
+    """`value` recorded through the tree with its `inputs` (see `record`),
+    and its epsilon added. The value recorded is the patched one, before its
+    epsilon."""
+    floats = record(
+        differentiable_part(value), inputs, (leaves.recorder, leaves.inputs)
+    )
+    floats = jax.tree.map(jnp.add, floats, leaves.epsilon)
+    return merge_differentiable(value, floats)
+
+
+def through_patch(session: Session, name: str, original: Any, patched: Any) -> Any:
+    """`patched`, the value of patched site `name`, through which the backward
+    pass still reaches `original` (with zero cotangents). Values recorded
+    inside a scan or checkpoint leave through the backward pass of the
+    model's outputs (`run_with_tree_leaves`): a patch downstream of them
+    would cut that pass, and their activations would come out as zeros."""
+    if name not in session.patches or not in_tree(session):
+        return patched
+
+    def keep(before: Any, after: Any) -> Any:
+        if not (eqx.is_inexact_array(before) and eqx.is_inexact_array(after)):
+            return after
+        if before.shape != after.shape or before.dtype != after.dtype:
+            return after
+        return jax.lax.select(jnp.zeros(after.shape, bool), before, after)
+
+    return jax.tree.map(keep, original, patched, is_leaf=lambda x: x is None)
+
+
+def inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:
+    """Discovery: how a call's positional inputs are recorded inside a
+    transform (see `InTransform.inputs`)."""
+    inputs = positional_arrays(args)
+    transported = jax.tree.map(as_floats, inputs)
+    if iterations:
+        # Broadcast, not zeros, as for the value (`holds_iterations` in
+        # `call_in_transform`): inputs varying across devices stay varying.
+        transported = jax.tree.map(
+            lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), transported
+        )
+    return {
+        "inputs": jax.tree.map(_Encoding.of, inputs),
+        "inputs_recorder": abstract(transported),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Encoding:
+    """How an input came to be float32 numbers in `as_floats`, to undo it."""
+
+    dtype: Any
+    key_impl: Any = None
+
+    @classmethod
+    def of(cls, x: Any) -> _Encoding:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return cls(jax.random.key_data(x).dtype, jax.random.key_impl(x))
+        return cls(x.dtype)
+
+
+def as_floats(x: Any) -> Any:
+    """An input as numbers a floating-point cotangent carries exactly: floats
+    as they are, integers and booleans as float32 (wider ones as their 16-bit
+    words, exact in float32), a typed random key as its integer data."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype.itemsize > 1:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x.astype(jnp.float32)
+
+
+def _from_floats(encoding: _Encoding, x: Any) -> Any:
+    """The inverse of `as_floats`, on the recorded (stacked) numbers."""
+    dtype = jnp.dtype(encoding.dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return x
+    if dtype.itemsize > 1:
+        x = jax.lax.bitcast_convert_type(x.astype(jnp.uint16), dtype)
+    else:
+        x = x.astype(dtype)
+    if encoding.key_impl is not None:
+        x = jax.random.wrap_key_data(x, impl=encoding.key_impl)
+    return x
+
+
+@jax.custom_vjp
+def record(value: Any, inputs: Any, recorders: Any) -> Any:
+    """`value`; the cotangent of `recorders` is `(value, inputs)` themselves,
+    so they leave a scan as the gradient of the stacked recorder leaves."""
+    del inputs, recorders
+    return value
+
+
+def _record_forward(value: Any, inputs: Any, recorders: Any) -> tuple[Any, Any]:
+    del recorders
+    return value, (value, inputs)
+
+
+def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any]:
+    _, inputs = recorded
+    return cotangent, jax.tree.map(jnp.zeros_like, inputs), recorded
+
+
+record.defvjp(_record_forward, _record_backward)
