@@ -1,10 +1,42 @@
 """One adapter package per library, installed as `bridge.adapters`.
 
 `linen`, `nnx`, `equinox`, `haiku`, `torch`: each imports its own library and
-is imported only when a model of that library is probed. Each names the same
-role the same way: `probe` (the `ProbeBase` subclass and its factory),
-`porting` (its side of `transfer`/`compare`), `transforms` (sites inside the
-library's lifted transforms), `internals` (the library's private API, checked
-against the supported versions), `guest` (its modules called inside another
-library's model). `shared` holds what several of them use.
+is imported only when a model of that library is probed. A file name means
+the same thing in every package that has it:
+
+- `probe`: the `ProbeBase` subclass and its factory `probe` (what the
+  registry imports), and the probe's call of the model;
+- `run`: one run of the model, each module call reported to the session from
+  where it runs (Linen's and Haiku's interceptor, NNX's `Run`, Equinox's
+  wrappers' calls), handing the sites inside transforms to `transforms` and
+  `jax_transforms`;
+- `surgery`: the copy of the model whose modules report their calls (NNX's
+  reporting subclasses, Equinox's wrappers);
+- `variables`: where the library keeps bridge's epsilons, patch values and
+  recordings, and a site's origin there (Linen's collections, NNX's
+  `nnx.Param` subclasses on the copy, Haiku's state, Equinox's leaves in the
+  tree);
+- `transforms`: sites inside the transforms that carry the model's own
+  variables, and so bridge's with them: the library's lifted transforms
+  (`nn.scan`, `nnx.scan`, `hk.scan`, `hk.experimental.layer_stack`, ...);
+  Equinox, which has none of its own, `lax.scan` over stacked layers and
+  `jax.checkpoint`, which carry its tree;
+- `jax_transforms`: sites inside JAX's own transforms in the model's code
+  that carry none of bridge's variables: the model's own `jax.vmap` (the
+  value handed out whole, `shared.lifting`) and the others (listed, refused
+  where selected or patched);
+- `internals`: the library's private API, all of it and only there
+  (version-checked at import in NNX, Haiku and PyTorch; JAX's is
+  `shared.jax_internals`);
+- `guest`: its modules called inside another library's model (found by name
+  by `shared.guests`);
+- `porting`: its side of `transfer`/`compare` (its `LayerKinds` table and
+  `with_weights`).
+
+Names one package alone needs: `nnx.carried` (a module `nnx.scan` carries
+rather than slices), `linen.hub` (Hugging Face Flax model objects),
+`torch.session` (the gradient caught at each call), `torch.arrays` (torch
+tensors as the core's arrays), `torch.discovery` (discovery on fake
+tensors). `shared` holds what several of them use, and imports no library
+package.
 """

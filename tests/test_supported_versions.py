@@ -67,7 +67,9 @@ def test_haiku_adapter_needs_its_lifting_module(monkeypatch):
         monkeypatch,
         "bridge.adapters.haiku",
         "bridge.adapters.haiku.probe",
+        "bridge.adapters.haiku.run",
         "bridge.adapters.haiku.transforms",
+        "bridge.adapters.haiku.variables",
         "bridge.adapters.haiku.internals",
     )
     monkeypatch.delattr(lift, "LiftingModule")
@@ -85,6 +87,8 @@ def test_nnx_adapter_needs_the_transform_stack(monkeypatch):
         monkeypatch,
         "bridge.adapters.nnx",
         "bridge.adapters.nnx.probe",
+        "bridge.adapters.nnx.run",
+        "bridge.adapters.nnx.surgery",
         "bridge.adapters.nnx.transforms",
         "bridge.adapters.nnx.internals",
     )
@@ -151,7 +155,9 @@ def test_a_guest_library_of_an_unsupported_release_leaves_the_host_probed(
         "bridge.adapters.haiku",
         "bridge.adapters.haiku.guest",
         "bridge.adapters.haiku.probe",
+        "bridge.adapters.haiku.run",
         "bridge.adapters.haiku.transforms",
+        "bridge.adapters.haiku.variables",
         "bridge.adapters.haiku.internals",
     )
     monkeypatch.delattr(lift, "LiftingModule")

@@ -1,7 +1,10 @@
 """Equinox: tree surgery on a copy of the model, epsilon leaves in the tree.
 
-`probe` (the adapter), `transforms` (sites inside the model's own `jax.vmap`,
-`lax.scan` and `jax.checkpoint`), `porting`.
+`probe`, `surgery` (the wrappers), `run` (a wrapper's call), `variables`
+(the leaves in the tree), `transforms` (`lax.scan` over stacked layers,
+`jax.checkpoint`), `jax_transforms` (the model's own `jax.vmap`, and the
+calls with no route), `internals`, `porting`: each name as
+`bridge.adapters` says.
 """
 
 from ..shared import jax_internals

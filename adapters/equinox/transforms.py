@@ -114,7 +114,7 @@ def call_in_transform(
     site_path = site.path if method is None else f"{site.path}.{method}"
     unsupported = [t for t in outer if t not in (SCAN, CHECKPOINT)]
     if unsupported or outer.count(SCAN) > 1:
-        # Listed, and refused only where selected or patched (`refused`).
+        # Listed, and refused only where selected or patched (`unreachable`).
         count = _count(site, depth) if outer.count(SCAN) == 1 else None
         origin = InTransform(None, enclosing, _why(site_path, enclosing, unsupported))
         whole = whole_axes(enclosing, count)

@@ -1,8 +1,9 @@
 """dm-haiku: an epsilon read from Haiku state, added by `hk.intercept_methods`.
 
-`probe` (the adapter), `transforms` (Haiku state through `layer_stack`,
-`hk.scan`, `hk.remat`), `internals` (Haiku's private API, version-checked),
-`porting`, `guest`.
+`probe`, `run` (the interceptor), `variables` (Haiku state as the route of
+bridge's values), `transforms` (`layer_stack`, `hk.scan`, `hk.remat`),
+`jax_transforms`, `internals` (version-checked), `guest`, `porting`: each
+name as `bridge.adapters` says.
 """
 
 from ..shared import jax_internals

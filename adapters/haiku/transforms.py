@@ -9,7 +9,8 @@ counter picks the iteration's row (`scanned`). A tap there is a site of the
 module calling it (`tap_handler`). Transforms that carry state as one value
 for every iteration or example (`hk.vmap`, `hk.fori_loop`, a user's
 `hk.lift`, ...) and loops and branches are refused where a site inside them
-is selected or patched, naming themselves (`refused`).
+is selected or patched, naming themselves (`refused`, and
+`bridge.adapters.haiku.jax_transforms` for JAX's own).
 """
 
 from __future__ import annotations

@@ -70,9 +70,10 @@ class Origin(SiteOrigin):
     `layer_stack`, `hk.scan`, `hk.remat` or `hk.jit`, whose values must leave
     through state; `blocked` says why a call inside a transform whose values
     cannot leave it per call is refused where selected or patched, naming it
-    (`refused`). Inside `hk.scan`, whose state is one carry for every iteration,
-    `scan` is `(length, reverse)`: the carry holds the whole stacked epsilon,
-    patch value and recording, and a step counter picks the iteration's row;
+    (`transforms.refused`). Inside `hk.scan`, whose state is one carry for
+    every iteration, `scan` is `(length, reverse)`: the carry holds the whole
+    stacked epsilon, patch value and recording, and a step counter picks the
+    iteration's row;
     `value` and `inputs` are the abstract value (floating leaves) and
     positional arguments of one iteration, which shape the recording's rows.
     `tap` names a `bridge.tap` there, kept in the bundle of the module that

@@ -1,7 +1,9 @@
 """Flax Linen: `Module.perturb`, inserted from outside with `nn.intercept_methods`.
 
-`probe` (the adapter), `porting` (its side of `transfer`/`compare`), `guest`
-(Linen modules called inside another library's model).
+`probe`, `run` (the interceptor), `variables` (bridge's collections),
+`transforms` (Flax's lifted transforms), `jax_transforms` (the model's own
+JAX transforms), `internals`, `guest`, `porting`, `hub` (Hugging Face Flax
+model objects): each name as `bridge.adapters` says.
 """
 
 from ..shared import jax_internals

@@ -1,7 +1,10 @@
 """Flax NNX: graph surgery on a copy of the module, made inside the traced call.
 
-`probe` (the adapter), `transforms` (sites inside NNX's lifted transforms),
-`internals` (NNX's private API, version-checked), `porting`, `guest`.
+`probe`, `surgery` (the copy's reporting classes), `run` (the `Run` of the
+copy), `variables` (bridge's `nnx.Param` subclasses on the copy),
+`transforms` (NNX's lifted transforms), `carried` (a module `nnx.scan`
+carries), `jax_transforms`, `internals` (version-checked), `guest`,
+`porting`: each name as `bridge.adapters` says.
 """
 
 from ..shared import jax_internals

@@ -1,8 +1,9 @@
 """PyTorch: a `torch.nn.Module` through the same protocol as the JAX libraries.
 
-`probe` (the adapter), `session` (the gradient catch at each call), `arrays`
-(torch tensors as the core's arrays), `internals` (PyTorch's private API,
-version-checked), `porting`.
+`probe`, `session` (the gradient catch at each call), `arrays` (torch
+tensors as the core's arrays), `discovery` (discovery on fake tensors),
+`internals` (version-checked), `porting`: each name as `bridge.adapters`
+says.
 """
 
 from .probe import TorchProbe as TorchProbe
