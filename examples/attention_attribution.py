@@ -207,41 +207,58 @@ def main() -> None:
 
 
 def plot(jax_scores, torch_scores, result, sites, path: Path) -> None:
+    """Two rows, 9 inches wide with 11-point text, for the docs page's width:
+    the attribution per layer and head in JAX and in PyTorch (top), the
+    pattern of each layer's most attributed head (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 + LAYERS, figsize=(17, 4), layout="constrained")
-    bound = np.abs(jax_scores).max()
-    for ax, scores, title in zip(
-        axes[:2],
-        (jax_scores, torch_scores),
-        ("JAX (Flax GPT-2)", "PyTorch (GPT-2)"),
-        strict=True,
-    ):
-        image = ax.imshow(scores, cmap="RdBu_r", vmin=-bound, vmax=bound)
-        ax.set_title(f"{title}: sum(pattern x d logit / d pattern)", fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(HEADS))
-        ax.set_yticks(range(LAYERS))
-        for (i, j), value in np.ndenumerate(scores):
-            ax.text(j, i, f"{value:.4f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(image, ax=axes[:2], shrink=0.8)
-    for layer, ax in enumerate(axes[2:]):  # each layer's most attributed head
-        head = int(np.abs(jax_scores[layer]).argmax())
-        ax.imshow(np.asarray(result.activations[sites[layer]])[0, head])
-        ax.set_title(f"pattern, layer {layer} head {head} (one sequence)", fontsize=9)
-        ax.set_xlabel("key position")
-        ax.set_ylabel("query position")
-    fig.suptitle(
-        "Attention attribution through bridge.probe(..., inside=...): the same "
-        "call on a trained GPT-2 in Flax and its PyTorch twin",
-        fontsize=10,
-    )
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    with plt.rc_context({"font.size": 11}):
+        fig = plt.figure(figsize=(9, 7.8), layout="constrained")
+        top, bottom = fig.subfigures(2, 1, height_ratios=(1, 1.6))
+        axes = top.subplots(1, 2)
+        bound = np.abs(jax_scores).max()
+        for ax, scores, title in zip(
+            axes,
+            (jax_scores, torch_scores),
+            ("JAX (Flax GPT-2)", "PyTorch (GPT-2)"),
+            strict=True,
+        ):
+            image = ax.imshow(scores, cmap="RdBu_r", vmin=-bound, vmax=bound)
+            ax.set_title(title)
+            ax.set_xlabel("head")
+            ax.set_ylabel("layer")
+            ax.set_xticks(range(HEADS))
+            ax.set_yticks(range(LAYERS))
+            for (i, j), value in np.ndenumerate(scores):
+                strong = abs(value) > 0.6 * bound
+                ax.text(
+                    j,
+                    i,
+                    f"{value:.4f}",
+                    ha="center",
+                    va="center",
+                    fontsize=10,
+                    color="white" if strong else "black",
+                )
+        top.colorbar(image, ax=axes, shrink=0.9)
+        top.suptitle("Attribution per head: sum(pattern × d logit / d pattern)")
+        for layer, ax in enumerate(bottom.subplots(1, LAYERS)):
+            head = int(np.abs(jax_scores[layer]).argmax())
+            ax.imshow(np.asarray(result.activations[sites[layer]])[0, head])
+            ax.set_title(f"layer {layer}, head {head}")
+            ax.set_xlabel("key position")
+            ax.set_ylabel("query position")
+        bottom.suptitle("Pattern of each layer's most attributed head (one sequence)")
+        fig.suptitle(
+            "Attention attribution through bridge.probe(..., inside=...):\n"
+            "the same call on a trained GPT-2 in Flax and its PyTorch twin",
+            fontsize=12,
+        )
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -137,35 +137,59 @@ def train(model, train_x, train_y, test_x, test_y, desc):
 
 
 def plot(results, path):
+    """One panel per MLP, two by two, 8.5 inches wide with 11-point text: the
+    docs page (about 690 pixels) shows it at about 0.8 scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(
-        1, len(results), figsize=(11.5, 3.4), sharey=True, layout="constrained"
-    )
-    colors = plt.cm.viridis(np.linspace(0, 0.9, len(SNAPSHOTS)))
-    layers = np.arange(1, DEPTH + 1)
-    for ax, (name, (_, norms, accuracy)) in zip(axes, results.items(), strict=True):
-        for color, step in zip(colors, SNAPSHOTS, strict=True):
-            ax.plot(
-                layers, norms[step], "o-", ms=2.5, color=color, label=f"step {step}"
-            )
-        ax.set_yscale("log")
-        ax.set_title(f"{name}\ntest accuracy {accuracy:.0%}", fontsize=9)
-        ax.set_xlabel("layer ℓ (input → output)", fontsize=8)
-        ax.set_xticks(layers[:: max(1, DEPTH // 5)])
-        ax.grid(True, which="major", alpha=0.3)
-    axes[0].set_ylabel("‖d loss / d h_ℓ‖  (batch of 128)", fontsize=8)
-    axes[0].legend(fontsize=7, title="training", title_fontsize=7)
-    fig.suptitle(
-        f"Gradient flow through {DEPTH}-layer MLPs (Haiku, digits, SGD lr "
-        f"{LEARNING_RATE}), read from res.activation_grads",
-        fontsize=10,
-    )
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    columns = 2
+    rows = -(-len(results) // columns)
+    with plt.rc_context({"font.size": 11}):
+        fig, axes = plt.subplots(
+            rows,
+            columns,
+            figsize=(8.5, 3.1 * rows + 1.0),
+            sharex=True,
+            sharey=True,
+            layout="constrained",
+            squeeze=False,
+        )
+        colors = plt.cm.viridis(np.linspace(0, 0.9, len(SNAPSHOTS)))
+        layers = np.arange(1, DEPTH + 1)
+        for ax, (name, (_, norms, accuracy)) in zip(
+            axes.flat, results.items(), strict=False
+        ):
+            for color, step in zip(colors, SNAPSHOTS, strict=True):
+                ax.plot(
+                    layers, norms[step], "o-", ms=3, color=color, label=f"step {step}"
+                )
+            ax.set_yscale("log")
+            ax.set_title(f"{name}\ntest accuracy {accuracy:.0%}")
+            ax.set_xticks(layers[:: max(1, DEPTH // 5)])
+            ax.grid(True, which="major", alpha=0.3)
+        for ax in axes.flat[len(results) :]:
+            ax.set_visible(False)
+        for ax in axes[-1]:
+            ax.set_xlabel("layer ℓ (input → output)")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("‖d loss / d h_ℓ‖")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(
+            handles,
+            labels,
+            loc="outside lower center",
+            ncols=len(SNAPSHOTS),
+            title="training (batch of 128)",
+        )
+        fig.suptitle(
+            f"Gradient flow through {DEPTH}-layer MLPs (Haiku, digits, SGD lr "
+            f"{LEARNING_RATE}),\nread from res.activation_grads",
+            fontsize=12,
+        )
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
 
 
 def main():

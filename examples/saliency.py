@@ -130,48 +130,51 @@ def attributions(model, images, classes):
 
 
 def plot(images, labels, predictions, saliency, per_layer, path):
+    """One column per digit, one row per map; 8.5 inches wide with 11-point
+    text, so the docs page (about 690 pixels) shows it at about 0.8 scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = {
-        "digit": images,
-        "saliency\nd logit / d pixel": saliency,
-        "gradient\n× input": saliency * images,
+        "digit\n(label → predicted)": images,
+        "saliency:\nd logit / d pixel": saliency,
+        "gradient × input": saliency * images,
         **{
-            f"{conv} output\n(pre-ReLU)\ngrad × act.": maps
+            f"{conv} output\n(pre-ReLU):\ngrad × activation": maps
             for conv, maps in per_layer.items()
         },
     }
-    fig, axes = plt.subplots(
-        len(rows),
-        len(images),
-        figsize=(1.1 * len(images) + 1.0, 1.1 * len(rows) + 0.6),
-        layout="constrained",
-    )
-    for row, (title, maps) in enumerate(rows.items()):
-        for col, (label, prediction) in enumerate(
-            zip(labels, predictions, strict=True)
-        ):
-            ax = axes[row, col]
-            if row == 0:
-                ax.imshow(maps[col], cmap="gray_r", vmin=0, vmax=1)
-                ax.set_title(f"label {label}, predicted {prediction}", fontsize=7)
-            else:  # signed, each map on its own symmetric scale
-                scale = float(np.abs(maps[col]).max()) or 1.0
-                ax.imshow(maps[col], cmap="RdBu_r", vmin=-scale, vmax=scale)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if col == 0:
-                ax.set_ylabel(title, fontsize=8)
-    fig.suptitle(
-        "What raises (red) or lowers (blue) the predicted digit's logit"
-        " — Equinox CNN, scikit-learn digits",
-        fontsize=9,
-    )
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    with plt.rc_context({"font.size": 11}):
+        fig, axes = plt.subplots(
+            len(rows),
+            len(images),
+            figsize=(8.5, 0.9 * len(rows) + 0.9),
+            layout="constrained",
+        )
+        for row, (title, maps) in enumerate(rows.items()):
+            for col, (label, prediction) in enumerate(
+                zip(labels, predictions, strict=True)
+            ):
+                ax = axes[row, col]
+                if row == 0:
+                    ax.imshow(maps[col], cmap="gray_r", vmin=0, vmax=1)
+                    ax.set_title(f"{label} → {prediction}")
+                else:  # signed, each map on its own symmetric scale
+                    scale = float(np.abs(maps[col]).max()) or 1.0
+                    ax.imshow(maps[col], cmap="RdBu_r", vmin=-scale, vmax=scale)
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if col == 0:
+                    ax.set_ylabel(title, rotation=0, ha="right", va="center")
+        fig.suptitle(
+            "What raises (red) or lowers (blue) the predicted digit's logit:\n"
+            "Equinox CNN, scikit-learn digits",
+            fontsize=12,
+        )
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
 
 
 def main():
