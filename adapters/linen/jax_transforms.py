@@ -22,8 +22,7 @@ from bridge.adapter_api import Session
 
 from ..shared import guests, jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
-from .internals import transform_call
-from .transforms import LINEN_NAMES, REFUSALS
+from .transforms import LINEN_NAMES, REFUSALS, transform_call
 from .variables import EPSILON_COLLECTION, Origin, perturbation
 
 #: JAX's names of its transforms (a trace's `traced_for`), as the model's
