@@ -1,6 +1,6 @@
 """Discovery, reused: the sites of a call are found once per structure.
 
-One cache for every framework. `ProbeBase._discover` asks the probe for a
+One cache for every framework. `ProbeFront._discover` asks the probe for a
 key (`_discovery_key`) and, where nothing is kept under it, discovers afresh
 (`_discover_afresh`). A JAX model is traced abstractly (`jax.eval_shape`) to
 find its sites and shape their epsilons, and the real run then traces it
@@ -36,7 +36,7 @@ What is kept (`Discovery`): the sites — names, shapes, `stacked`, the module
 object (for selection by class or predicate, and for the porting layer's
 hyperparameters), the adapter's `origin` — and the outputs' abstract
 structure, so a loss function is checked against it without running the
-model (`ProbeBase._abstract_loss`). A site's module is an object of a
+model (`ProbeFront._abstract_loss`). A site's module is an object of a
 finished trace whichever trace made it, as it always was; an `origin` is
 used by the adapter in later runs, so a discovery is kept only where every
 origin is plain data (`is_plain`: strings, numbers, tuples, frozen records

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._errors import BridgeTypeError
 from .._session.inside import Inside, check_carried
-from .jax_backend import ProbeBase
+from .front import ProbeFront
 from .protocol import ActivationProbe
 
 _SUPPORTED = (
@@ -133,9 +133,10 @@ def probe(
             created = adapter.create(model, variables, vmap)
             if rewrites is None:
                 return created
-            if not isinstance(created, ProbeBase):
+            if not isinstance(created, ProbeFront):
                 raise BridgeTypeError(
-                    f"`inside` needs a probe built on bridge's ProbeBase; the "
+                    f"`inside` needs a probe built on bridge's ProbeFront (or "
+                    "ProbeBase); the "
                     f"adapter for {type(model).__qualname__} made a "
                     f"{type(created).__qualname__}. Mark the values with "
                     "bridge.tap in the model's code instead."
