@@ -209,6 +209,7 @@ from ._probe.front import ProbeFront as ProbeFront
 from ._probe.jax_backend import ProbeBase as ProbeBase
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
+from ._session.context import tapping_a_local as tapping_a_local
 from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
@@ -287,6 +288,7 @@ __all__ = [
     "register_adapter",
     "replace_leaves",
     "strip_call_index",
+    "tapping_a_local",
     "torch_named_conv_hyperparameters",
     "unsupported",
     "weight_by_weight",

@@ -16,15 +16,18 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 
-from bridge.adapter_api import BridgeValueError, Session, current_session
+from bridge.adapter_api import (
+    BridgeValueError,
+    Session,
+    current_session,
+    tapping_a_local,
+)
 
 from ..shared import unexpressible
 from . import jax_transforms, transforms, variables
@@ -176,7 +179,7 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
     where selected or patched, naming the transform (`jax_transforms.unreachable`)."""
     session = context.session
     enclosing = jax_transforms.transforms(context.base_trace)
-    if _from_inside():
+    if tapping_a_local():
         # A local of the probe's `inside=`: the core lists it and says so.
         raise BridgeValueError(
             f"bridge.tap({name!r}) is inside {jax_transforms.describe(enclosing)}, "
@@ -206,20 +209,3 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
         origin,
         jax_transforms.whole_axes(enclosing, None),
     )
-
-
-def _from_inside() -> bool:
-    """Whether the tap running now marks a local of the probe's `inside=`
-    (the core's rewritten assignment calls it, and refuses what the adapter
-    raises in its own words), rather than a `bridge.tap` in the model."""
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return False
-        code = frame.f_code
-        if code.co_name == "tap" and code.co_filename.endswith(
-            os.path.join("bridge", "_inside.py")
-        ):
-            return True
-        frame = frame.f_back
-    return False

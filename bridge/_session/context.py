@@ -37,3 +37,26 @@ def active(session: Any) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+_LOCAL_TAP: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "bridge_local_tap", default=False
+)
+
+
+def tapping_a_local() -> bool:
+    """Whether the tap running now marks a local variable of the probe's
+    `inside=` (the core's rewritten assignment), rather than a `bridge.tap`
+    in the model's code: an adapter that cannot reach it raises, and the core
+    lists the local as unreachable in its own words."""
+    return _LOCAL_TAP.get()
+
+
+@contextlib.contextmanager
+def local_tap() -> Iterator[None]:
+    """The tap within is a local's of `inside=` (`tapping_a_local`)."""
+    token = _LOCAL_TAP.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL_TAP.reset(token)

@@ -79,7 +79,7 @@ from .._errors import (
     BridgeTypeError,
     BridgeValueError,
 )
-from .context import INSIDE, current
+from .context import INSIDE, current, local_tap
 from .sites import Site, SiteOrigin, site_name
 
 #: The name the rewritten code imports `tap` from.
@@ -146,7 +146,8 @@ def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
         return value
     before = session.naming.checkpoint()[0]
     try:
-        tapped = session.tap(name, value)
+        with local_tap():
+            tapped = session.tap(name, value)
     except BridgeError as refusal:
         if _entered(session, before):
             raise  # not a refusal of the tap: an error of its site's run
