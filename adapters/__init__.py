@@ -4,8 +4,9 @@
 is imported only when a model of that library is probed. A file name means
 the same thing in every package that has it:
 
-- `probe`: the `ProbeBase` subclass and its factory `probe` (what the
-  registry imports), and the probe's call of the model;
+- `probe`: the probe class (a `ProbeBase`, PyTorch's a `ProbeFront`) and
+  its factory `probe` (what the registry imports), and the probe's call of
+  the model;
 - `run`: one run of the model, each module call reported to the session from
   where it runs (Linen's and Haiku's interceptor, NNX's `Run`, Equinox's
   wrappers' calls), handing the sites inside transforms to `transforms` and
