@@ -163,7 +163,7 @@ def test_state_equals_the_unprobed_model(case):
 
 @pytest.mark.parametrize("mode", MODES_EAGER_SLOW)
 def test_a_selection_records_the_same_numbers(case, mode):
-    full = full_result(case)
+    full = full_result(case, mode)
     names = list(full.activation_grads)
     chosen = [names[0], names[-1]]
     # A glob also matches later calls (`#k`) of a site; a predicate sees full names.
