@@ -110,6 +110,8 @@ def required_import_failure(reason: str) -> str | None:
     if match:
         module = match.group(1) or match.group(2)
         package = _required_package(module)
+        if package == module:
+            return f"{module} is required"
         if package is not None:
             return f"{module} is under the required {package}"
     for package in REQUIRED_IMPORTS:
