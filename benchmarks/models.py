@@ -61,6 +61,10 @@ class Sizes:
     depth_tf: int = 4
     width_scan: int = 64
     batch_scan: int = 8
+    # The transformers' compute and parameter dtypes (bfloat16 / mixed
+    # precision on an accelerator: `benchmarks/tpu.py`).
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
 
 
 FULL = Sizes(batch_mlp=16, tokens=32)
@@ -68,7 +72,7 @@ QUICK = Sizes(4, 32, 2, 2, 8, 4, 2, 8, 16, 1, 8, 2)
 
 
 def mse(y):
-    return jnp.mean(jnp.square(y))
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
 
 def _zeros_in_trace(tree):
@@ -171,21 +175,24 @@ def linen_cnn(s: Sizes = FULL):
 def linen_transformer(s: Sizes = FULL):
     import flax.linen as nn
 
+    types = {"dtype": s.dtype, "param_dtype": s.param_dtype}
+
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x):
-            x = x + nn.SelfAttention(num_heads=4)(nn.LayerNorm()(x))
-            h = nn.gelu(nn.Dense(4 * s.width_tf)(nn.LayerNorm()(x)))
-            return x + nn.Dense(s.width_tf)(h)
+            x = x + nn.SelfAttention(num_heads=4, **types)(nn.LayerNorm(**types)(x))
+            h = nn.gelu(nn.Dense(4 * s.width_tf, **types)(nn.LayerNorm(**types)(x)))
+            return x + nn.Dense(s.width_tf, **types)(h)
 
     class Transformer(nn.Module):
         @nn.compact
         def __call__(self, x):
             for _ in range(s.depth_tf):
                 x = Block()(x)
-            return nn.Dense(10)(x.mean(axis=1))
+            return nn.Dense(10, **types)(x.mean(axis=1))
 
     x = jax.random.normal(jax.random.key(1), (s.batch_tf, s.tokens, s.width_tf))
+    x = x.astype(s.dtype)
     return _linen("transformer", Transformer(), x, "Block_0/Dense_0")
 
 
@@ -355,15 +362,17 @@ def nnx_transformer(s: Sizes = FULL):
 
     w = s.width_tf
 
+    types = {"dtype": s.dtype, "param_dtype": s.param_dtype}
+
     class Block(nnx.Module):
         def __init__(self, hand, rngs):
-            self.norm1 = nnx.LayerNorm(w, rngs=rngs)
+            self.norm1 = nnx.LayerNorm(w, rngs=rngs, **types)
             self.attention = nnx.MultiHeadAttention(
-                num_heads=4, in_features=w, decode=False, rngs=rngs
+                num_heads=4, in_features=w, decode=False, rngs=rngs, **types
             )
-            self.norm2 = nnx.LayerNorm(w, rngs=rngs)
-            self.fc1 = nnx.Linear(w, 4 * w, rngs=rngs)
-            self.fc2 = nnx.Linear(4 * w, w, rngs=rngs)
+            self.norm2 = nnx.LayerNorm(w, rngs=rngs, **types)
+            self.fc1 = nnx.Linear(w, 4 * w, rngs=rngs, **types)
+            self.fc2 = nnx.Linear(4 * w, w, rngs=rngs, **types)
             self.hand = hand
 
         def __call__(self, x):
@@ -377,7 +386,7 @@ def nnx_transformer(s: Sizes = FULL):
     class Transformer(nnx.Module):
         def __init__(self, hand, rngs):
             self.blocks = nnx.List([Block(hand, rngs) for _ in range(s.depth_tf)])
-            self.head = nnx.Linear(w, 10, rngs=rngs)
+            self.head = nnx.Linear(w, 10, rngs=rngs, **types)
             self.hand = hand
 
         def __call__(self, x):
@@ -386,6 +395,7 @@ def nnx_transformer(s: Sizes = FULL):
             return _mark(self, self.hand, "head", self.head(x.mean(axis=1)))
 
     x = jax.random.normal(jax.random.key(1), (s.batch_tf, s.tokens, w))
+    x = x.astype(s.dtype)
     return _nnx(
         "transformer", lambda hand: Transformer(hand, nnx.Rngs(0)), x, "blocks/0/fc1"
     )
@@ -592,11 +602,12 @@ def equinox_transformer(s: Sizes = FULL):
 
         def __init__(self, key):
             k1, k2, k3 = jax.random.split(key, 3)
-            self.norm1 = eqx.nn.LayerNorm(w)
-            self.attention = eqx.nn.MultiheadAttention(4, w, key=k1)
-            self.norm2 = eqx.nn.LayerNorm(w)
-            self.fc1 = eqx.nn.Linear(w, 4 * w, key=k2)
-            self.fc2 = eqx.nn.Linear(4 * w, w, key=k3)
+            dtype = s.param_dtype
+            self.norm1 = eqx.nn.LayerNorm(w, dtype=dtype)
+            self.attention = eqx.nn.MultiheadAttention(4, w, dtype=dtype, key=k1)
+            self.norm2 = eqx.nn.LayerNorm(w, dtype=dtype)
+            self.fc1 = eqx.nn.Linear(w, 4 * w, dtype=dtype, key=k2)
+            self.fc2 = eqx.nn.Linear(4 * w, w, dtype=dtype, key=k3)
 
         def __call__(self, x):
             h = jax.vmap(self.norm1)(x)
@@ -611,14 +622,20 @@ def equinox_transformer(s: Sizes = FULL):
         def __init__(self, key):
             keys = jax.random.split(key, s.depth_tf + 1)
             self.blocks = [Block(k) for k in keys[:-1]]
-            self.head = eqx.nn.Linear(w, 10, key=keys[-1])
+            self.head = eqx.nn.Linear(w, 10, dtype=s.param_dtype, key=keys[-1])
 
         def __call__(self, x):
-            for block in self.blocks:
+            model = self
+            if s.dtype != s.param_dtype:  # mixed precision: compute in s.dtype
+                model = jax.tree.map(
+                    lambda a: a.astype(s.dtype) if eqx.is_inexact_array(a) else a, self
+                )
+            for block in model.blocks:
                 x = block(x)
-            return self.head(x.mean(axis=0))
+            return model.head(x.mean(axis=0))
 
     x = jax.random.normal(jax.random.key(1), (s.batch_tf, s.tokens, w))
+    x = x.astype(s.dtype)
     # Layers applied per token with the model's own `jax.vmap` (norms, fc1, fc2,
     # the attention's projections) cannot take a per-example epsilon leaf.
     paths = ["head"] + [
@@ -675,15 +692,19 @@ def equinox_scanned(depth: int, s: Sizes = FULL):
 # -- Haiku ---------------------------------------------------------------------------
 
 
-def _haiku(name, forward, x, one_site):
+def _haiku(name, forward, x, one_site, s: Sizes = FULL):
     """`forward(x, mark)`: the model, `mark(value)` after every layer call."""
     import haiku as hk
 
     def identity(value):
         return value
 
+    if s.dtype != s.param_dtype:  # mixed precision: parameters cast when read
+        forward = _cast_parameters(forward, s.dtype)
+
     transformed = hk.without_apply_rng(hk.transform(lambda x: forward(x, identity)))
-    params = transformed.init(jax.random.key(0), x)
+    params = transformed.init(jax.random.key(0), x.astype(jnp.float32))
+    params = jax.tree.map(lambda a: a.astype(s.param_dtype), params)
     probe = bridge.probe(transformed, params)
 
     def plain(params, x):
@@ -724,6 +745,19 @@ def _haiku(name, forward, x, one_site):
         len(jax.tree.leaves(epsilons)),
         one_site,
     )
+
+
+def _cast_parameters(forward, dtype):
+    import haiku as hk
+
+    def cast(next_getter, value, context):
+        return next_getter(value.astype(dtype))
+
+    def with_types(x, mark):
+        with hk.custom_getter(cast):
+            return forward(x, mark)
+
+    return with_types
 
 
 def haiku_mlp(s: Sizes = FULL):
@@ -776,7 +810,7 @@ def haiku_transformer(s: Sizes = FULL):
         return mark(hk.Linear(10)(x.mean(axis=1)))
 
     x = jax.random.normal(jax.random.key(1), (s.batch_tf, s.tokens, w))
-    return _haiku("transformer", forward, x, "linear")
+    return _haiku("transformer", forward, x.astype(s.dtype), "linear", s)
 
 
 def haiku_scanned(depth: int, s: Sizes = FULL):

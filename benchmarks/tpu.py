@@ -1,0 +1,320 @@
+"""bridge on an accelerator: GPT-2 small's shape in every library, on the chip.
+
+    python benchmarks/tpu.py --out DIR [--models equinox,haiku] [--sizes 2x128,4x512]
+                             [--dtypes float32,bfloat16,mixed] [--profile]
+
+For each model (`linen`, `nnx`, `equinox`, `haiku`: the pre-norm transformer
+of `models.py` at GPT-2 small's width and depth; `hf`: Hugging Face's Flax
+GPT-2), size and dtype, five jitted steps compiled once each and run
+interleaved (the order rotated every repeat):
+
+- `plain`: `jax.value_and_grad` of the loss over the parameters;
+- `hand`: the library's hand-written epsilon trick at the same sites
+  (`models.py`), returning the activation gradients it perturbs;
+- `one`: `probe.value_and_grad` at one site;
+- `all`: every site, activations and activation gradients returned;
+- `norms`: every site, reduced inside the step to two norms per site.
+
+Each row (appended to `DIR/rows.jsonl` as it is measured, so a run cut short
+keeps what it measured): median runtime, compile seconds (lower + compile,
+discovery warm; discovery timed apart), XLA memory (temporaries + outputs),
+XLA FLOPs and bytes accessed, and the bytes the step returns beyond plain.
+With `--profile`, the device time of every XLA op over three runs of each
+step goes to `DIR/ops/` and the optimised HLO to `DIR/hlo/`: what tells a
+probed program's cost apart from plain's on the chip.
+
+`benchmarks/tpu_report.py DIR` turns the rows into `RESULTS_tpu.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+
+import bridge
+from bridge._probe.discovery_cache import CACHE as DISCOVERIES
+
+DTYPES = {
+    # (parameter dtype, activation dtype)
+    "float32": (jnp.float32, jnp.float32),
+    "bfloat16": (jnp.bfloat16, jnp.bfloat16),
+    "mixed": (jnp.float32, jnp.bfloat16),
+}
+
+
+def norms(res: bridge.ProbeResult) -> tuple:
+    """What a gradient-flow diagnostic keeps: two numbers per site."""
+    return (
+        res.loss,
+        res.grads,
+        jax.tree.map(
+            lambda a: jnp.linalg.norm(a.astype(jnp.float32)),
+            (res.activations, res.activation_grads),
+        ),
+    )
+
+
+def array_bytes(tree) -> int:
+    return sum(
+        int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def cast_params(tree, dtype):
+    return jax.tree.map(
+        lambda a: a.astype(dtype)
+        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)
+        else a,
+        tree,
+    )
+
+
+def library_steps(library: str, batch: int, tokens: int, dtype: str):
+    """`(steps, first_args, x, returned bytes, sites)` of one library's model."""
+    param_dtype, compute_dtype = DTYPES[dtype]
+    sizes = models.Sizes(
+        batch_tf=batch,
+        tokens=tokens,
+        width_tf=768,
+        depth_tf=12,
+        dtype=compute_dtype,
+        param_dtype=param_dtype,
+    )
+    workload = getattr(models, f"{library}_transformer")(sizes)
+    probe, loss, at = workload.probe, workload.loss, workload.one_site
+    steps = {
+        "plain": workload.plain,
+        "hand": workload.hand,
+        "one": lambda p, x: p.value_and_grad(loss, x, at=at),
+        "all": lambda p, x: p.value_and_grad(loss, x),
+        "norms": lambda p, x: norms(p.value_and_grad(loss, x)),
+    }
+    first = dict.fromkeys(steps, probe) | {
+        "plain": workload.params,
+        "hand": workload.hand_params,
+    }
+    sites = probe.sites(workload.x)
+    return steps, first, (workload.x,), 2 * array_bytes(sites), len(sites)
+
+
+def hf_steps(batch: int, tokens: int, dtype: str):
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    param_dtype, compute_dtype = DTYPES[dtype]
+    config = GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    model = FlaxGPT2LMHeadModel(config, seed=0, dtype=compute_dtype)
+    module = model.module
+    params = cast_params(model.params, param_dtype)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, tokens))
+    inputs = (ids, np.ones_like(ids), np.broadcast_to(np.arange(tokens), ids.shape))
+
+    def loss_of(outputs):
+        logits = jax.nn.log_softmax(outputs.logits[:, :-1].astype(jnp.float32))
+        return -jnp.take_along_axis(logits, ids[:, 1:, None], axis=-1).mean()
+
+    def plain(params, *inputs):
+        return jax.value_and_grad(
+            lambda p: loss_of(module.apply({"params": p}, *inputs))
+        )(params)
+
+    def probed(at, reduce=lambda r: r):
+        def step(params, *inputs):
+            probe = bridge.probe(module, {"params": params})
+            return reduce(probe.value_and_grad(loss_of, *inputs, at=at))
+
+        return step
+
+    sites = bridge.probe(module, {"params": params}).sites(*inputs)
+    steps = {
+        "plain": plain,
+        "hand": hf_hand(module, loss_of, sites),
+        "one": probed("transformer/h/11/mlp"),
+        "all": probed(None),
+        "norms": probed(None, norms),
+    }
+    return steps, dict.fromkeys(steps, params), inputs, 2 * array_bytes(sites), len(
+        sites
+    )
+
+
+def hf_hand(module, loss_of, sites):
+    """Flax's own `perturb` at every submodule's output (the Linen hand trick)."""
+    import flax.linen as nn
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        if context.module.path == () or context.method_name != "__call__":
+            return out
+        if not isinstance(out, jax.Array):
+            return out
+        return context.module.perturb("epsilon", out)
+
+    def step(params, *inputs):
+        def loss(params, perturbations):
+            with nn.intercept_methods(interceptor):
+                out = module.apply(
+                    {"params": params, "perturbations": perturbations}, *inputs
+                )
+            return loss_of(out)
+
+        perturbations = jax.eval_shape(
+            lambda: module.apply(
+                {"params": params},
+                *inputs,
+                mutable=["perturbations"],
+                method=lambda m, *a: _perturbed_call(m, interceptor, *a),
+            )[1]["perturbations"]
+        )
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, zeros)
+
+    return step
+
+
+def _perturbed_call(module, interceptor, *inputs):
+    import flax.linen as nn
+
+    with nn.intercept_methods(interceptor):
+        return module(*inputs)
+
+
+def device_op_times(run, repeats: int = 3) -> dict:
+    """Device time (ns) per XLA op name over `repeats` runs of `run()`."""
+    from jax.profiler import ProfileData
+
+    directory = tempfile.mkdtemp()
+    run()
+    with jax.profiler.trace(directory):
+        for _ in range(repeats):
+            run()
+    (path,) = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)
+    totals: collections.Counter = collections.Counter()
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            for event in line.events:
+                totals[event.name] += event.duration_ns / repeats
+    return dict(totals.most_common())
+
+
+def measure(name, steps, first, x, repeats, out: pathlib.Path, profile: bool):
+    compiled, rows = {}, {}
+    for variant, step in steps.items():
+        start = time.perf_counter()
+        lowered = jax.jit(step).lower(first[variant], *x)
+        traced = time.perf_counter() - start
+        compiled[variant] = lowered.compile()
+        seconds = time.perf_counter() - start
+        memory = compiled[variant].memory_analysis()
+        cost = compiled[variant].cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        rows[variant] = {
+            "compile_s": seconds,
+            "lower_s": traced,
+            "memory": memory.temp_size_in_bytes + memory.output_size_in_bytes,
+            "temp": memory.temp_size_in_bytes,
+            "output": memory.output_size_in_bytes,
+            "flops": cost.get("flops", 0.0),
+            "bytes_accessed": cost.get("bytes accessed", 0.0),
+        }
+        if profile:
+            (out / "hlo").mkdir(exist_ok=True)
+            with gzip.open(out / "hlo" / f"{name}_{variant}.txt.gz", "wt") as f:
+                f.write(compiled[variant].as_text())
+        print(f"  {variant}: compiled in {seconds:.1f}s", flush=True)
+    times = {variant: [] for variant in steps}
+    order = list(steps)
+    for repeat in range(repeats):
+        for variant in order[repeat % len(order) :] + order[: repeat % len(order)]:
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[variant](first[variant], *x))
+            times[variant].append(time.perf_counter() - start)
+    for variant in steps:
+        rows[variant]["runtime_s"] = statistics.median(times[variant])
+        rows[variant]["runtimes_s"] = times[variant]
+    if profile:
+        (out / "ops").mkdir(exist_ok=True)
+        for variant in steps:
+            ops = device_op_times(
+                lambda v=variant: jax.block_until_ready(
+                    compiled[v](first[v], *x)
+                )
+            )
+            (out / "ops" / f"{name}_{variant}.json").write_text(json.dumps(ops))
+            rows[variant]["device_s"] = sum(ops.values()) / 1e9
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default="equinox,haiku,linen,nnx,hf")
+    parser.add_argument("--sizes", default="2x128")
+    parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--profile", action="store_true")
+    options = parser.parse_args()
+    out = pathlib.Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
+    for size in options.sizes.split(","):
+        batch, tokens = map(int, size.split("x"))
+        for dtype in options.dtypes.split(","):
+            for model in options.models.split(","):
+                name = f"{model}_{size}_{dtype}"
+                print(name, flush=True)
+                DISCOVERIES.clear()
+                start = time.perf_counter()
+                if model == "hf":
+                    built = hf_steps(batch, tokens, dtype)
+                else:
+                    built = library_steps(model, batch, tokens, dtype)
+                steps, first, x, returned, sites = built
+                build = time.perf_counter() - start
+                rows = measure(
+                    name, steps, first, x, options.repeats, out, options.profile
+                )
+                record = {
+                    "model": model,
+                    "batch": batch,
+                    "tokens": tokens,
+                    "dtype": dtype,
+                    "sites": sites,
+                    "returned_bytes": returned,
+                    "build_and_discovery_s": build,
+                    "device": device.device_kind,
+                    "jax": jax.__version__,
+                    "rows": rows,
+                }
+                with open(out / "rows.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                plain = rows["plain"]["runtime_s"]
+                print(
+                    "  "
+                    + "  ".join(
+                        f"{v} {r['runtime_s'] / plain:.3f}"
+                        for v, r in rows.items()
+                    ),
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
