@@ -75,9 +75,11 @@ def array_bytes(tree) -> int:
 
 def cast_params(tree, dtype):
     return jax.tree.map(
-        lambda a: a.astype(dtype)
-        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)
-        else a,
+        lambda a: (
+            a.astype(dtype)
+            if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating)
+            else a
+        ),
         tree,
     )
 
@@ -145,8 +147,12 @@ def hf_steps(batch: int, tokens: int, dtype: str):
         "all": probed(None),
         "norms": probed(None, norms),
     }
-    return steps, dict.fromkeys(steps, params), inputs, 2 * array_bytes(sites), len(
-        sites
+    return (
+        steps,
+        dict.fromkeys(steps, params),
+        inputs,
+        2 * array_bytes(sites),
+        len(sites),
     )
 
 
@@ -252,9 +258,7 @@ def measure(name, steps, first, x, repeats, out: pathlib.Path, profile: bool):
         (out / "ops").mkdir(exist_ok=True)
         for variant in steps:
             ops = device_op_times(
-                lambda v=variant: jax.block_until_ready(
-                    compiled[v](first[v], *x)
-                )
+                lambda v=variant: jax.block_until_ready(compiled[v](first[v], *x))
             )
             (out / "ops" / f"{name}_{variant}.json").write_text(json.dumps(ops))
             rows[variant]["device_s"] = sum(ops.values()) / 1e9
@@ -309,8 +313,7 @@ def main() -> None:
                 print(
                     "  "
                     + "  ".join(
-                        f"{v} {r['runtime_s'] / plain:.3f}"
-                        for v, r in rows.items()
+                        f"{v} {r['runtime_s'] / plain:.3f}" for v, r in rows.items()
                     ),
                     flush=True,
                 )
