@@ -634,6 +634,39 @@ def test_pools_are_sites_and_their_reduction_is_not():
         np.testing.assert_allclose(res.activation_grads[name], grad, rtol=1e-5)
 
 
+def test_a_jitted_step_partitions_its_probe_once_and_compares_it_by_identity(
+    monkeypatch,
+):
+    # A jitted step flattens its probe argument on every call, and a cached
+    # program compares the flattened structure with its own. Partitioning a
+    # model into arrays and the rest walks every leaf (~1 ms for GPT-2 small,
+    # most of a small step on an accelerator), and a fresh static part would
+    # make that comparison `eqx.tree_equal` over the whole model: once per
+    # probe, and the same static object after.
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    probe = bridge.probe(model, vmap=True)
+    partitions = []
+    partition = eqx.partition
+    monkeypatch.setattr(
+        eqx, "partition", lambda *a, **k: partitions.append(1) or partition(*a, **k)
+    )
+    x = jnp.ones((4, 3))
+    step = jax.jit(lambda p, x: p.value_and_grad(_mlp_loss, x).activation_grads)
+    first = step(probe, x)
+    calls = len(partitions)
+    for _ in range(3):
+        again = step(probe, x)
+    assert len(partitions) == calls
+    assert_tree_allclose(again, first)
+    (_, static), (_, static_again) = (
+        jax.tree_util.tree_flatten(probe)[1].node_data(),
+        jax.tree_util.tree_flatten(probe)[1].node_data(),
+    )
+    assert static[0] is static_again[0]
+    # The user's model is left as it was given.
+    assert "_parts" not in vars(model)
+
+
 @pytest.mark.skipif(
     _jaxpr_traces_record_their_parent(), reason="this jax records jaxpr parents"
 )

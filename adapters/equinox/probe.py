@@ -89,9 +89,17 @@ class EquinoxProbe(ProbeBase):
         # placeholder leaves (an AOT `lower(...).compile()` checks its callers'
         # inputs against such a structure), and partitioning placeholders by
         # value would move them into the static part.
+        #
+        # The partition is made once per probe: a jitted step flattens its probe
+        # argument on every call, and partitioning a GPT-2-sized model costs
+        # ~1 ms of host time, which on an accelerator is most of a small step.
+        # Keeping the same static object also keeps the cached program's check
+        # of the treedef to an identity test (Equinox compares modules leaf by
+        # leaf, `eqx.tree_equal`). The model is an immutable pytree, so the
+        # partition cannot go stale.
         parts = self.__dict__.get("_parts")
         if parts is None:
-            parts = eqx.partition(self.model, eqx.is_array)
+            parts = self._parts = eqx.partition(self.model, eqx.is_array)
         arrays, static = parts
         return (arrays, self.state), (static, self.vmap, self._inside)
 
