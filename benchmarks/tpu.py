@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import glob
-import gzip
+import io
 import json
 import pathlib
 import statistics
+import tarfile
 import tempfile
 import time
 
@@ -84,14 +86,16 @@ def cast_params(tree, dtype):
     )
 
 
-def library_steps(library: str, batch: int, tokens: int, dtype: str):
+def library_steps(
+    library: str, batch: int, tokens: int, dtype: str, width: int, depth: int
+):
     """`(steps, first_args, x, returned bytes, sites)` of one library's model."""
     param_dtype, compute_dtype = DTYPES[dtype]
     sizes = models.Sizes(
         batch_tf=batch,
         tokens=tokens,
-        width_tf=768,
-        depth_tf=12,
+        width_tf=width,
+        depth_tf=depth,
         dtype=compute_dtype,
         param_dtype=param_dtype,
     )
@@ -112,11 +116,11 @@ def library_steps(library: str, batch: int, tokens: int, dtype: str):
     return steps, first, (workload.x,), 2 * array_bytes(sites), len(sites)
 
 
-def hf_steps(batch: int, tokens: int, dtype: str):
+def hf_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     param_dtype, compute_dtype = DTYPES[dtype]
-    config = GPT2Config(n_layer=12, n_embd=768, n_head=12)
+    config = GPT2Config(n_layer=depth, n_embd=width, n_head=width // 64)
     model = FlaxGPT2LMHeadModel(config, seed=0, dtype=compute_dtype)
     module = model.module
     params = cast_params(model.params, param_dtype)
@@ -143,7 +147,7 @@ def hf_steps(batch: int, tokens: int, dtype: str):
     steps = {
         "plain": plain,
         "hand": hf_hand(module, loss_of, sites),
-        "one": probed("transformer/h/11/mlp"),
+        "one": probed(f"transformer/h/{depth - 1}/mlp"),
         "all": probed(None),
         "norms": probed(None, norms),
     }
@@ -219,49 +223,96 @@ def device_op_times(run, repeats: int = 3) -> dict:
     return dict(totals.most_common())
 
 
-def measure(name, steps, first, x, repeats, out: pathlib.Path, profile: bool):
-    compiled, rows = {}, {}
+def compile_all(lowered: dict, threads: int) -> tuple[dict, dict]:
+    """`(compiled, seconds)` per variant; with `threads > 1` the compilations
+    run concurrently (XLA compiles outside the GIL), and their seconds are not
+    comparable with one another."""
+
+    def one(variant):
+        start = time.perf_counter()
+        compiled = lowered[variant].compile()
+        return compiled, time.perf_counter() - start
+
+    if threads <= 1:
+        done = {variant: one(variant) for variant in lowered}
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            done = dict(zip(lowered, pool.map(one, lowered), strict=True))
+    return (
+        {variant: compiled for variant, (compiled, _) in done.items()},
+        {variant: seconds for variant, (_, seconds) in done.items()},
+    )
+
+
+def measure(name, steps, first, x, options, archive) -> dict:
+    """Per variant: compile, memory and cost analyses; unless
+    `options.compile_only`, three runtimes, interleaved over the variants:
+
+    - `latency_s`: one call, waited for (what a loop that reads every result
+      on the host sees: the host's dispatch and the device's work in series);
+    - `step_s`: `PIPELINE` calls dispatched back to back, per call (what a
+      training loop sees: the host dispatches ahead while the device works);
+    - `device_s`: the device's time in XLA ops per call (profiler).
+    """
+    lowered, rows = {}, {}
     for variant, step in steps.items():
         start = time.perf_counter()
-        lowered = jax.jit(step).lower(first[variant], *x)
-        traced = time.perf_counter() - start
-        compiled[variant] = lowered.compile()
-        seconds = time.perf_counter() - start
+        lowered[variant] = jax.jit(step).lower(first[variant], *x)
+        rows[variant] = {"lower_s": time.perf_counter() - start}
+    try:
+        compiled, seconds = compile_all(lowered, options.compile_threads)
+    except Exception as error:  # noqa: BLE001 -- out of memory is a result
+        print(f"  does not compile: {error}"[:300], flush=True)
+        return {"error": str(error)[:2000]}
+    for variant in steps:
         memory = compiled[variant].memory_analysis()
         cost = compiled[variant].cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        rows[variant] = {
-            "compile_s": seconds,
-            "lower_s": traced,
+        rows[variant] |= {
+            "compile_s": rows[variant]["lower_s"] + seconds[variant],
+            "compiled_concurrently": options.compile_threads > 1,
             "memory": memory.temp_size_in_bytes + memory.output_size_in_bytes,
             "temp": memory.temp_size_in_bytes,
             "output": memory.output_size_in_bytes,
             "flops": cost.get("flops", 0.0),
             "bytes_accessed": cost.get("bytes accessed", 0.0),
         }
-        if profile:
-            (out / "hlo").mkdir(exist_ok=True)
-            with gzip.open(out / "hlo" / f"{name}_{variant}.txt.gz", "wt") as f:
-                f.write(compiled[variant].as_text())
-        print(f"  {variant}: compiled in {seconds:.1f}s", flush=True)
-    times = {variant: [] for variant in steps}
+        if archive is not None:
+            text = compiled[variant].as_text().encode()
+            info = tarfile.TarInfo(f"hlo/{name}_{variant}.txt")
+            info.size = len(text)
+            archive.addfile(info, io.BytesIO(text))
+    if options.compile_only:
+        return rows
+    calls = {v: (lambda v=v: compiled[v](first[v], *x)) for v in steps}
+    latency = {variant: [] for variant in steps}
+    step = {variant: [] for variant in steps}
     order = list(steps)
-    for repeat in range(repeats):
+    for variant in order:  # the first call of each outside the timings
+        jax.block_until_ready(calls[variant]())
+    for repeat in range(options.repeats):
         for variant in order[repeat % len(order) :] + order[: repeat % len(order)]:
             start = time.perf_counter()
-            jax.block_until_ready(compiled[variant](first[variant], *x))
-            times[variant].append(time.perf_counter() - start)
+            jax.block_until_ready(calls[variant]())
+            latency[variant].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            results = [calls[variant]() for _ in range(PIPELINE)]
+            jax.block_until_ready(results)
+            step[variant].append((time.perf_counter() - start) / PIPELINE)
+            del results
     for variant in steps:
-        rows[variant]["runtime_s"] = statistics.median(times[variant])
-        rows[variant]["runtimes_s"] = times[variant]
-    if profile:
-        (out / "ops").mkdir(exist_ok=True)
-        for variant in steps:
-            ops = device_op_times(
-                lambda v=variant: jax.block_until_ready(compiled[v](first[v], *x))
-            )
-            (out / "ops" / f"{name}_{variant}.json").write_text(json.dumps(ops))
-            rows[variant]["device_s"] = sum(ops.values()) / 1e9
+        ops = device_op_times(lambda v=variant: jax.block_until_ready(calls[v]()))
+        rows[variant] |= {
+            "latency_s": statistics.median(latency[variant]),
+            "step_s": statistics.median(step[variant]),
+            "device_s": sum(ops.values()) / 1e9,
+            "top_ops_ns": dict(list(ops.items())[:15]),
+        }
+        if archive is not None:
+            text = json.dumps(ops).encode()
+            info = tarfile.TarInfo(f"ops/{name}_{variant}.json")
+            info.size = len(text)
+            archive.addfile(info, io.BytesIO(text))
     return rows
 
 
@@ -271,52 +322,116 @@ def main() -> None:
     parser.add_argument("--models", default="equinox,haiku,linen,nnx,hf")
     parser.add_argument("--sizes", default="2x128")
     parser.add_argument("--dtypes", default="float32")
+    parser.add_argument("--steps", default=",".join(VARIANTS))
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--compile-threads",
+        type=int,
+        default=1,
+        help="compile a model's steps concurrently (faster; compile times then "
+        "not comparable)",
+    )
+    parser.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="memory and cost analyses only: for sizes whose steps may not fit",
+    )
+    parser.add_argument(
+        "--width-depth",
+        default="768x12",
+        help="the transformers' width and depth (a smaller one for a quick "
+        "check on the CPU)",
+    )
+    parser.add_argument(
+        "--hlo", action="store_true", help="optimised HLO and per-op device times"
+    )
     options = parser.parse_args()
     out = pathlib.Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
+    width, depth = map(int, options.width_depth.split("x"))
     device = jax.devices()[0]
-    print(f"jax {jax.__version__} on {device.device_kind}", flush=True)
-    for size in options.sizes.split(","):
-        batch, tokens = map(int, size.split("x"))
-        for dtype in options.dtypes.split(","):
-            for model in options.models.split(","):
-                name = f"{model}_{size}_{dtype}"
-                print(name, flush=True)
-                DISCOVERIES.clear()
-                start = time.perf_counter()
-                if model == "hf":
-                    built = hf_steps(batch, tokens, dtype)
-                else:
-                    built = library_steps(model, batch, tokens, dtype)
-                steps, first, x, returned, sites = built
-                build = time.perf_counter() - start
-                rows = measure(
-                    name, steps, first, x, options.repeats, out, options.profile
-                )
-                record = {
-                    "model": model,
-                    "batch": batch,
-                    "tokens": tokens,
-                    "dtype": dtype,
-                    "sites": sites,
-                    "returned_bytes": returned,
-                    "build_and_discovery_s": build,
-                    "device": device.device_kind,
-                    "jax": jax.__version__,
-                    "rows": rows,
-                }
-                with open(out / "rows.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                plain = rows["plain"]["runtime_s"]
-                print(
-                    "  "
-                    + "  ".join(
-                        f"{v} {r['runtime_s'] / plain:.3f}" for v, r in rows.items()
-                    ),
-                    flush=True,
-                )
+    versions = {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib_version(),
+        "libtpu": package_version("libtpu"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    print(versions, flush=True)
+    archive = None
+    if options.hlo:
+        archive = tarfile.open(out / f"hlo_{int(time.time())}.tar.gz", "w:gz")
+    wanted = options.steps.split(",")
+    try:
+        for size in options.sizes.split(","):
+            batch, tokens = map(int, size.split("x"))
+            for dtype in options.dtypes.split(","):
+                for model in options.models.split(","):
+                    name = f"{model}_{size}_{dtype}"
+                    print(name, flush=True)
+                    DISCOVERIES.clear()
+                    start = time.perf_counter()
+                    if model == "hf":
+                        built = hf_steps(batch, tokens, dtype, width, depth)
+                    else:
+                        built = library_steps(model, batch, tokens, dtype, width, depth)
+                    steps, first, x, returned, sites = built
+                    steps = {v: steps[v] for v in wanted}
+                    build = time.perf_counter() - start
+                    rows = measure(name, steps, first, x, options, archive)
+                    record = {
+                        "model": model,
+                        "batch": batch,
+                        "tokens": tokens,
+                        "dtype": dtype,
+                        "width": width,
+                        "depth": depth,
+                        "sites": sites,
+                        "returned_bytes": returned,
+                        "build_and_discovery_s": build,
+                        **versions,
+                        "rows": rows,
+                    }
+                    with open(out / "rows.jsonl", "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if "plain" in rows and "step_s" in rows["plain"]:
+                        print("  " + summary(rows), flush=True)
+    finally:
+        if archive is not None:
+            archive.close()
+
+
+VARIANTS = ("plain", "hand", "one", "all", "norms")
+
+#: Calls dispatched back to back for `step_s`.
+PIPELINE = 10
+
+
+def summary(rows: dict) -> str:
+    def ratio(row, key):
+        plain = rows["plain"][key]
+        return f"{row[key] / plain:.3f}" if plain else "-"
+
+    return "  ".join(
+        f"{v} step {ratio(r, 'step_s')} device {ratio(r, 'device_s')}"
+        for v, r in rows.items()
+    )
+
+
+def jaxlib_version() -> str:
+    import jaxlib
+
+    return jaxlib.__version__
+
+
+def package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":
