@@ -296,10 +296,13 @@ def measure(name, steps, first, x, options, archive) -> dict:
             jax.block_until_ready(calls[variant]())
             latency[variant].append(time.perf_counter() - start)
             start = time.perf_counter()
-            results = [calls[variant]() for _ in range(PIPELINE)]
-            jax.block_until_ready(results)
+            for _ in range(PIPELINE):
+                # As a training loop does: each result replaces the last,
+                # whose buffers XLA frees once its computation is done.
+                result = calls[variant]()
+            jax.block_until_ready(result)
             step[variant].append((time.perf_counter() - start) / PIPELINE)
-            del results
+            del result
     for variant in steps:
         ops = device_op_times(lambda v=variant: jax.block_until_ready(calls[v]()))
         rows[variant] |= {
