@@ -1,7 +1,7 @@
 """bridge on an accelerator: GPT-2 small's shape in every library, on the chip.
 
     python benchmarks/tpu.py --out DIR [--models equinox,haiku] [--sizes 2x128,4x512]
-                             [--dtypes float32,bfloat16,mixed] [--profile]
+                             [--dtypes float32,bfloat16,mixed] [--hlo]
 
 For each model (`linen`, `nnx`, `equinox`, `haiku`: the pre-norm transformer
 of `models.py` at GPT-2 small's width and depth; `hf`: Hugging Face's Flax
@@ -19,11 +19,10 @@ Each row (appended to `DIR/rows.jsonl` as it is measured, so a run cut short
 keeps what it measured): median runtime, compile seconds (lower + compile,
 discovery warm; discovery timed apart), XLA memory (temporaries + outputs),
 XLA FLOPs and bytes accessed, and the bytes the step returns beyond plain.
-With `--profile`, the device time of every XLA op over three runs of each
-step goes to `DIR/ops/` and the optimised HLO to `DIR/hlo/`: what tells a
-probed program's cost apart from plain's on the chip.
-
-`benchmarks/tpu_report.py DIR` turns the rows into `RESULTS_tpu.md`.
+With `--hlo`, the device time of every XLA op and the optimised HLO of each
+step go into one archive in `DIR`: what tells a probed program's cost apart
+from plain's on the chip. The rows measured on 2026-12-05 are in
+`benchmarks/tpu_runs/`.
 """
 
 from __future__ import annotations
