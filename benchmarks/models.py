@@ -7,7 +7,8 @@ Every library gets the same three architectures (an 8-layer MLP of width 1024,
 a small ResNet-style CNN, a 4-layer transformer) and a scanned stack of
 identical blocks, written the way that library's users write them.
 
-The hand-written tricks are what a user writes without bridge:
+The hand-written tricks are what a user writes without bridge, returning what
+bridge's `value_and_grad` returns (the activations and their gradients):
 
 - Linen: `Module.perturb` at every submodule output, via `nn.intercept_methods`.
 - NNX: `Module.perturb` calls written into the model, run under `nnx.capture`
@@ -23,6 +24,7 @@ XLA can fold the additions away in both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +43,8 @@ class Workload:
     loss: Callable
     plain: Callable  # (params, x) -> (loss, grads)
     params: Any
-    hand: Callable | None  # (hand_params, x) -> (loss, (grads, activation grads))
+    # (hand_params, x) -> ((loss, activations), (grads, activation grads))
+    hand: Callable | None
     hand_params: Any
     hand_sites: int  # how many sites the hand-written trick perturbs
     one_site: str
@@ -100,20 +103,25 @@ def _linen(name, module, x, one_site):
     def hand(params, x):
         """Flax's own `perturb`, called at every submodule output by an interceptor."""
 
-        def interceptor(next_fun, args, kwargs, context):
-            out = next_fun(*args, **kwargs)
-            if context.module.path == () or context.method_name != "__call__":
-                return out
-            return context.module.perturb("epsilon", out)
-
         perturbations = _nest(sites)
 
         def loss(params, perturbations):
+            activations = []
+
+            def interceptor(next_fun, args, kwargs, context):
+                out = next_fun(*args, **kwargs)
+                if context.module.path == () or context.method_name != "__call__":
+                    return out
+                activations.append(out)
+                return context.module.perturb("epsilon", out)
+
             with nn.intercept_methods(interceptor):
                 y = module.apply({"params": params, "perturbations": perturbations}, x)
-            return mse(y)
+            return mse(y), activations
 
-        return jax.value_and_grad(loss, argnums=(0, 1))(params, perturbations)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            params, perturbations
+        )
 
     params = variables["params"]
     return Workload(
@@ -276,10 +284,12 @@ def _nnx(name, make, x, one_site):
     def hand(params, x):
         def loss(params, perturbations):
             model = nnx.merge(hand_graphdef, params)
-            y, _ = nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
-            return mse(y)
+            y, activations = nnx.capture(model, _activation_type(), init=perturbations)(
+                x
+            )
+            return mse(y), activations
 
-        return jax.value_and_grad(loss, argnums=(0, 1))(
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, _zeros_in_trace(perturbations)
         )
 
@@ -298,8 +308,21 @@ def _nnx(name, make, x, one_site):
     )
 
 
+@functools.cache
+def _activation_type():
+    from flax import nnx
+
+    class Activation(nnx.Intermediate):
+        """A value the NNX hand trick keeps (apart from its perturbations)."""
+
+    return Activation
+
+
 def _mark(module, hand, name, x):
-    return module.perturb(name, x) if hand else x
+    if not hand:
+        return x
+    module.sow(_activation_type(), f"{name}_value", x)
+    return module.perturb(name, x)
 
 
 def nnx_mlp(s: Sizes = FULL):
@@ -452,9 +475,12 @@ def _perturbed():
 
         layer: Any
         epsilon: jax.Array
+        activations: list = eqx.field(static=True)  # where the values go
 
         def __call__(self, *args, **kwargs):
-            return self.layer(*args, **kwargs) + self.epsilon
+            out = self.layer(*args, **kwargs)
+            self.activations.append(out)
+            return out + self.epsilon
 
     return Perturbed
 
@@ -489,18 +515,19 @@ def _equinox(name, model, x, one_site, hand_paths):
             def one(x, epsilons):
                 # Innermost layers first: `tree_at` cannot replace a layer and
                 # one inside it at once.
-                wrapped = model
+                wrapped, activations = model, []
                 for path in sorted(hand_paths, key=lambda p: -p.count("/")):
                     wrapped = eqx.tree_at(
                         lambda m, path=path: _resolve(m, path),
                         wrapped,
-                        Perturbed(_resolve(wrapped, path), epsilons[path]),
+                        Perturbed(_resolve(wrapped, path), epsilons[path], activations),
                     )
-                return wrapped(x)
+                return wrapped(x), activations
 
-            return mse(jax.vmap(one)(x, epsilons))
+            y, activations = jax.vmap(one)(x, epsilons)
+            return mse(y), activations
 
-        return jax.value_and_grad(loss, argnums=(0, 1))(
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, _zeros_in_trace(epsilons)
         )
 
@@ -711,24 +738,26 @@ def _haiku(name, forward, x, one_site, s: Sizes = FULL):
         return jax.value_and_grad(lambda p: mse(transformed.apply(p, x)))(params)
 
     def with_epsilons(x):
-        count = iter(range(10**6))
+        count, activations = iter(range(10**6)), []
 
         def mark(value):
             epsilon = hk.get_state(
                 f"epsilon_{next(count)}", value.shape, value.dtype, init=jnp.zeros
             )
+            activations.append(value)
             return value + epsilon
 
-        return forward(x, mark)
+        return forward(x, mark), activations
 
     perturbed = hk.without_apply_rng(hk.transform_with_state(with_epsilons))
     epsilons = _structs(jax.eval_shape(perturbed.init, jax.random.key(0), x)[1])
 
     def hand(params, x):
         def loss(params, epsilons):
-            return mse(perturbed.apply(params, epsilons, x)[0])
+            (y, activations), _ = perturbed.apply(params, epsilons, x)
+            return mse(y), activations
 
-        return jax.value_and_grad(loss, argnums=(0, 1))(
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, _zeros_in_trace(epsilons)
         )
 

@@ -10,7 +10,7 @@ interleaved (the order rotated every repeat):
 
 - `plain`: `jax.value_and_grad` of the loss over the parameters;
 - `hand`: the library's hand-written epsilon trick at the same sites
-  (`models.py`), returning the activation gradients it perturbs;
+  (`models.py`), returning the activations it perturbs and their gradients;
 - `one`: `probe.value_and_grad` at one site;
 - `all`: every site, activations and activation gradients returned;
 - `norms`: every site, reduced inside the step to two norms per site.
@@ -160,35 +160,41 @@ def hf_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
 
 
 def hf_hand(module, loss_of, sites):
-    """Flax's own `perturb` at every submodule's output (the Linen hand trick)."""
+    """Flax's own `perturb` at every submodule's output (the Linen hand trick),
+    returning the activations it perturbs and their gradients."""
     import flax.linen as nn
 
-    def interceptor(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        if context.module.path == () or context.method_name != "__call__":
-            return out
-        if not isinstance(out, jax.Array):
-            return out
-        return context.module.perturb("epsilon", out)
+    def interceptor(activations):
+        def intercept(next_fun, args, kwargs, context):
+            out = next_fun(*args, **kwargs)
+            if context.module.path == () or context.method_name != "__call__":
+                return out
+            if not isinstance(out, jax.Array):
+                return out
+            activations.append(out)
+            return context.module.perturb("epsilon", out)
+
+        return intercept
 
     def step(params, *inputs):
         def loss(params, perturbations):
-            with nn.intercept_methods(interceptor):
+            activations = []
+            with nn.intercept_methods(interceptor(activations)):
                 out = module.apply(
                     {"params": params, "perturbations": perturbations}, *inputs
                 )
-            return loss_of(out)
+            return loss_of(out), activations
 
         perturbations = jax.eval_shape(
             lambda: module.apply(
                 {"params": params},
                 *inputs,
                 mutable=["perturbations"],
-                method=lambda m, *a: _perturbed_call(m, interceptor, *a),
+                method=lambda m, *a: _perturbed_call(m, interceptor([]), *a),
             )[1]["perturbations"]
         )
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), perturbations)
-        return jax.value_and_grad(loss, argnums=(0, 1))(params, zeros)
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, zeros)
 
     return step
 
