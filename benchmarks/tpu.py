@@ -398,6 +398,7 @@ def main() -> None:
                         "sites": sites,
                         "returned_bytes": returned,
                         "build_and_discovery_s": build,
+                        "hand_returns": "activations and gradients",
                         **versions,
                         "rows": rows,
                     }

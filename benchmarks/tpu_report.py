@@ -1,0 +1,222 @@
+"""`benchmarks/RESULTS_tpu.md` from the chip's rows in `benchmarks/tpu_runs/`.
+
+    python benchmarks/tpu_report.py [--runs benchmarks/tpu_runs] [--out FILE]
+
+`benchmarks/tpu.py` measures on the chip and appends rows (one per model, size
+and dtype); this turns every row kept into tables, here, without the chip. A
+variant measured in several runs is taken from the latest, and always as a
+ratio to the plain step of the same run (interleaved with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+#: The chip's HBM bandwidth (TPU v5e), for the floor of a step that returns
+#: `bytes` more than plain: plain's time + bytes / bandwidth.
+HBM_BYTES_PER_S = 819e9
+
+HERE = pathlib.Path(__file__).parent
+
+
+def load(runs: pathlib.Path) -> list[dict]:
+    records = []
+    for path in sorted(runs.glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records
+
+
+def latest_timings(records: list[dict]) -> dict:
+    """`{(model, size, dtype): {variant: (row, plain's row, record)}}`, each
+    variant from the latest run that measured it."""
+    table: dict = {}
+    for record in sorted(records, key=lambda r: r["date"]):
+        rows = record["rows"]
+        if "step_s" not in rows.get("plain", {}):
+            continue
+        key = (
+            record["model"],
+            f"{record['batch']}x{record['tokens']}",
+            record["dtype"],
+        )
+        entry = table.setdefault(key, {"record": record})
+        for variant, row in rows.items():
+            entry[variant] = (row, rows["plain"], record)
+    return table
+
+
+def ratio(entry: dict, variant: str, key: str) -> float | None:
+    if variant not in entry:
+        return None
+    row, plain, _ = entry[variant]
+    return row[key] / plain[key]
+
+
+def floor(entry: dict, variant: str) -> float | None:
+    """Plain's step plus writing the extra bytes the variant returns, over plain."""
+    if variant not in entry:
+        return None
+    row, plain, _ = entry[variant]
+    extra = max(row["output"] - plain["output"], 0)
+    return (plain["device_s"] + extra / HBM_BYTES_PER_S) / plain["device_s"]
+
+
+def cell(entry: dict, variant: str) -> str:
+    step, device = ratio(entry, variant, "step_s"), ratio(entry, variant, "device_s")
+    if step is None:
+        return "–"
+    # Rows measured before the hand tricks returned their activations too.
+    older = variant == "hand" and "hand_returns" not in entry["hand"][2]
+    return f"{step:.3f} / {device:.3f}" + (" †" if older else "")
+
+
+def number(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def memory_cell(entry: dict, variant: str) -> str:
+    if variant not in entry:
+        return "–"
+    row, plain, _ = entry[variant]
+    least = plain["memory"] + max(row["output"] - plain["output"], 0)
+    return f"{row['memory'] / plain['memory']:.2f} ({least / plain['memory']:.2f})"
+
+
+def timing_table(table: dict, size: str, dtype: str) -> list[str]:
+    lines = [
+        "| model | sites | plain ms (step / device) | one site | norms | all sites "
+        "| all floor | hand | hand floor | all / hand (device) | memory all (floor) "
+        "| memory hand (floor) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (model, row_size, row_dtype), entry in sorted(table.items()):
+        if (row_size, row_dtype) != (size, dtype):
+            continue
+        plain = entry["plain"][0]
+        all_over_hand = None
+        if "all" in entry and "hand" in entry:
+            all_over_hand = entry["all"][0]["device_s"] / entry["hand"][0]["device_s"]
+        lines.append(
+            f"| {model} | {entry['record']['sites']} "
+            f"| {plain['step_s'] * 1e3:.2f} / {plain['device_s'] * 1e3:.2f} "
+            f"| {cell(entry, 'one')} | {cell(entry, 'norms')} | {cell(entry, 'all')} "
+            f"| {number(floor(entry, 'all'))} | {cell(entry, 'hand')} "
+            f"| {number(floor(entry, 'hand'))} | {number(all_over_hand)} "
+            f"| {memory_cell(entry, 'all')} | {memory_cell(entry, 'hand')} |"
+        )
+    return lines
+
+
+def compile_table(records: list[dict]) -> list[str]:
+    sequential = {}
+    for record in sorted(records, key=lambda r: r["date"]):
+        plain = record["rows"].get("plain", {})
+        if "compile_s" in plain and not plain.get("compiled_concurrently", True):
+            key = (record["model"], f"{record['batch']}x{record['tokens']}")
+            sequential[key] = record
+    lines = [
+        "| model | size | discovery s | plain s | one site | all sites | norms "
+        "| lowering s (plain / one / all / norms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (model, size), record in sorted(sequential.items()):
+        rows = record["rows"]
+        plain = rows["plain"]["compile_s"]
+
+        def over_plain(variant, rows=rows, plain=plain):
+            return (
+                number(rows[variant]["compile_s"] / plain) if variant in rows else "–"
+            )
+
+        lowering = " / ".join(
+            f"{rows[v]['lower_s']:.1f}"
+            for v in ("plain", "one", "all", "norms")
+            if v in rows
+        )
+        lines.append(
+            f"| {model} | {size} | {record['build_and_discovery_s']:.1f} | {plain:.1f} "
+            f"| {over_plain('one')} | {over_plain('all')} | {over_plain('norms')} "
+            f"| {lowering} |"
+        )
+    return lines
+
+
+def failures(records: list[dict]) -> list[str]:
+    lines = []
+    for record in records:
+        if "error" in record["rows"]:
+            error = record["rows"]["error"].split("\n")[0][:240]
+            lines.append(
+                f"- {record['model']} at {record['batch']} × {record['tokens']} "
+                f"({record['dtype']}, {record['date']}): `{error}`"
+            )
+    return lines
+
+
+def report(records: list[dict]) -> str:
+    table = latest_timings(records)
+    first = records[0]
+    dates = sorted({r["date"][:10] for r in records})
+    out = [
+        "# bridge on a TPU",
+        "",
+        f"{first['device']} · jax {first['jax']}, jaxlib {first['jaxlib']}, "
+        f"libtpu {first['libtpu']} · runs of {', '.join(dates)} · GPT-2 small's "
+        f"width and depth ({first['width']} × {first['depth']}).",
+        "",
+        "Generated by `python benchmarks/tpu_report.py` from the rows that "
+        "`python benchmarks/tpu.py` wrote on the chip (`benchmarks/tpu_runs/`). "
+        "Models: the pre-norm transformer of `benchmarks/models.py` in each "
+        "library, and Hugging Face's Flax GPT-2 (`hf`). Each cell is "
+        "**step / device**, a ratio to plain `jax.value_and_grad` of the same "
+        "loss measured in the same run, interleaved: *step* is the time per "
+        "call of 10 calls dispatched back to back (what a training loop sees; "
+        "median of 7–9 repeats), *device* the time the chip spends in XLA ops "
+        "per call (profiler). *one site*: `at=` one MLP output; *norms*: every "
+        "site, reduced to two norms inside the step; *all sites*: every "
+        "activation and activation gradient returned; *hand*: the library's "
+        "hand-written epsilon trick, returning the activations it perturbs and "
+        "their gradients (it perturbs the sites its library reaches: fewer than "
+        "bridge's in Equinox, Haiku and NNX). *floor*: plain's device time plus "
+        "writing the bytes the step returns beyond plain at "
+        f"{HBM_BYTES_PER_S / 1e9:.0f} GB/s, over plain. *memory*: XLA "
+        "temporaries + outputs over plain; in "
+        "parentheses, plain's plus the bytes returned beyond plain. †: a hand "
+        "row measured before the hand tricks returned their activations (it "
+        "returns only the activation gradients).",
+    ]
+    sizes = sorted({(k[1], k[2]) for k in table}, key=lambda s: (s[1] != "float32", s))
+    for size, dtype in sizes:
+        batch, tokens = size.split("x")
+        out += ["", f"## {dtype}, {batch} × {tokens} tokens", ""]
+        out += timing_table(table, size, dtype)
+    out += [
+        "",
+        "## Compile time",
+        "",
+        "Lower + compile of each jitted step, compiled one after another in one "
+        "process (discovery, which `probe.sites` runs once per model, apart), "
+        "as ratios to plain's.",
+        "",
+    ]
+    out += compile_table(records)
+    failed = failures(records)
+    if failed:
+        out += ["", "## Did not run", ""] + failed
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", default=str(HERE / "tpu_runs"))
+    parser.add_argument("--out", default=str(HERE / "RESULTS_tpu.md"))
+    options = parser.parse_args()
+    records = load(pathlib.Path(options.runs))
+    pathlib.Path(options.out).write_text(report(records))
+    print(f"wrote {options.out} from {len(records)} rows")
+
+
+if __name__ == "__main__":
+    main()
