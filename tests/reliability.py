@@ -54,6 +54,9 @@ class Spec:
     pair: bool = False
     out: int = 2
     dtype: Any = jnp.float32
+    #: The parameters' dtype where it differs from the computation's `dtype`
+    #: (mixed precision: Linen and NNX `param_dtype`, a Haiku `jmp` policy).
+    param_dtype: Any = None
     #: An `index` site with integer values (an argmax) after the layers.
     index: bool = False
     #: Count the forward passes that really run in `EXECUTIONS`.
@@ -167,6 +170,10 @@ def build(library: str, spec: Spec, seed: int = 0) -> Built:
     return _BUILDERS[library](spec, seed)
 
 
+def parameter_dtype(spec: Spec) -> Any:
+    return spec.dtype if spec.param_dtype is None else spec.param_dtype
+
+
 def filled(abstract: Any, dtype: Any, seed: int) -> Any:
     """Random values for the `ShapeDtypeStruct` leaves of a pytree, from numpy:
     no computation is compiled for them (jax.random would compile per shape)."""
@@ -230,7 +237,7 @@ def _linen(spec: Spec, seed: int) -> Built:
     model = Net(spec)
     x = inputs(spec)
     variables = filled(
-        jax.eval_shape(model.init, jax.random.key(0), x), spec.dtype, seed
+        jax.eval_shape(model.init, jax.random.key(0), x), parameter_dtype(spec), seed
     )
 
     def forward(params, x, offsets):
@@ -256,7 +263,7 @@ def _nnx(spec: Spec, seed: int) -> Built:
 
     class Pair(nnx.Module):
         def __init__(self, width, out, rngs):
-            kinds = {"dtype": spec.dtype, "param_dtype": spec.dtype}
+            kinds = {"dtype": spec.dtype, "param_dtype": parameter_dtype(spec)}
             self.left = nnx.Linear(width, out, rngs=rngs, **kinds)
             self.right = nnx.Linear(width, out, rngs=rngs, **kinds)
 
@@ -278,19 +285,27 @@ def _nnx(spec: Spec, seed: int) -> Built:
                     new_width,
                     rngs=rngs,
                     dtype=spec.dtype,
-                    param_dtype=spec.dtype,
+                    param_dtype=parameter_dtype(spec),
                 )
                 setattr(self, f"layer{i}", linear)
                 width = new_width
             if spec.repeats:
                 self.shared = nnx.Linear(
-                    width, width, rngs=rngs, dtype=spec.dtype, param_dtype=spec.dtype
+                    width,
+                    width,
+                    rngs=rngs,
+                    dtype=spec.dtype,
+                    param_dtype=parameter_dtype(spec),
                 )
             if spec.pair:
                 self.pair = Pair(width, spec.out, rngs)
             else:
                 self.head = nnx.Linear(
-                    width, spec.out, rngs=rngs, dtype=spec.dtype, param_dtype=spec.dtype
+                    width,
+                    spec.out,
+                    rngs=rngs,
+                    dtype=spec.dtype,
+                    param_dtype=parameter_dtype(spec),
                 )
 
         def __call__(self, x):
@@ -308,7 +323,7 @@ def _nnx(spec: Spec, seed: int) -> Built:
             return hand("head", self.head(h))
 
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Net(nnx.Rngs(0))))
-    model = nnx.merge(graphdef, filled(abstract, spec.dtype, seed))
+    model = nnx.merge(graphdef, filled(abstract, parameter_dtype(spec), seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def forward(params, x, offsets):
@@ -411,14 +426,29 @@ def _haiku(spec: Spec, seed: int) -> Built:
 
     import bridge
 
+    Linear = hk.Linear
+    if spec.param_dtype is not None:
+        import jmp
+
+        class Linear(hk.Linear):
+            """`hk.Linear` under a mixed-precision policy of its own (Haiku's
+            policies are global per class)."""
+
+        policy = jmp.Policy(
+            param_dtype=spec.param_dtype,
+            compute_dtype=spec.dtype,
+            output_dtype=spec.dtype,
+        )
+        hk.mixed_precision.set_policy(Linear, policy)
+
     class Pair(hk.Module):
         def __init__(self, out, name=None):
             super().__init__(name=name)
             self.out = out
 
         def __call__(self, h):
-            left = hk.Linear(self.out, name="left")(h)
-            right = hk.Linear(self.out, name="right")(h)
+            left = Linear(self.out, name="left")(h)
+            right = Linear(self.out, name="right")(h)
             return hand("pair/left", left), hand("pair/right", right)
 
     class Index(hk.Module):
@@ -428,25 +458,25 @@ def _haiku(spec: Spec, seed: int) -> Built:
     def net(x):
         h = start(spec, x)
         for i, (width, act) in enumerate(spec.layers):
-            h = ACTIVATIONS[act](
-                hand(f"layer{i}", hk.Linear(width, name=f"layer{i}")(h))
-            )
+            h = ACTIVATIONS[act](hand(f"layer{i}", Linear(width, name=f"layer{i}")(h)))
         if spec.index:
             h = gate(h, Index(name="index")(h))
         if spec.repeats:
-            shared = hk.Linear(h.shape[-1], name="shared")
+            shared = Linear(h.shape[-1], name="shared")
             for k in range(spec.repeats):
                 h = hand(shared_name("shared", k), shared(h))
                 h = ACTIVATIONS[spec.shared_activation](h)
         if spec.pair:
             a, b = hand("pair", Pair(spec.out, name="pair")(h))
             return {"a": a, "b": jnp.tanh(b)}
-        return hand("head", hk.Linear(spec.out, name="head")(h))
+        return hand("head", Linear(spec.out, name="head")(h))
 
     transformed = hk.without_apply_rng(hk.transform(net))
     x = inputs(spec)
     params = filled(
-        jax.eval_shape(transformed.init, jax.random.key(0), x), spec.dtype, seed
+        jax.eval_shape(transformed.init, jax.random.key(0), x),
+        parameter_dtype(spec),
+        seed,
     )
 
     def forward(params, x, offsets):

@@ -84,6 +84,25 @@ def test_bfloat16_numbers_equal_the_same_computation_by_hand(library):
     _check_against_reference(res, expected, deltas, rtol=3e-2, atol=3e-2)
 
 
+def test_mixed_precision_sites_keep_the_computation_dtype(library):
+    # bfloat16 computation on float32 parameters, as TPU training runs: the
+    # activations and their gradients in bfloat16, the parameter gradients in
+    # float32, the numbers those of the same computation by hand.
+    if library == "equinox":
+        pytest.skip(
+            "an Equinox layer computes in its parameters' dtype; mixed precision "
+            "there is the user's cast of the parameters, bfloat16 throughout"
+        )
+    spec = Spec(
+        layers=((3, "tanh"),), repeats=1, dtype=jnp.bfloat16, param_dtype=jnp.float32
+    )
+    res, expected, deltas = probe_and_reference(build(library, spec))
+    assert _dtypes(res.activations) == {jnp.dtype(jnp.bfloat16)}
+    assert _dtypes(res.activation_grads) == {jnp.dtype(jnp.bfloat16)}
+    assert _dtypes(res.grads) == {jnp.dtype(jnp.float32)}
+    _check_against_reference(res, expected, deltas, rtol=3e-2, atol=3e-2)
+
+
 def test_float64_under_x64(library):
     with jax.enable_x64(True):
         spec = Spec(layers=((3, "tanh"),), repeats=1, pair=True, dtype=jnp.float64)
