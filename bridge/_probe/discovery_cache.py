@@ -25,8 +25,9 @@ The JAX key (`structure_key`) is what `jax.jit` keys its own trace cache on:
   varies over inside `shard_map`);
 - the same of the call's array inputs, their structure, and their other
   leaves by value (`train=True`, `mutable=["batch_stats"]`);
-- the configuration that changes abstract types (x64, dtype promotion, the
-  PRNG implementation) and the mesh in context.
+- the configuration that changes what a trace produces (x64, dtype
+  promotion, the PRNG implementation, `jax.disable_jit`) and the mesh in
+  context.
 
 Never an array's values. Where a part is unhashable (a list among a Linen
 module's attributes, an unhashable keyword argument), there is no key and
@@ -94,10 +95,6 @@ class Discovery:
             is_plain(site.origin) for site in self.sites
         )
 
-    def abstract_loss(self, loss_fn: Callable[[Any], Any]) -> Any:
-        """`loss_fn`'s abstract value on a JAX model's outputs (`abstract_loss`)."""
-        return abstract_loss(self.outputs, loss_fn)
-
 
 def abstract_loss(outputs: tuple[Any, list], loss_fn: Callable[[Any], Any]) -> Any:
     """`loss_fn`'s abstract value on the outputs `abstract_outputs` kept: a
@@ -158,8 +155,11 @@ def is_plain(value: Any) -> bool:
 
 # -- the key ---------------------------------------------------------------------
 
-#: Configuration that changes the abstract types a trace produces.
+#: Configuration that changes what a trace produces: abstract types, and
+#: `jax.disable_jit`, under which a `lax.scan` runs as a Python loop (one call
+#: per layer, so other sites).
 _CONFIG = (
+    "jax_disable_jit",
     "jax_enable_x64",
     "jax_numpy_dtype_promotion",
     "jax_numpy_rank_promotion",
