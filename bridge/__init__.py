@@ -1,4 +1,5 @@
-"""bridge: activation gradients for Flax Linen, Flax NNX, Equinox and Haiku models.
+"""bridge: activation gradients for Flax Linen, Flax NNX, Equinox, Haiku and
+PyTorch models.
 
 One call returns the loss, the parameter gradients, the activations and the
 gradients of the loss with respect to those activations, without editing the
@@ -8,7 +9,14 @@ checked against its PyTorch original layer by layer (`transfer`, `compare`).
 
 from . import adapter_api as adapter_api
 from . import testing as testing
+from ._errors import BridgeAssertionError as BridgeAssertionError
 from ._errors import BridgeError as BridgeError
+from ._errors import BridgeImportError as BridgeImportError
+from ._errors import BridgeNotImplementedError as BridgeNotImplementedError
+from ._errors import BridgeRuntimeError as BridgeRuntimeError
+from ._errors import BridgeTypeError as BridgeTypeError
+from ._errors import BridgeValueError as BridgeValueError
+from ._errors import BridgeWarning as BridgeWarning
 from ._porting.compare import compare as compare
 from ._porting.report import ComparisonReport as ComparisonReport
 from ._porting.report import LogitsComparison as LogitsComparison
@@ -27,7 +35,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActivationProbe",
+    "BridgeAssertionError",
     "BridgeError",
+    "BridgeImportError",
+    "BridgeNotImplementedError",
+    "BridgeRuntimeError",
+    "BridgeTypeError",
+    "BridgeValueError",
+    "BridgeWarning",
     "ComparisonReport",
     "ForwardResult",
     "LogitsComparison",

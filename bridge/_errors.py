@@ -4,6 +4,10 @@ Each concrete error is also the built-in type it has always been
 (`ValueError` for a bad value, `TypeError` for a wrong kind of argument, …),
 so `except ValueError` keeps working, and `except bridge.BridgeError` tells
 bridge's refusals from errors of the model, its library or JAX.
+
+Each is exported as `bridge.<name>` and says so in its `__module__`, so a
+traceback names `bridge.BridgeValueError`, the class a user can catch, not
+this private module.
 """
 
 from __future__ import annotations
@@ -38,3 +42,22 @@ class BridgeImportError(BridgeError, ImportError):
 
 class BridgeAssertionError(BridgeError, AssertionError):
     """A failed check of `bridge.testing`, or a broken invariant of bridge's own."""
+
+
+class BridgeWarning(UserWarning):
+    """Something bridge left out and says so (a site it cannot probe, left out
+    of a default selection), where an error would block the rest."""
+
+
+for _public in (
+    BridgeError,
+    BridgeValueError,
+    BridgeTypeError,
+    BridgeRuntimeError,
+    BridgeNotImplementedError,
+    BridgeImportError,
+    BridgeAssertionError,
+    BridgeWarning,
+):
+    _public.__module__ = "bridge"
+del _public

@@ -429,7 +429,14 @@ def test_an_nnx_model_on_a_flax_before_0_12_is_an_error_naming_the_range():
 def test_the_top_level_is_the_user_api_and_adapter_authors_have_their_module():
     user_api = {
         "ActivationProbe",
+        "BridgeAssertionError",
         "BridgeError",
+        "BridgeImportError",
+        "BridgeNotImplementedError",
+        "BridgeRuntimeError",
+        "BridgeTypeError",
+        "BridgeValueError",
+        "BridgeWarning",
         "ComparisonReport",
         "ForwardResult",
         "LogitsComparison",
@@ -597,3 +604,20 @@ def test_a_taps_carrier_name_is_told_from_its_modules_own():
     assert tap == "bridge_epsilon:tap/hidden#0"
     assert is_carrier_name(tap)
     assert tap != carrier_name("epsilon", "__call__", 0)
+
+
+def test_a_traceback_names_the_public_error_class():
+    # What a user reads is what a user can catch: `bridge.BridgeValueError`,
+    # not the private module that defines it; and it pickles by that name.
+    import pickle
+    import traceback
+
+    with pytest.raises(bridge.BridgeError) as caught:
+        bridge.probe(object())
+    line = traceback.format_exception_only(caught.type, caught.value)[-1]
+    assert line.startswith(f"bridge.{caught.type.__name__}: "), line
+    assert getattr(bridge, caught.type.__name__) is caught.type
+    assert type(pickle.loads(pickle.dumps(caught.value))) is caught.type
+    for name in bridge.__all__:
+        if name.startswith("Bridge"):
+            assert getattr(bridge, name).__module__ == "bridge", name
