@@ -213,6 +213,10 @@ from ._session.context import tapping_a_local as tapping_a_local
 from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
+from ._session.routing import BRANCH as BRANCH
+from ._session.routing import CLOSED_OVER_LOOP as CLOSED_OVER_LOOP
+from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
+from ._session.routing import refusal as refusal
 from ._session.session import Request as Request
 from ._session.session import Session as Session
 from ._session.session import current as current_session
@@ -237,6 +241,7 @@ __all__ = [
     "Arrays",
     "AsGiven",
     "BATCH_AXIS",
+    "BRANCH",
     "BodyTraces",
     "BridgeAssertionError",
     "BridgeError",
@@ -245,6 +250,7 @@ __all__ = [
     "BridgeRuntimeError",
     "BridgeTypeError",
     "BridgeValueError",
+    "CLOSED_OVER_LOOP",
     "Call",
     "CallPlan",
     "Converted",
@@ -263,6 +269,7 @@ __all__ = [
     "Session",
     "Site",
     "SiteOrigin",
+    "UNBOUNDED_LOOP",
     "UNCHECKED_LOSS",
     "Weight",
     "abstract",
@@ -285,6 +292,7 @@ __all__ = [
     "norm_hyperparameters",
     "placed",
     "positional_arrays",
+    "refusal",
     "register_adapter",
     "replace_leaves",
     "strip_call_index",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def assert_tree_allclose(actual: Any, expected: Any, rtol=1e-5, atol=1e-6) -> None:
@@ -124,3 +127,44 @@ def assert_sites_shaped_like_recorded(sites: dict, recorded: dict) -> None:
     for site, struct in sites.items():
         leaves = float_leaves(recorded[site])
         assert [s.shape for s in jax.tree.leaves(struct)] == [x.shape for x in leaves]
+
+
+@contextlib.contextmanager
+def leaves_out(*sites: str):
+    """The block's `at=None` leaves out sites bridge cannot probe, with a
+    `bridge.BridgeWarning` naming each of `sites` (never in silence)."""
+    import bridge
+
+    with pytest.warns(bridge.BridgeWarning) as caught:
+        yield
+    said = " ".join(
+        str(w.message) for w in caught if issubclass(w.category, bridge.BridgeWarning)
+    )
+    for site in sites:
+        assert repr(site) in said, f"no warning names {site!r}: {said}"
+
+
+def left_out_or_refused(run: Any, *sites: str) -> Any:
+    """`run()`, whose `at=None` meets sites bridge cannot probe: it leaves them
+    out with a `bridge.BridgeWarning` naming each of `sites`, or, where nothing
+    else is left, raises naming them. Returns `run()`'s result, `None` where
+    it raised."""
+    import bridge
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", bridge.BridgeWarning)
+        try:
+            result = run()
+        except bridge.BridgeValueError as error:
+            said = str(error)
+            assert "leaves nothing to probe" in said, said
+            result = None
+        else:
+            said = " ".join(
+                str(w.message)
+                for w in caught
+                if issubclass(w.category, bridge.BridgeWarning)
+            )
+    for site in sites:
+        assert repr(site) in said, f"nothing names {site!r}: {said!r}"
+    return result

@@ -18,6 +18,7 @@ from cases.haiku import Model, _inputs, _random_params, batchnorm_net, call_name
 from helpers import (
     add_at_float_leaves,
     assert_tree_allclose,
+    leaves_out,
     numpy_snapshot,
     random_like,
     tree_vdot,
@@ -632,8 +633,9 @@ def test_a_site_inside_hk_fori_loop_is_refused_and_sites_outside_work():
         ValueError, match="bridge cannot see through hk.fori_loop around site 'cell'"
     ):
         probe.value_and_grad(mse, x, at="cell")
-    # `at=None` leaves it out.
-    res = probe.value_and_grad(mse, x)
+    # `at=None` leaves it out, and says so.
+    with leaves_out("cell"):
+        res = probe.value_and_grad(mse, x)
     assert list(res.activations) == ["embed"]
     loss, grads = jax.value_and_grad(lambda params: mse(model.apply(params, (x,))[0]))(
         model.params
@@ -891,10 +893,12 @@ def test_a_tap_in_a_jax_transform_is_listed_whole_and_refused_only_when_selected
     (value, first), (grads, offset_grad) = jax.value_and_grad(
         reference, argnums=(0, 1), has_aux=True
     )(params, jnp.zeros((3, 4)))
-    for res in (
-        probe.value_and_grad(loss, x),  # `at=None` leaves the tap out
-        jax.jit(lambda p: p.value_and_grad(loss, x))(probe),
-    ):
+    with leaves_out("t"):
+        results = (
+            probe.value_and_grad(loss, x),  # `at=None` leaves the tap out
+            jax.jit(lambda p: p.value_and_grad(loss, x))(probe),
+        )
+    for res in results:
         assert set(res.activations) == {"first", "last"}
         np.testing.assert_allclose(res.loss, value, rtol=1e-6)
         np.testing.assert_allclose(res.activations["first"], first, rtol=1e-6)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import nnx_supported
+from helpers import leaves_out, nnx_supported
 
 import bridge
 
@@ -898,8 +898,9 @@ def test_a_local_bridge_cannot_hand_out_is_listed_and_refused_where_asked():
         match=r"patch key 'block/hidden' .*cannot probe: .*jax.checkpoint",
     ):
         probe.apply(X, patch={"block/hidden": lambda v: v * 0})
-    # `at=None` leaves them out.
-    assert "block/gated" not in probe.apply(X).activations
+    # `at=None` leaves them out, and says so.
+    with leaves_out("block/gated"):
+        assert "block/gated" not in probe.apply(X).activations
     # Every other site probes as usual.
     result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="out"))(X)
     block, out = model.block.linear, model.out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import fuzz_models
 import jax
@@ -260,8 +261,14 @@ def check(library, spec, mode, at=None, patch=None):
         patch_values = {patch_function_key(patched): marker}
 
     try:
-        res = value_and_grad(built, mode, at, patch_arg)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", bridge.BridgeWarning)
+            res = value_and_grad(built, mode, at, patch_arg)
     except bridge.BridgeError as error:
+        if at is None and "leaves nothing to probe" in str(error):
+            # Every site is one bridge cannot express: each is refused alone.
+            assert all(refused_alone(built, name) for name in names), str(error)
+            return "refused"
         # Only a site selected by name or patched may be refused here: one
         # that `at=None` selects is left out instead.
         culprits = [s for s in {at, patched} if s is not None and s in str(error)]
@@ -269,6 +276,7 @@ def check(library, spec, mode, at=None, patch=None):
         for site in culprits:
             assert_refusal(error, library, spec, site)
         return "refused"
+    said = [str(w.message) for w in caught if w.category is bridge.BridgeWarning]
 
     leaked = [
         path
@@ -286,6 +294,12 @@ def check(library, spec, mode, at=None, patch=None):
             assert at is None and refused_alone(built, name), (
                 f"selected site {name!r} is missing from the result"
             )
+    # ... and says so when it leaves them out, never in silence.
+    left_out = len(set(selected) - got)
+    if left_out:
+        assert any(f"leaves out {left_out} site(s)" in m for m in said), said
+    else:
+        assert not said, said
 
     deltas = {
         name: random_values(structs[name], i) for i, name in enumerate(sorted(got))

@@ -51,10 +51,14 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    BRANCH,
+    CLOSED_OVER_LOOP,
+    UNBOUNDED_LOOP,
     BridgeRuntimeError,
     BridgeValueError,
     Session,
     SiteOrigin,
+    refusal,
 )
 
 from ..shared import jax_internals, unexpressible
@@ -220,18 +224,15 @@ _NOT_NAMED = frozenset({SCAN, CHECKPOINT, "vmap", *unexpressible.TRANSPARENT})
 #: Why a site inside each transform cannot be expressed, and what to do.
 _REFUSALS = {
     "while_body": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
+        UNBOUNDED_LOOP,
         "write the loop as a jax.lax.scan of fixed length",
     ),
     "cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute both branches and pick with jnp.where",
     ),
     "fori_loop": (
-        "the loop closes over the layer, so one epsilon would serve every "
-        "iteration and their gradients would be summed",
+        CLOSED_OVER_LOOP,
         "scan over stacked layers (the scan's xs slice them), or unroll the loop",
     ),
 }
@@ -306,7 +307,7 @@ def _named(origin: SiteOrigin, name: str) -> SiteOrigin:
     )
     why += f" (it is called inside {describe(enclosing)})"
     return dataclasses.replace(
-        origin, blocked=unexpressible.reason(name, describe((blocker,)), why, fix)
+        origin, blocked=refusal(name, describe((blocker,)), why, fix)
     )
 
 

@@ -26,10 +26,10 @@ from bridge.adapter_api import (
     BridgeValueError,
     Session,
     current_session,
+    refusal,
     tapping_a_local,
 )
 
-from ..shared import unexpressible
 from . import jax_transforms, transforms, variables
 
 
@@ -189,7 +189,7 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
     path = f"{session.enclosing[-1]}/{name}" if session.enclosing else name
     where = jax_transforms.describe(enclosing)
     blocker = jax_transforms.describe((outer[0],)) if outer else where
-    why = unexpressible.reason(
+    why = refusal(
         path,
         blocker,
         f"a bridge.tap there (inside {where}) has no route for its epsilon or "

@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from bridge.adapter_api import Session, SiteOrigin, is_array
+from bridge.adapter_api import BRANCH, UNBOUNDED_LOOP, Session, SiteOrigin, is_array
 
 from ..shared import jax_internals
 from ..shared.lifting import lift
@@ -67,18 +67,15 @@ REFUSALS = {
         "rematerialise with hk.remat, which threads Haiku state",
     ),
     "jax.lax.cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute both branches and pick with jnp.where",
     ),
     "jax.lax.switch": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute every branch and pick with jnp.where",
     ),
     "jax.lax.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
+        UNBOUNDED_LOOP,
         "write the loop as hk.scan of fixed length",
     ),
 }

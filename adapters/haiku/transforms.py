@@ -22,14 +22,16 @@ import haiku as hk
 import jax
 
 from bridge.adapter_api import (
+    BRANCH,
+    UNBOUNDED_LOOP,
     Session,
     add_epsilon,
     carrier_name,
     differentiable_part,
     positional_arrays,
+    refusal,
 )
 
-from ..shared import unexpressible
 from . import internals, jax_transforms
 from .variables import Origin, patch_from_state
 
@@ -105,18 +107,15 @@ _REFUSALS = {
         "write the loop as hk.scan, or stack layers with hk.experimental.layer_stack",
     ),
     "hk.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
+        UNBOUNDED_LOOP,
         "write the loop as hk.scan of fixed length",
     ),
     "hk.cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute both branches and pick with jnp.where",
     ),
     "hk.switch": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute every branch and pick with jnp.where",
     ),
     "hk.lift": (
@@ -137,9 +136,7 @@ def refused(origin: Origin, name: str, transform: str) -> Origin:
             "move the call out of it",
         ),
     )
-    return dataclasses.replace(
-        origin, blocked=unexpressible.reason(name, transform, why, fix)
-    )
+    return dataclasses.replace(origin, blocked=refusal(name, transform, why, fix))
 
 
 def tap_handler(session: Session, stop: Any, base: Any, in_transform: Any) -> Any:

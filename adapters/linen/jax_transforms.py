@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.adapter_api import Session
+from bridge.adapter_api import Session, refusal
 
 from ..shared import guests, jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
@@ -111,7 +111,7 @@ class JaxTransforms:
         where = " inside ".join(JAX_NAMES.get(n, n) for n in names)
         call.origin = Origin(
             scope,
-            blocked=unexpressible.reason(
+            blocked=refusal(
                 call.name,
                 shown,
                 f"{why} (it runs inside {where})",

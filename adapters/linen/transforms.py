@@ -35,7 +35,14 @@ from typing import Any
 
 import flax.linen as nn
 
-from bridge.adapter_api import BodyTraces, BridgeValueError, Session
+from bridge.adapter_api import (
+    BRANCH,
+    UNBOUNDED_LOOP,
+    BodyTraces,
+    BridgeValueError,
+    Session,
+    refusal,
+)
 
 from ..shared import jax_internals, unexpressible
 from .variables import Origin
@@ -159,18 +166,15 @@ REFUSALS = {
         "probe the unmapped model with bridge.probe(..., vmap=True)",
     ),
     "nn.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
+        UNBOUNDED_LOOP,
         "write the loop as an nn.scan of fixed length",
     ),
     "nn.cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute both branches and pick with jnp.where",
     ),
     "nn.switch": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute every branch and pick with jnp.where",
     ),
 }
@@ -323,7 +327,7 @@ class LiftedTransforms:
             ),
         )
         call.origin = Origin(
-            path, tap=tap, blocked=unexpressible.reason(call.name, transform, why, fix)
+            path, tap=tap, blocked=refusal(call.name, transform, why, fix)
         )
         return unexpressible.listed(session, call, run(), self.base, self.stop)
 

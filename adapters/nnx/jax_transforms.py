@@ -32,17 +32,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.adapter_api import Session
+from bridge.adapter_api import BRANCH, UNBOUNDED_LOOP, Session
 
 from ..shared import jax_internals, lifting
 from . import internals
 from .transforms import TREE_MODE
 from .variables import PATH_ATTRIBUTE, Origin
-
-_BRANCH = (
-    "which branch runs is known only when the model runs, so a call in a "
-    "branch may not run at all"
-)
 
 #: Why a site inside each JAX transform cannot be expressed, and what to do.
 REFUSALS = {
@@ -64,11 +59,10 @@ REFUSALS = {
         "no value leave it",
         "rematerialise with nnx.remat, which carries them",
     ),
-    "jax.lax.cond": (_BRANCH, "compute both branches and pick with jnp.where"),
-    "jax.lax.switch": (_BRANCH, "compute every branch and pick with jnp.where"),
+    "jax.lax.cond": (BRANCH, "compute both branches and pick with jnp.where"),
+    "jax.lax.switch": (BRANCH, "compute every branch and pick with jnp.where"),
     "jax.lax.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
+        UNBOUNDED_LOOP,
         "write the loop as an nnx.scan of fixed length",
     ),
 }

@@ -20,7 +20,7 @@ from typing import Any
 
 from flax import nnx
 
-from bridge.adapter_api import Session
+from bridge.adapter_api import Session, refusal
 
 from ..shared import jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
@@ -148,7 +148,7 @@ class Run:
         for `why`: `(transform, reason, fix)`."""
         transform, reason, fix = why
         call.origin = Refused(
-            call.path, blocked=unexpressible.reason(call.name, transform, reason, fix)
+            call.path, blocked=refusal(call.name, transform, reason, fix)
         )
         value = method(module, *args, **kwargs)
         return unexpressible.listed(session, call, value, self.base, self.stop)

@@ -28,6 +28,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    BRANCH,
+    UNBOUNDED_LOOP,
     BridgeNotImplementedError,
     add_epsilon,
     carrier_name,
@@ -44,8 +46,7 @@ _CARRYING = {"scan": "nnx.scan", "vmap": "nnx.vmap", "remat": "nnx.remat"}
 #: Why a site inside each NNX transform cannot be expressed, and what to do.
 _REFUSALS = {
     "nnx.while_loop": (
-        "how many iterations run is known only when the model runs, so no "
-        "epsilon or recording can be shaped for them",
+        UNBOUNDED_LOOP,
         "write the loop as an nnx.scan of fixed length",
     ),
     "nnx.fori_loop": (
@@ -54,13 +55,11 @@ _REFUSALS = {
         "write the loop as an nnx.scan over stacked layers",
     ),
     "nnx.cond": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute both branches and pick with jnp.where",
     ),
     "nnx.switch": (
-        "which branch runs is known only when the model runs, so a call in a "
-        "branch may not run at all",
+        BRANCH,
         "compute every branch and pick with jnp.where",
     ),
 }

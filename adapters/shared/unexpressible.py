@@ -140,14 +140,3 @@ def refuse_patched(session: Session) -> None:
                     f"`{argument}` names {site.name!r}, a site bridge lists but "
                     f"cannot probe: {site.refused}"
                 )
-
-
-def reason(
-    site: str, transform: str, why: str, fix: str = "move the call out of it"
-) -> str:
-    """The error of a refused site: the transform that holds it, why bridge
-    cannot see through it there, and what to do."""
-    return (
-        f"bridge cannot see through {transform} around site {site!r}: {why}. "
-        f"Select other sites with `at=` (`at=None` leaves it out), or {fix}."
-    )

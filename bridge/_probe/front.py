@@ -180,12 +180,13 @@ class ProbeFront:
         discovered, loss_struct = self._discover(args, kwargs, loss_fn)
         if loss_fn is not None and loss_struct is not UNCHECKED_LOSS:
             check_loss(loss_struct, has_aux)
-        chosen = select(at, discovered)
+        # Patches first: a refused patch raises before `at=None` warns.
         patches = (
             resolve_patches(self._prepare_patch(patch), discovered, self._arrays)
             if patch
             else {}
         )
+        chosen = select(at, discovered)
         return CallPlan(args, kwargs, discovered, chosen, patches)
 
     def _discover(

@@ -7,12 +7,13 @@ import fnmatch
 import functools
 import inspect
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from .._errors import BridgeTypeError, BridgeValueError
+from .._errors import BridgeTypeError, BridgeValueError, BridgeWarning
 from .._session.sites import Site, strip_call_index
 
 Selector = str | type | tuple | Callable[[str, Any], bool]
@@ -76,14 +77,16 @@ def select(at: Any, sites: Sequence[Site]) -> list[Site]:
 
     `at=None` selects every differentiable site bridge can express: a site
     inside a transform it cannot see through (`Site.refused`) is listed by
-    `sites()` only. A selector (or an element of a list of them) that
+    `sites()` only, and left out with a `BridgeWarning` naming it and why;
+    where that leaves nothing, it raises (a result is never silently
+    empty). A selector (or an element of a list of them) that
     matches such a site raises with its reason; one that matches only
     integer-valued sites raises, since they have no gradient; one that
     matches nothing raises naming the closest available paths: a typo in one
     element of a list is not silently dropped.
     """
     if at is None:
-        return [site for site in sites if site.differentiable and not site.refused]
+        return _default_selection(sites)
     parts = _parts(at)
     matched = [[site for site in sites if _matches(part, site)] for part in parts]
     for part, chosen in zip(parts, matched, strict=True):
@@ -107,6 +110,34 @@ def select(at: Any, sites: Sequence[Site]) -> list[Site]:
             )
     selected = {id(site) for chosen in matched for site in chosen}
     return [site for site in sites if id(site) in selected and site.differentiable]
+
+
+def _default_selection(sites: Sequence[Site]) -> list[Site]:
+    chosen = [site for site in sites if site.differentiable and not site.refused]
+    left_out = [site for site in sites if site.differentiable and site.refused]
+    if not left_out:
+        return chosen
+    names = _listed([site.name for site in left_out])
+    first = left_out[0].refused
+    if not chosen:
+        raise BridgeValueError(
+            "`at=None` leaves nothing to probe: every site of this call is one "
+            f"bridge lists but cannot probe ({names}). The first: {first}"
+        )
+    warnings.warn(
+        BridgeWarning(
+            f"`at=None` leaves out {len(left_out)} site(s) bridge lists but "
+            f"cannot probe ({names}) and probes the other {len(chosen)}. The "
+            f"first: {first} Name the sites you want with `at=` to silence this."
+        ),
+        stacklevel=4,
+    )
+    return chosen
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _no_match_message(described: str, part: Any, sites: Sequence[Site]) -> str:
