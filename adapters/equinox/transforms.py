@@ -55,6 +55,7 @@ from .jax_transforms import (
     whole_axes,
 )
 from .variables import (
+    BRANCHES,
     InTransform,
     Leaves,
     as_floats,
@@ -112,7 +113,7 @@ def call_in_transform(
     depth = next((i for i, t in enumerate(enclosing) if t != "vmap"), 0)
     outer = enclosing[depth:]
     site_path = site.path if method is None else f"{site.path}.{method}"
-    unsupported = [t for t in outer if t not in (SCAN, CHECKPOINT)]
+    unsupported = [t for t in outer if t not in (SCAN, CHECKPOINT, *BRANCHES)]
     if unsupported or outer.count(SCAN) > 1:
         # Listed, and refused only where selected or patched (`unreachable`).
         count = _count(site, depth) if outer.count(SCAN) == 1 else None

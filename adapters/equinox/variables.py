@@ -52,6 +52,7 @@ class Leaves(eqx.Module):
     recorder: Any = None
     inputs: Any = None
     patch: Any = None
+    ran: Any = None
 
 
 def param_shapes(module: Any) -> tuple[tuple[int, ...], ...]:
@@ -110,20 +111,29 @@ def run_with_tree_leaves(
         # batch axis away.
         return zeros_like_struct(site.origin.inputs_recorder)
 
+    def shaped_ran(site: Any) -> Any:
+        if not site.origin.in_branch:
+            return None
+        # One number per call: the value's stacked axes (a scan's iterations).
+        first = jax.tree.leaves(site.value_struct)[0]
+        return jnp.zeros(first.shape[: site.stacked], jnp.float32)
+
     recorders = {
-        name: (shaped(site), shaped_inputs(site)) for name, site in sites.items()
+        name: (shaped(site), shaped_inputs(site), shaped_ran(site))
+        for name, site in sites.items()
     }
 
     def forward(recorders: dict) -> tuple[Any, Any]:
         leaves = {name: Leaves(patch=p) for name, p in patches.items()}
         for name, site in sites.items():
-            value_recorder, inputs_recorder = recorders[name]
+            value_recorder, inputs_recorder, ran_recorder = recorders[name]
             epsilon = session.epsilons.get(name)
             leaves[name] = Leaves(
                 shaped(site) if epsilon is None else epsilon,
                 value_recorder,
                 inputs_recorder,
                 patches.get(name),
+                ran_recorder,
             )
         outputs, state = call_model(leaves)
         floats = [
@@ -150,10 +160,12 @@ def run_with_tree_leaves(
     session.carrier.adopt(recorded)
     (cotangents,) = pullback(jnp.ones_like(total))
     for name, site in sites.items():
-        value, inputs = cotangents[name]
+        value, inputs, ran = cotangents[name]
         if session.with_inputs:
             inputs = jax.tree.map(_from_floats, site.origin.inputs, inputs)
-        session.carrier.carried_out(name, value, inputs)
+        if ran is not None:
+            ran = ran > 0
+        session.carrier.carried_out(name, value, inputs, ran)
     return outputs, state
 
 
@@ -177,13 +189,23 @@ class InTransform(SiteOrigin):
     def described(self) -> str:
         return describe(self.transforms)
 
+    @property
+    def in_branch(self) -> bool:
+        """Inside a `lax.cond` or `lax.switch`: a call that may not run, whose
+        result says where it ran (`ProbeResult.ran`)."""
+        return any(t in BRANCHES for t in self.transforms)
+
+
+#: JAX's names of the branches a site inside is recorded with where it ran.
+BRANCHES = frozenset({"cond", "switch"})
+
 
 def through_tree(value: Any, inputs: Any, leaves: Leaves) -> Any:
     """`value` recorded through the tree with its `inputs` (see `record`),
     and its epsilon added. The value recorded is the patched one, before its
     epsilon."""
     floats = record(
-        differentiable_part(value), inputs, (leaves.recorder, leaves.inputs)
+        differentiable_part(value), inputs, (leaves.recorder, leaves.inputs, leaves.ran)
     )
     floats = jax.tree.map(jnp.add, floats, leaves.epsilon)
     return merge_differentiable(value, floats)
@@ -268,19 +290,24 @@ def _from_floats(encoding: _Encoding, x: Any) -> Any:
 
 @jax.custom_vjp
 def record(value: Any, inputs: Any, recorders: Any) -> Any:
-    """`value`; the cotangent of `recorders` is `(value, inputs)` themselves,
-    so they leave a scan as the gradient of the stacked recorder leaves."""
+    """`value`; the cotangent of `recorders` is `(value, inputs, ones)`, so
+    they leave a scan as the gradient of the stacked recorder leaves, and
+    the ones of the ran recorder (`None` where the site needs none) say
+    where the call ran: in a branch not taken the backward pass never comes
+    here, and every cotangent stays zero."""
     del inputs, recorders
     return value
 
 
 def _record_forward(value: Any, inputs: Any, recorders: Any) -> tuple[Any, Any]:
-    del recorders
-    return value, (value, inputs)
+    _, _, ran = recorders
+    return value, (value, inputs, ran)
 
 
 def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any]:
-    _, inputs = recorded
+    value, inputs, ran = recorded
+    ran = jax.tree.map(jnp.ones_like, ran)
+    return cotangent, jax.tree.map(jnp.zeros_like, inputs), (value, inputs, ran)
     return cotangent, jax.tree.map(jnp.zeros_like, inputs), recorded
 
 

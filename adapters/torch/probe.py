@@ -165,11 +165,13 @@ class TorchProbe(ProbeFront):
     def _abstract_loss(self, outputs: FakeOutputs, loss_fn: Callable) -> Any:
         return outputs.abstract_loss(loss_fn)
 
-    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
+    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any, dict]:
         outputs, session, _, buffers = self._fresh(
             lambda: self._run_model(plan, with_inputs=False)
         )
-        return detached(outputs), session.activations, _state(buffers)
+        # PyTorch runs the branch taken and no other: a site in a branch not
+        # taken is not reached, and says so, so no site needs `ran`.
+        return detached(outputs), session.activations, _state(buffers), {}
 
     def _fresh(self, run: Callable[[], tuple]) -> tuple:
         """`run()`'s result, its recordings those of the calls: where the
@@ -232,6 +234,7 @@ class TorchProbe(ProbeFront):
             activation_grads=session.activation_grads(),
             state=_state(buffers),
             inputs=session.inputs,
+            ran={},
         )
 
     def unreached_sites(

@@ -108,8 +108,13 @@ class ProbeFront:
         **kwargs: Any,
     ) -> ForwardResult:
         plan = self._plan(at, patch, args, kwargs)
-        outputs, activations, state = self._forward(plan)
-        return ForwardResult(outputs, in_order(activations, plan.chosen), state)
+        outputs, activations, state, ran = self._forward(plan)
+        return ForwardResult(
+            outputs,
+            in_order(activations, plan.chosen),
+            state,
+            in_order(ran, plan.chosen),
+        )
 
     def value_and_grad(
         self,
@@ -128,6 +133,7 @@ class ProbeFront:
             activations=in_order(result.activations, plan.chosen),
             activation_grads=in_order(result.activation_grads, plan.chosen),
             inputs=in_order(result.inputs, plan.chosen) if with_inputs else None,
+            ran=in_order(result.ran, plan.chosen),
         )
 
     def unwrap(self) -> tuple:
@@ -247,9 +253,9 @@ class ProbeFront:
         `UNCHECKED_LOSS` where it cannot be evaluated abstractly."""
         return discovery_cache.abstract_loss(outputs, loss_fn)
 
-    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
-        """One forward pass: `(outputs, activations, state)`, the activations
-        in any order."""
+    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any, dict]:
+        """One forward pass: `(outputs, activations, state, ran)`, the
+        activations and where the sites in branches ran in any order."""
         raise NotImplementedError
 
     def _differentiate(

@@ -105,7 +105,7 @@ class ProbeBase(ProbeFront):
 
         def trace(probe, dynamic):
             args, kwargs = rebuild(dynamic)
-            outputs, state, _, _ = call_model(
+            outputs, state, _, _, _ = call_model(
                 probe, probe._trainable(), args, kwargs, sessions=sessions
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
@@ -131,8 +131,8 @@ class ProbeBase(ProbeFront):
         found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1])
         return found, loss_struct
 
-    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any]:
-        outputs, state, activations, _ = call_model(
+    def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any, dict]:
+        outputs, state, activations, _, ran = call_model(
             self,
             self._trainable(),
             plan.args,
@@ -141,7 +141,7 @@ class ProbeBase(ProbeFront):
             patches=plan.patches,
             discovered=plan.discovered,
         )
-        return outputs, activations, state
+        return outputs, activations, state, ran
 
     def _differentiate(
         self,
@@ -155,7 +155,7 @@ class ProbeBase(ProbeFront):
         epsilons = _zero_epsilons(plan.chosen)
 
         def objective(trainable, epsilons):
-            outputs, state, activations, inputs = call_model(
+            outputs, state, activations, inputs, ran = call_model(
                 self,
                 trainable,
                 plan.args,
@@ -168,9 +168,9 @@ class ProbeBase(ProbeFront):
             )
             loss_out = loss_fn(outputs)
             loss, aux = loss_out if has_aux else (loss_out, None)
-            return loss, (aux, activations, inputs, state)
+            return loss, (aux, activations, inputs, state, ran)
 
-        (loss, (aux, activations, inputs, state)), (grads, activation_grads) = (
+        (loss, (aux, activations, inputs, state, ran)), (grads, activation_grads) = (
             jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
                 self._trainable(), epsilons
             )
@@ -183,6 +183,7 @@ class ProbeBase(ProbeFront):
             activation_grads=activation_grads,
             state=state,
             inputs=inputs,
+            ran=ran,
         )
 
     def unreached_sites(
@@ -235,9 +236,9 @@ def call_model(
     with_inputs: bool = False,
     discovered: Sequence[Site] = (),
     sessions: list[Session] | None = None,
-) -> tuple[Any, Any, dict, dict]:
+) -> tuple[Any, Any, dict, dict, dict]:
     """Run `probe`'s model under a session: `(outputs, state, activations,
-    inputs)`.
+    inputs, ran)`.
 
     `chosen=None` discovers (and `sessions` collects the session). With
     `vmap=True` the model runs under the probe's own `jax.vmap`, and
@@ -266,7 +267,7 @@ def call_model(
                 trainable, rebuild_args(dynamic_args), call_kwargs, session
             )
         session.check_reached()
-        return outputs, state, session.activations, session.inputs
+        return outputs, state, session.activations, session.inputs, session.ran
 
     dynamic_args, rebuild_args = split_arrays(args)
     patch_values = request.patch_values()
@@ -275,7 +276,7 @@ def call_model(
     # Each example draws its own randomness, as in a batched model.
     keys, rebuild_kwargs = per_example_keys(kwargs, batch_size(args))
     stacked = {site.name: site.stacked for site in discovered}
-    outputs, state, activations, inputs = jax.vmap(
+    outputs, state, activations, inputs, ran = jax.vmap(
         lambda args, keys, *mapped: single(args, rebuild_kwargs(keys), *mapped),
         in_axes=(
             0,
@@ -283,7 +284,7 @@ def call_model(
             {name: stacked[name] for name in request.epsilons},
             {name: stacked[name] for name in patch_values},
         ),
-        out_axes=(0, None, 0, 0),
+        out_axes=(0, None, 0, 0, 0),
         axis_name=BATCH_AXIS,
     )(dynamic_args, keys, request.epsilons, patch_values)
     return (
@@ -291,6 +292,7 @@ def call_model(
         state,
         batch_axis_to(activations, stacked),
         batch_axis_to(inputs, stacked),
+        batch_axis_to(ran, stacked),
     )
 
 

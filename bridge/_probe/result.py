@@ -26,6 +26,11 @@ class ProbeResult(NamedTuple):
         `None` where the model has none.
       inputs: with `with_inputs=True`, `{path: positional arguments}` of each
         selected call; else `None`.
+      ran: `{path: bool array}` for each selected site inside a `cond`, a
+        `switch` or a while loop, and no other: where the site's call ran,
+        shaped like its value's leading stacked and mapped axes (`()` for one
+        call, `(iterations,)` in a scan, the batch axis where `vmap=True`
+        puts it). Where it did not run, its activation and gradient are zeros.
     """
 
     loss: Any
@@ -35,6 +40,7 @@ class ProbeResult(NamedTuple):
     activation_grads: dict[str, Any]
     state: Any
     inputs: dict[str, tuple] | None
+    ran: dict[str, Any]
 
 
 class ForwardResult(NamedTuple):
@@ -44,11 +50,14 @@ class ForwardResult(NamedTuple):
       outputs: the model's return value.
       activations: `{path: value}` at each selected site, in call order.
       state: updated non-trainable state, as in `ProbeResult.state`.
+      ran: where each selected site inside a branch or a while loop ran, as
+        in `ProbeResult.ran`.
     """
 
     outputs: Any
     activations: dict[str, Any]
     state: Any
+    ran: dict[str, Any]
 
 
 def in_order(values: dict[str, Any], chosen: Sequence[Site]) -> dict[str, Any]:

@@ -147,25 +147,34 @@ class Carrier:
         for name, where in self._deferred.items():
             self.carried_out(name, *read(where))
 
-    def carried_out(self, name: str, value: Any, inputs: tuple | None = None) -> None:
+    def carried_out(
+        self, name: str, value: Any, inputs: tuple | None = None, ran: Any = None
+    ) -> None:
         """A site's value (and inputs) as it left a lifted transform, stacked
         over iterations or layers: at discovery it reshapes the site, in a run
-        it is recorded."""
-        self._recorder.carried_out(name, value, inputs)
+        it is recorded. `ran`, for a site inside a branch or a while loop: a
+        boolean array, shaped like the value's stacked axes, of where its call
+        ran (`ProbeResult.ran`)."""
+        self._recorder.carried_out(name, value, inputs, ran)
 
     # -- through a transform of the adapter's own ------------------------------
 
-    def recordings(self) -> tuple[dict[str, Any], dict[str, tuple]]:
-        """The values (and inputs) recorded so far. An adapter that runs the
-        model inside a JAX transform of its own (Equinox's `jax.vjp`) returns
-        them from it as outputs, and `adopt`s them outside."""
-        return dict(self._recorder.activations), dict(self._recorder.inputs)
+    def recordings(self) -> tuple[dict[str, Any], dict[str, tuple], dict[str, Any]]:
+        """The values, inputs and where-it-ran masks recorded so far. An
+        adapter that runs the model inside a JAX transform of its own
+        (Equinox's `jax.vjp`) returns them from it as outputs, and `adopt`s
+        them outside."""
+        recorder = self._recorder
+        return dict(recorder.activations), dict(recorder.inputs), dict(recorder.ran)
 
-    def adopt(self, recordings: tuple[dict[str, Any], dict[str, tuple]]) -> None:
+    def adopt(
+        self, recordings: tuple[dict[str, Any], dict[str, tuple], dict[str, Any]]
+    ) -> None:
         """Take `recordings` (see `recordings`) as the session's own."""
-        activations, inputs = recordings
+        activations, inputs, ran = recordings
         self._recorder.activations.update(activations)
         self._recorder.inputs.update(inputs)
+        self._recorder.ran.update(ran)
 
     def checkpoint(self) -> dict[str, Any]:
         return dict(self._deferred)

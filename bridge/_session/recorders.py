@@ -40,9 +40,11 @@ class Recorder(Protocol):
     """The per-pass part of a `Session` (`session.recorder`): what happens at
     each call, in a discovery or in a run."""
 
-    #: `{site: value}` and `{site: positional inputs}` recorded so far.
+    #: `{site: value}` and `{site: positional inputs}` recorded so far, and
+    #: `{site: where it ran}` of the sites inside a branch or a while loop.
     activations: dict[str, Any]
     inputs: dict[str, tuple]
+    ran: dict[str, Any]
 
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         """A call starts (see `Session.enter`)."""
@@ -84,10 +86,13 @@ class Recorder(Protocol):
         """What this pass keeps of a value: the whole value at discovery (its
         structure is the site's), the floating leaves in a run."""
 
-    def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
+    def carried_out(
+        self, name: str, value: Any, inputs: tuple | None, ran: Any = None
+    ) -> None:
         """Site `name`'s value (and inputs) as it left a lifted transform,
         stacked over iterations or layers: at discovery it reshapes the site,
-        in a run it is recorded."""
+        in a run it is recorded. `ran`: for a site inside a branch or a while
+        loop, the boolean array of where its call ran (zeros elsewhere)."""
 
     def holds_iterations(self, name: str, value: Any, length: int) -> None:
         """Site `name`, inside a scan, holds every iteration of `value`: at
@@ -122,6 +127,7 @@ class DiscoveryRecorder(Recorder):
         self._sites: list[Site | None] = []
         self.activations = {}
         self.inputs = {}
+        self.ran = {}
         # The exception that starts discovery again on the fallback route,
         # while the first attempt of `run_with_fallback` runs.
         self._fallback: type[Exception] | None = None
@@ -162,7 +168,9 @@ class DiscoveryRecorder(Recorder):
     def kept_part(self, value: Any) -> Any:
         return value
 
-    def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
+    def carried_out(
+        self, name: str, value: Any, inputs: tuple | None, ran: Any = None
+    ) -> None:
         self._restructure(name, value)
 
     def holds_iterations(self, name: str, value: Any, length: int) -> None:
@@ -227,6 +235,7 @@ class RunRecorder(Recorder):
         self._arrays = request.arrays
         self.activations = {}
         self.inputs = {}
+        self.ran = {}
         # The selected and patched sites this run has reached.
         self._reached: set[str] = set()
 
@@ -298,8 +307,12 @@ class RunRecorder(Recorder):
     def kept_part(self, value: Any) -> Any:
         return differentiable_part(value)
 
-    def carried_out(self, name: str, value: Any, inputs: tuple | None) -> None:
+    def carried_out(
+        self, name: str, value: Any, inputs: tuple | None, ran: Any = None
+    ) -> None:
         self.record(name, value, inputs)
+        if ran is not None:
+            self.ran[name] = ran
 
     def holds_iterations(self, name: str, value: Any, length: int) -> None:
         pass

@@ -290,6 +290,12 @@ class Session:
         """`{site: positional inputs}` recorded so far, with `with_inputs`."""
         return self.recorder.inputs
 
+    @property
+    def ran(self) -> dict[str, Any]:
+        """`{site: where its call ran}` of the sites recorded inside a branch
+        or a while loop (`ProbeResult.ran`)."""
+        return self.recorder.ran
+
     def discovered(self) -> list[Site]:
         """The sites a discovery found, in call-entry order."""
         return self.recorder.discovered()
