@@ -104,7 +104,16 @@ bridge does not know is added from outside with this module alone, as
       that reshapes the site to its stacked shape, in a run it records it;
     - through a transform of the adapter's own (Equinox records the sites in
       a scan through a `jax.vjp` of the model): `carrier.recordings()`
-      leaves it as outputs and `carrier.adopt(...)` takes them back.
+      leaves it as outputs and `carrier.adopt(...)` takes them back;
+    - inside a `lax.cond` or `lax.switch` (the library's own or JAX's) and
+      nothing else bridge must see through: `session.call_in_branch(...)`,
+      given the transforms (`branches_only` says which qualify). The core
+      closes the branch over the epsilon and brings the value out through
+      the backward pass, with where it ran (`ProbeResult.ran`); an adapter
+      with a route of its own there (Equinox's tree, sliced by a scan) uses
+      `record` on `(value recorder, inputs recorder, ran recorder)` leaves,
+      `as_floats`/`from_floats` for inputs that are not floats, and passes
+      `ran` to `carrier.carried_out`.
 
     Register the subclass as a pytree whose leaves are the model's variables
     (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
@@ -209,6 +218,13 @@ from ._probe.front import ProbeFront as ProbeFront
 from ._probe.jax_backend import ProbeBase as ProbeBase
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
+from ._session.backward import BRANCHES as BRANCHES
+from ._session.backward import Encoding as Encoding
+from ._session.backward import InBranch as InBranch
+from ._session.backward import as_floats as as_floats
+from ._session.backward import branches_only as branches_only
+from ._session.backward import from_floats as from_floats
+from ._session.backward import record as record
 from ._session.context import tapping_a_local as tapping_a_local
 from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
@@ -252,10 +268,13 @@ __all__ = [
     "BridgeValueError",
     "CLOSED_OVER_LOOP",
     "Call",
+    "BRANCHES",
     "CallPlan",
     "Converted",
     "Discovery",
     "DiscoveryOwner",
+    "Encoding",
+    "InBranch",
     "Layer",
     "LayerKinds",
     "ParameterisedCall",
@@ -275,6 +294,8 @@ __all__ = [
     "abstract",
     "add_epsilon",
     "as_float",
+    "as_floats",
+    "branches_only",
     "carrier_name",
     "channel_first_kernel_axes",
     "check_loss",
@@ -285,6 +306,7 @@ __all__ = [
     "differentiable_part",
     "flatten_trailing",
     "flattened",
+    "from_floats",
     "is_array",
     "is_carrier_name",
     "key_name",
@@ -292,6 +314,7 @@ __all__ = [
     "norm_hyperparameters",
     "placed",
     "positional_arrays",
+    "record",
     "refusal",
     "register_adapter",
     "replace_leaves",

@@ -114,6 +114,18 @@ class Interceptor:
         session = self.session
         prefix = self.prefixes.get(where.stack_call, "")
         bundle = _joined(prefix, hk.experimental.current_name())
+        branches = unexpressible.branches(self.base)
+        if branches is not None and where.scan is None:
+            # Inside hk.cond, hk.switch or JAX's own: the session's route.
+            return session.call_in_branch(
+                name,
+                None if method == "__call__" else method,
+                module,
+                call_args,
+                branches,
+                run,
+                Origin(bundle, tap=tap),
+            )
         if where.blocked is None and not where.lifted:
             # JAX's own transforms in the model's code (Haiku's name none).
             depth, blocker = jax_transforms.around(self.base)

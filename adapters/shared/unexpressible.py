@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bridge.adapter_api import BridgeValueError, Session, is_array
+from bridge.adapter_api import BridgeValueError, Session, branches_only, is_array
 
 from . import jax_internals
 
@@ -57,6 +57,22 @@ def traces(base: Any) -> Iterator[Any]:
 def name(trace: Any) -> str:
     """`vmap` for a `jax.vmap`'s trace, else JAX's name of the transform."""
     return "vmap" if jax_internals.is_vmap(trace) else jax_internals.traced_for(trace)
+
+
+def branches(base: Any) -> tuple[str, ...] | None:
+    """JAX's names of the transforms between here and `base`, innermost
+    first, where they are branches (`cond`, `switch`) and nothing else bridge
+    must see through (a `jax.jit` is traced through): a call there is a site
+    whose value leaves through the backward pass (`Session.call_in_branch`).
+    `None` elsewhere, and where the trace stack cannot be read to `base`."""
+    names = []
+    trace = jax_internals.current_trace()
+    while trace is not base:
+        if trace is None:
+            return None
+        names.append(name(trace))
+        trace = jax_internals.parent(trace)
+    return tuple(names) if branches_only(tuple(names)) else None
 
 
 def innermost_loop_or_branch(

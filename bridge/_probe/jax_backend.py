@@ -17,10 +17,10 @@ from typing import Any
 
 import jax
 
-from .._session import liveness
+from .._session import backward, liveness
 from .._session.naming import renames_of
 from .._session.session import Request, Session
-from .._session.sites import Site, split_arrays, zeros_like_struct
+from .._session.sites import Site, split_arrays, without_axis, zeros_like_struct
 from . import discovery_cache
 from .batching import (
     BATCH_AXIS,
@@ -258,8 +258,14 @@ def call_model(
         renames=renames_of(discovered),
     )
 
-    def single(dynamic_args, call_kwargs, epsilons, patch_values):
-        session = Session(request.varied(epsilons, patch_values))
+    in_branches = {
+        site.name: site
+        for site in chosen or ()
+        if isinstance(site.origin, backward.InBranch)
+    }
+
+    def run(dynamic_args, call_kwargs, epsilons, patch_values, branch_recorders):
+        session = Session(request.varied(epsilons, patch_values, branch_recorders))
         if sessions is not None:
             sessions.append(session)
         with session.active():
@@ -268,6 +274,23 @@ def call_model(
             )
         session.check_reached()
         return outputs, state, session.activations, session.inputs, session.ran
+
+    def single(dynamic_args, call_kwargs, epsilons, patch_values):
+        if not in_branches:
+            return run(dynamic_args, call_kwargs, epsilons, patch_values, None)
+        # Values inside branches leave through the backward pass.
+        return backward.run_recording(
+            lambda recorders: run(
+                dynamic_args, call_kwargs, epsilons, patch_values, recorders
+            ),
+            in_branches,
+            with_inputs,
+            lambda site: (
+                jax.tree.map(lambda s: without_axis(s, site.stacked), site.value_struct)
+                if probe.vmap
+                else site.value_struct
+            ),
+        )
 
     dynamic_args, rebuild_args = split_arrays(args)
     patch_values = request.patch_values()

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BridgeTypeError
-from . import context
+from . import backward, context
 from .carrier import Carrier
 from .jit import traced_through
 from .naming import BodyTraces as BodyTraces
@@ -73,6 +73,9 @@ class Request:
       inside: the probe's `bridge._session.inside.Inside`: by default the one
         the core set in this context (`bridge._session.context.INSIDE`), for
         a request made by any adapter.
+      branch_recorders: `{name: recorders}` of the selected sites inside a
+        branch, whose values leave it through the backward pass
+        (`bridge._session.backward`).
     """
 
     selected: Mapping[str, Site] | None = None
@@ -84,6 +87,7 @@ class Request:
     arrays: Arrays = JAX_ARRAYS
     renames: Mapping[str, tuple[str, int]] | None = None
     inside: Inside | None = dataclasses.field(default_factory=context.INSIDE.get)
+    branch_recorders: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.selected is None:  # a discovery lists the sites: nothing is asked
@@ -100,12 +104,20 @@ class Request:
         them with the inputs."""
         return {k: v for k, v in self.patches.items() if not callable(v)}
 
-    def varied(self, epsilons: Mapping[str, Any], patch_values: Mapping[str, Any]):
-        """This request with the epsilons and patch values one trace sees
-        (under the probe's `jax.vmap`: one example's)."""
+    def varied(
+        self,
+        epsilons: Mapping[str, Any],
+        patch_values: Mapping[str, Any],
+        branch_recorders: Mapping[str, Any] | None = None,
+    ):
+        """This request with the epsilons, patch values and branch recorders
+        one trace sees (under the probe's `jax.vmap`: one example's)."""
         functions = {k: v for k, v in self.patches.items() if callable(v)}
         return dataclasses.replace(
-            self, epsilons=epsilons, patches={**patch_values, **functions}
+            self,
+            epsilons=epsilons,
+            patches={**patch_values, **functions},
+            branch_recorders=branch_recorders or {},
         )
 
 
@@ -201,6 +213,27 @@ class Session:
         call = self._name_call(path, method, module, origin)
         self._entered(call, args, record)
         return call
+
+    def call_in_branch(
+        self,
+        path: str,
+        method: str | None,
+        module: Any,
+        args: tuple,
+        transforms: tuple[str, ...],
+        run: Callable[[], Any],
+        origin: SiteOrigin | None = None,
+    ) -> Any:
+        """The call `run()` inside a `lax.cond` or `lax.switch` (`transforms`,
+        JAX's names, innermost first: branches and a `jit` only), as a site:
+        its epsilon and patch value are closed over, its value and inputs
+        leave through the backward pass (`bridge._session.backward`), with
+        where it ran. `origin`: the adapter's own, kept as the `InBranch`'s
+        `inner`."""
+        if self.recorder.learns_sites():
+            origin = backward.InBranch.of(transforms, args, origin)
+        call = self.enter(path, method, module, args, origin)
+        return self.exit(call, run())
 
     def exit(
         self,
