@@ -38,6 +38,7 @@ import equinox as eqx
 import jax
 
 from bridge.adapter_api import (
+    BRANCHES,
     BridgeRuntimeError,
     BridgeValueError,
     Session,
@@ -55,7 +56,6 @@ from .jax_transforms import (
     whole_axes,
 )
 from .variables import (
-    BRANCHES,
     InTransform,
     Leaves,
     as_floats,

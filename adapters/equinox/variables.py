@@ -27,13 +27,18 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    BRANCHES,
     BridgeValueError,
+    Encoding,
     Session,
     SiteOrigin,
     abstract,
+    as_floats,
     differentiable_part,
+    from_floats,
     merge_differentiable,
     positional_arrays,
+    record,
     without_axis,
     zeros_like_struct,
 )
@@ -162,7 +167,7 @@ def run_with_tree_leaves(
     for name, site in sites.items():
         value, inputs, ran = cotangents[name]
         if session.with_inputs:
-            inputs = jax.tree.map(_from_floats, site.origin.inputs, inputs)
+            inputs = jax.tree.map(from_floats, site.origin.inputs, inputs)
         if ran is not None:
             ran = ran > 0
         session.carrier.carried_out(name, value, inputs, ran)
@@ -194,10 +199,6 @@ class InTransform(SiteOrigin):
         """Inside a `lax.cond` or `lax.switch`: a call that may not run, whose
         result says where it ran (`ProbeResult.ran`)."""
         return any(t in BRANCHES for t in self.transforms)
-
-
-#: JAX's names of the branches a site inside is recorded with where it ran.
-BRANCHES = frozenset({"cond", "switch"})
 
 
 def through_tree(value: Any, inputs: Any, leaves: Leaves) -> Any:
@@ -242,73 +243,6 @@ def inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:
             lambda a: jnp.broadcast_to(a, (iterations, *a.shape)), transported
         )
     return {
-        "inputs": jax.tree.map(_Encoding.of, inputs),
+        "inputs": jax.tree.map(Encoding.of, inputs),
         "inputs_recorder": abstract(transported),
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class _Encoding:
-    """How an input came to be float32 numbers in `as_floats`, to undo it."""
-
-    dtype: Any
-    key_impl: Any = None
-
-    @classmethod
-    def of(cls, x: Any) -> _Encoding:
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return cls(jax.random.key_data(x).dtype, jax.random.key_impl(x))
-        return cls(x.dtype)
-
-
-def as_floats(x: Any) -> Any:
-    """An input as numbers a floating-point cotangent carries exactly: floats
-    as they are, integers and booleans as float32 (wider ones as their 16-bit
-    words, exact in float32), a typed random key as its integer data."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype.itemsize > 1:
-        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return x.astype(jnp.float32)
-
-
-def _from_floats(encoding: _Encoding, x: Any) -> Any:
-    """The inverse of `as_floats`, on the recorded (stacked) numbers."""
-    dtype = jnp.dtype(encoding.dtype)
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return x
-    if dtype.itemsize > 1:
-        x = jax.lax.bitcast_convert_type(x.astype(jnp.uint16), dtype)
-    else:
-        x = x.astype(dtype)
-    if encoding.key_impl is not None:
-        x = jax.random.wrap_key_data(x, impl=encoding.key_impl)
-    return x
-
-
-@jax.custom_vjp
-def record(value: Any, inputs: Any, recorders: Any) -> Any:
-    """`value`; the cotangent of `recorders` is `(value, inputs, ones)`, so
-    they leave a scan as the gradient of the stacked recorder leaves, and
-    the ones of the ran recorder (`None` where the site needs none) say
-    where the call ran: in a branch not taken the backward pass never comes
-    here, and every cotangent stays zero."""
-    del inputs, recorders
-    return value
-
-
-def _record_forward(value: Any, inputs: Any, recorders: Any) -> tuple[Any, Any]:
-    _, _, ran = recorders
-    return value, (value, inputs, ran)
-
-
-def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any]:
-    value, inputs, ran = recorded
-    ran = jax.tree.map(jnp.ones_like, ran)
-    return cotangent, jax.tree.map(jnp.zeros_like, inputs), (value, inputs, ran)
-    return cotangent, jax.tree.map(jnp.zeros_like, inputs), recorded
-
-
-record.defvjp(_record_forward, _record_backward)

@@ -95,6 +95,11 @@ class JaxTransforms:
         `lax.cond`): listed with its whole value, run as it is, refused where
         selected or patched, naming the transform (`RAW_REFUSALS`)."""
         session = self.session
+        branches = unexpressible.branches(self.base)
+        if branches is not None:  # the session's branch route
+            return session.call_in_branch(
+                path, method, module, call_args, branches, run, Origin(scope)
+            )
         names = [unexpressible.name(t) for t in unexpressible.traces(self.base)]
         transform = raw_transform(names)
         shown = JAX_NAMES.get(transform, transform)

@@ -308,8 +308,21 @@ class LiftedTransforms:
 
     def refused(self, run, call_args, module, method, path, tap, transform):
         """A call bridge cannot express inside `transform`: listed with its
-        whole value, run as it is (see `bridge.adapters.shared.unexpressible`)."""
+        whole value, run as it is (see `bridge.adapters.shared.unexpressible`);
+        inside branches only (`nn.cond`, `nn.switch`, JAX's own), a site of
+        the session's branch route instead."""
         session = self.session
+        branches = unexpressible.branches(self.base)
+        if branches is not None:
+            return session.call_in_branch(
+                "/".join(path if tap is None else (*path, tap)),
+                None if method == "__call__" else method,
+                module if tap is None else None,
+                call_args,
+                branches,
+                run,
+                Origin(path, tap=tap),
+            )
         call = session.enter(
             "/".join(path if tap is None else (*path, tap)),
             None if method == "__call__" else method,

@@ -137,7 +137,20 @@ class Run:
 
     def listed(self, module, site_method, method, args, kwargs, session, path, why):
         """Call `method` as the model does, listed as a refused site (see
-        `bridge.adapters.shared.unexpressible`)."""
+        `bridge.adapters.shared.unexpressible`); inside branches only
+        (`nnx.cond`, `nnx.switch`, JAX's own), a site of the session's
+        branch route instead."""
+        branches = unexpressible.branches(self.base)
+        if branches is not None:
+            return session.call_in_branch(
+                path,
+                site_method,
+                module,
+                args,
+                branches,
+                lambda: method(module, *args, **kwargs),
+                Refused(path),
+            )
         call = session.enter(
             path, site_method, module, args, origin=Refused(path), record=False
         )
