@@ -1,0 +1,472 @@
+"""Sites inside branches, in every library: the library's own `cond` and
+`switch` and JAX's `lax.cond` inside a module (DESIGN.md, "Sites inside
+control flow").
+
+Each model is `encoder`, then a branch between `left` (a Dense layer) and
+`right` (a Dense layer, then tanh) taken per example (`h[0] > 0`), then
+`head`; one example at a time, probed with `vmap=True`, so the branch taken
+varies across the batch. The references never use bridge: the same model
+with offsets added by hand inside the branches (`offset`), differentiated or
+pushed forward with `jax.jvp` by plain JAX, and a variant that computes both
+branches outside any `cond` and picks with `jnp.where`, which records each
+branch's value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import nnx_supported
+
+import bridge
+
+# -- offsets added by hand --------------------------------------------------------
+
+_FRAME: contextvars.ContextVar[tuple[dict, dict] | None] = contextvars.ContextVar(
+    "control_flow_offsets", default=None
+)
+
+
+@contextlib.contextmanager
+def offsets_added(offsets: dict[str, Any]):
+    """Inside it, `offset(site, value)` adds `offsets[site]` and records the
+    value (the recording is read only from the `both` variant, which runs
+    outside any branch). Nested, it adds to the outer one's."""
+    outer = _FRAME.get()
+    recorded: dict[str, Any] = {} if outer is None else outer[1]
+    if outer is not None:
+        offsets = {**outer[0], **offsets}
+    token = _FRAME.set((offsets, recorded))
+    try:
+        yield recorded
+    finally:
+        _FRAME.reset(token)
+
+
+def offset(site: str, value: jax.Array) -> jax.Array:
+    frame = _FRAME.get()
+    if frame is None:
+        return value
+    offsets, recorded = frame
+    if site in offsets:
+        value = value + offsets[site]
+    recorded[site] = value
+    return value
+
+
+def branch(kind: str, predicate, go_left, go_right, operand, own=None):
+    """`go_left(operand)` where `predicate`, else `go_right(operand)`: with
+    the library's own `cond`/`switch` (`own(kind, ...)`), JAX's (`lax`), or
+    both computed and picked (`both`, the reference)."""
+    if kind == "both":
+        return jnp.where(predicate, go_left(operand), go_right(operand))
+    if kind == "lax":
+        return jax.lax.cond(predicate, go_left, go_right, operand)
+    if kind == "lax_switch":
+        index = predicate.astype(jnp.int32)
+        return jax.lax.switch(index, [go_right, go_left], operand)
+    return own(kind, predicate, go_left, go_right, operand)
+
+
+# -- the four libraries -----------------------------------------------------------
+
+IN, WIDTH, OUT, BATCH = 3, 4, 2, 6
+
+
+@dataclasses.dataclass
+class Case:
+    """A model under probe and its plain-JAX references.
+
+    `forward(kind, x, offsets)`: one example's outputs with `offsets` added by
+    hand, the branch written as `kind`; `probe`: the model written as the
+    case's kind, probed with `vmap=True`."""
+
+    probe: Any
+    forward: Callable[[str, jax.Array, dict], Any]
+
+
+class LinenBranch(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH, name="encoder")(x)
+        left, right = nn.Dense(WIDTH, name="left"), nn.Dense(WIDTH, name="right")
+        if self.is_initializing():
+            left(h), right(h)
+
+        def own(kind, predicate, go_left, go_right, operand):
+            if kind == "cond":
+                return nn.cond(
+                    predicate,
+                    lambda _, v: go_left(v),
+                    lambda _, v: go_right(v),
+                    self,
+                    operand,
+                )
+            return nn.switch(
+                predicate.astype(jnp.int32),
+                [lambda _, v: go_right(v), lambda _, v: go_left(v)],
+                self,
+                operand,
+            )
+
+        h = branch(
+            self.kind,
+            h[0] > 0,
+            lambda v: offset("left", left(v)),
+            lambda v: jnp.tanh(offset("right", right(v))),
+            h,
+            own,
+        )
+        return nn.Dense(OUT, name="head")(h)
+
+
+def _linen(kind: str) -> Case:
+    x = jnp.ones((IN,))
+    variables = LinenBranch("both").init(jax.random.key(0), x)
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return LinenBranch(kind).apply(variables, x)
+
+    return Case(bridge.probe(LinenBranch(kind), variables, vmap=True), forward)
+
+
+def _nnx(kind: str) -> Case:
+    from flax import nnx
+
+    class NnxBranch(nnx.Module):
+        def __init__(self, kind, rngs):
+            self.kind = kind
+            self.encoder = nnx.Linear(IN, WIDTH, rngs=rngs)
+            self.left = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+            self.right = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+            self.head = nnx.Linear(WIDTH, OUT, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.encoder(x)
+
+            def own(kind, predicate, go_left, go_right, operand):
+                if kind == "cond":
+                    return nnx.cond(
+                        predicate,
+                        lambda m, v: go_left(v, m),
+                        lambda m, v: go_right(v, m),
+                        self,
+                        operand,
+                    )
+                return nnx.switch(
+                    predicate.astype(jnp.int32),
+                    [lambda m, v: go_right(v, m), lambda m, v: go_left(v, m)],
+                    self,
+                    operand,
+                )
+
+            h = branch(
+                self.kind,
+                h[0] > 0,
+                lambda v, m=self: offset("left", m.left(v)),
+                lambda v, m=self: jnp.tanh(offset("right", m.right(v))),
+                h,
+                own,
+            )
+            return self.head(h)
+
+    # The same seed: the same parameters, whatever the kind.
+    models = {k: NnxBranch(k, nnx.Rngs(0)) for k in ("both", *KINDS["nnx"])}
+
+    split = {k: nnx.split(m) for k, m in models.items()}
+
+    # nnx.cond and nnx.switch refuse a module under a plain jax.vmap (NNX's
+    # trace-level check): the reference writes them with JAX's, the same
+    # numbers, in a module merged in this trace.
+    plain = {"cond": "lax", "switch": "lax_switch"}
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return nnx.merge(*split[plain.get(kind, kind)])(x)
+
+    return Case(bridge.probe(models[kind], vmap=True), forward)
+
+
+class EqxBranch(eqx.Module):
+    kind: str = eqx.field(static=True)
+    encoder: eqx.nn.Linear
+    left: eqx.nn.Linear
+    right: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, kind, key):
+        keys = jax.random.split(key, 4)
+        self.kind = kind
+        self.encoder = eqx.nn.Linear(IN, WIDTH, key=keys[0])
+        self.left = eqx.nn.Linear(WIDTH, WIDTH, key=keys[1])
+        self.right = eqx.nn.Linear(WIDTH, WIDTH, key=keys[2])
+        self.head = eqx.nn.Linear(WIDTH, OUT, key=keys[3])
+
+    def __call__(self, x):
+        h = self.encoder(x)
+        h = branch(
+            self.kind,
+            h[0] > 0,
+            lambda v: offset("left", self.left(v)),
+            lambda v: jnp.tanh(offset("right", self.right(v))),
+            h,
+        )
+        return self.head(h)
+
+
+def _equinox(kind: str) -> Case:
+    # The same key: the same parameters, whatever the kind.
+    models = {k: EqxBranch(k, jax.random.key(0)) for k in ("both", *KINDS["equinox"])}
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return models[kind](x)
+
+    return Case(bridge.probe(models[kind], vmap=True), forward)
+
+
+def _haiku_function(kind: str) -> Callable:
+    def function(x):
+        left, right = hk.Linear(WIDTH, name="left"), hk.Linear(WIDTH, name="right")
+        h = hk.Linear(WIDTH, name="encoder")(x)
+        if hk.running_init():
+            left(h), right(h)
+
+        def own(kind, predicate, go_left, go_right, operand):
+            if kind == "cond":
+                return hk.cond(predicate, go_left, go_right, operand)
+            return hk.switch(predicate.astype(jnp.int32), [go_right, go_left], operand)
+
+        h = branch(
+            kind,
+            h[0] > 0,
+            lambda v: offset("left", left(v)),
+            lambda v: jnp.tanh(offset("right", right(v))),
+            h,
+            own,
+        )
+        return hk.Linear(OUT, name="head")(h)
+
+    return function
+
+
+def _haiku(kind: str) -> Case:
+    params = hk.transform(_haiku_function("both")).init(
+        jax.random.key(0), jnp.ones((IN,))
+    )
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return hk.transform(_haiku_function(kind)).apply(params, None, x)
+
+    return Case(
+        bridge.probe(hk.transform(_haiku_function(kind)), params, vmap=True), forward
+    )
+
+
+BUILDERS = {"linen": _linen, "equinox": _equinox, "haiku": _haiku}
+if nnx_supported():
+    BUILDERS["nnx"] = _nnx
+
+#: The branches each library writes: its own `cond` and `switch`, and JAX's.
+KINDS = {
+    "linen": ("cond", "switch", "lax", "lax_switch"),
+    "nnx": ("cond", "switch", "lax", "lax_switch"),
+    "equinox": ("lax", "lax_switch"),
+    "haiku": ("cond", "switch", "lax", "lax_switch"),
+}
+CASES = [
+    pytest.param(library, kind, id=f"{library}-{kind}")
+    for library in BUILDERS
+    for kind in KINDS[library]
+]
+
+
+def loss_fn(outputs):
+    return jnp.mean(jnp.square(outputs - 0.3))
+
+
+def inputs() -> jax.Array:
+    """A batch whose examples take both branches."""
+    x = jax.random.normal(jax.random.key(1), (BATCH, IN))
+    return x
+
+
+def hand_loss(case: Case, kind: str, x: jax.Array, offsets: dict) -> jax.Array:
+    outputs = jax.vmap(lambda x, o: case.forward(kind, x, o))(x, offsets)
+    return loss_fn(outputs)
+
+
+def branch_values(case: Case, x: jax.Array) -> dict:
+    """Every example's value of both branch sites, computed outside any
+    branch (the `both` variant)."""
+
+    def one(x):
+        with offsets_added({}) as recorded:
+            case.forward("both", x, {})
+        return recorded
+
+    return jax.vmap(one)(x)
+
+
+def takes_left(case: Case, x: jax.Array) -> np.ndarray:
+    """Which examples take `left`: those whose outputs move when the left
+    branch's value does."""
+
+    def one(x):
+        base = case.forward("both", x, {})
+        moved = case.forward("both", x, {"left": jnp.full((WIDTH,), 1e3)})
+        return jnp.any(base != moved)
+
+    return np.asarray(jax.vmap(one)(x))
+
+
+def zero_offsets() -> dict:
+    return {"left": jnp.zeros((BATCH, WIDTH)), "right": jnp.zeros((BATCH, WIDTH))}
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    """Equal at the scale of `expected` (float32 rounding, not elementwise
+    near zero)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = max(float(np.max(np.abs(expected))), 1e-6)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
+
+
+def both_ways(run: Callable, *args) -> list:
+    """`run(*args)` eager and under `jax.jit`."""
+    return [run(*args), jax.jit(run)(*args)]
+
+
+# -- the tests ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_every_branch_site_is_a_site_holding_every_example(library, kind):
+    case = BUILDERS[library](kind)
+    sites = case.probe.sites(inputs())
+    # Call order: the branches in the order they are written (a switch
+    # here lists `right` first).
+    branches = ["right", "left"] if "switch" in kind else ["left", "right"]
+    assert list(sites) == ["encoder", *branches, "head"]
+    for name in ("left", "right"):
+        assert sites[name].shape == (BATCH, WIDTH)
+
+
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_a_branch_site_holds_the_branch_that_ran_and_zeros_elsewhere(library, kind):
+    """At `at=None` (no warning: nothing is left out), eager and jitted: the
+    value and gradient of the branch that ran, zeros where it did not, `ran`
+    saying where; the gradients equal the hand-inserted offsets'."""
+    case = BUILDERS[library](kind)
+    x = inputs()
+    left = takes_left(case, x)
+    assert left.any() and not left.all(), "the batch must take both branches"
+    values = branch_values(case, x)
+    loss, offset_grads = jax.value_and_grad(lambda o: hand_loss(case, kind, x, o))(
+        zero_offsets()
+    )
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), case.probe, x):
+        assert set(res.ran) == {"left", "right"}
+        np.testing.assert_array_equal(res.ran["left"], left)
+        np.testing.assert_array_equal(res.ran["right"], ~left)
+        assert res.ran["left"].dtype == jnp.bool_
+        assert_close(res.loss, loss)
+        for name, where in (("left", left), ("right", ~left)):
+            expected = np.where(where[:, None], values[name], 0.0)
+            assert_close(res.activations[name], expected)
+            assert_close(res.activation_grads[name], offset_grads[name])
+            assert not np.any(np.asarray(res.activation_grads[name])[~where])
+        # Sites outside the branch: no `ran`, their own values.
+        assert "encoder" in res.activations and "head" in res.activations
+
+
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_jvp_along_a_branch_site_equals_its_gradient(library, kind):
+    """`jax.jvp` of the hand-perturbed loss along random offsets at both
+    branch sites equals the probe's gradients contracted with them."""
+    case = BUILDERS[library](kind)
+    x = inputs()
+    keys = jax.random.split(jax.random.key(7), 2)
+    direction = {
+        "left": jax.random.normal(keys[0], (BATCH, WIDTH)),
+        "right": jax.random.normal(keys[1], (BATCH, WIDTH)),
+    }
+    _, tangent = jax.jvp(
+        lambda o: hand_loss(case, kind, x, o), (zero_offsets(),), (direction,)
+    )
+    res = case.probe.value_and_grad(loss_fn, x, at=["left", "right"])
+    contracted = sum(
+        jnp.vdot(res.activation_grads[name], direction[name])
+        for name in ("left", "right")
+    )
+    assert_close(contracted, tangent, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_a_patch_in_a_branch_applies_where_it_runs(library, kind):
+    """Doubling `left` is the hand offset equal to its value, wherever the
+    branch runs; the other examples are untouched."""
+    case = BUILDERS[library](kind)
+    x = inputs()
+    values = branch_values(case, x)
+    expected = jax.vmap(lambda x, o: case.forward(kind, x, o))(
+        x, {"left": values["left"]}
+    )
+    for fwd in both_ways(
+        lambda p, x: p.apply(x, at=["left"], patch={"left": lambda v: 2 * v}),
+        case.probe,
+        x,
+    ):
+        assert_close(fwd.outputs, expected)
+        np.testing.assert_array_equal(fwd.ran["left"], takes_left(case, x))
+        left = takes_left(case, x)[:, None]
+        assert_close(fwd.activations["left"], np.where(left, 2 * values["left"], 0))
+
+
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_inputs_of_a_branch_site_are_recorded_where_it_ran(library, kind):
+    case = BUILDERS[library](kind)
+    x = inputs()
+    res = case.probe.value_and_grad(
+        loss_fn, x, at=["encoder", "left"], with_inputs=True
+    )
+    left = takes_left(case, x)[:, None]
+    (given,) = res.inputs["left"]
+    assert_close(given, np.where(left, res.activations["encoder"], 0.0))
+
+
+@pytest.mark.parametrize("library", list(BUILDERS))
+def test_a_site_outside_branches_has_no_ran_entry(library):
+    case = BUILDERS[library](KINDS[library][0])
+    res = case.probe.value_and_grad(loss_fn, inputs(), at=["encoder", "head"])
+    assert res.ran == {}
+    assert case.probe.apply(inputs(), at="head").ran == {}
+
+
+def test_one_call_in_a_branch_without_vmap_has_a_scalar_ran():
+    model = EqxBranch("lax", jax.random.key(0))
+    x = inputs()
+    for example in (x[0], x[1], x[2]):
+        res = bridge.probe(model).value_and_grad(loss_fn, example, at=["left", "right"])
+        assert res.ran["left"].shape == ()
+        assert bool(res.ran["left"]) != bool(res.ran["right"])
+        for name in ("left", "right"):
+            if not res.ran[name]:
+                assert not np.any(np.asarray(res.activations[name]))
+                assert not np.any(np.asarray(res.activation_grads[name]))
