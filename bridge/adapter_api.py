@@ -105,15 +105,18 @@ bridge does not know is added from outside with this module alone, as
     - through a transform of the adapter's own (Equinox records the sites in
       a scan through a `jax.vjp` of the model): `carrier.recordings()`
       leaves it as outputs and `carrier.adopt(...)` takes them back;
-    - inside a `lax.cond` or `lax.switch` (the library's own or JAX's) and
-      nothing else bridge must see through: `session.call_in_branch(...)`,
-      given the transforms (`branches_only` says which qualify). The core
-      closes the branch over the epsilon and brings the value out through
-      the backward pass, with where it ran (`ProbeResult.ran`); an adapter
-      with a route of its own there (Equinox's tree, sliced by a scan) uses
-      `record` on `(value recorder, inputs recorder, ran recorder)` leaves,
-      `as_floats`/`from_floats` for inputs that are not floats, and passes
-      `ran` to `carrier.carried_out`.
+    - inside branches (`lax.cond`, `lax.switch`, the library's own) and
+      loops of static bounds (`lax.fori_loop`) and nothing else bridge must
+      see through: `session.call_in_control_flow(..., flow, run)`, given
+      where the call runs (a `ControlFlow`: the transforms, and each loop's
+      length and counter; `ControlFlow.expressible` says which transforms
+      qualify). The core closes the body over the epsilon (a loop's row of
+      it) and brings the value out through the backward pass, with where
+      it ran (`ProbeResult.ran`); an adapter with a route of its own there
+      (Equinox's tree, sliced by a scan) uses `record` on `(value recorder,
+      inputs recorder, ran recorder)` leaves, `as_floats`/`from_floats` for
+      inputs that are not floats, and passes `ran` to
+      `carrier.carried_out`.
 
     Register the subclass as a pytree whose leaves are the model's variables
     (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
@@ -219,10 +222,11 @@ from ._probe.jax_backend import ProbeBase as ProbeBase
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
 from ._session.backward import BRANCHES as BRANCHES
+from ._session.backward import FORI_LOOP as FORI_LOOP
+from ._session.backward import ControlFlow as ControlFlow
 from ._session.backward import Encoding as Encoding
-from ._session.backward import InBranch as InBranch
+from ._session.backward import InControlFlow as InControlFlow
 from ._session.backward import as_floats as as_floats
-from ._session.backward import branches_only as branches_only
 from ._session.backward import from_floats as from_floats
 from ._session.backward import record as record
 from ._session.context import tapping_a_local as tapping_a_local
@@ -270,11 +274,13 @@ __all__ = [
     "Call",
     "BRANCHES",
     "CallPlan",
+    "ControlFlow",
     "Converted",
     "Discovery",
     "DiscoveryOwner",
     "Encoding",
-    "InBranch",
+    "FORI_LOOP",
+    "InControlFlow",
     "Layer",
     "LayerKinds",
     "ParameterisedCall",
@@ -295,7 +301,6 @@ __all__ = [
     "add_epsilon",
     "as_float",
     "as_floats",
-    "branches_only",
     "carrier_name",
     "channel_first_kernel_axes",
     "check_loss",

@@ -470,3 +470,253 @@ def test_one_call_in_a_branch_without_vmap_has_a_scalar_ran():
             if not res.ran[name]:
                 assert not np.any(np.asarray(res.activations[name]))
                 assert not np.any(np.asarray(res.activation_grads[name]))
+
+
+# -- fori_loop with static bounds: one entry per iteration ---------------------------
+
+STEPS = 3
+
+
+def offset_row(site: str, step: Any, value: jax.Array) -> jax.Array:
+    """`offset` for iteration `step` of a loop: adds row `step` of the offset;
+    records the value where `step` is a Python int (the unrolled reference)."""
+    frame = _FRAME.get()
+    if frame is None:
+        return value
+    offsets, recorded = frame
+    if site in offsets:
+        value = value + offsets[site][step]
+    if isinstance(step, int):
+        recorded[f"{site}@{step}"] = value
+    return value
+
+
+def loop(kind: str, body: Callable, init: jax.Array, own=None) -> jax.Array:
+    """`STEPS` iterations of `body(i, h)`: unrolled in Python (the
+    reference), JAX's `fori_loop`, or the library's own."""
+    if kind == "unrolled":
+        h = init
+        for i in range(STEPS):
+            h = body(i, h)
+        return h
+    if kind == "lax":
+        return jax.lax.fori_loop(0, STEPS, body, init)
+    return own(body, init)
+
+
+class LinenLoop(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(WIDTH, name="encoder")(x)
+        cell = nn.Dense(WIDTH, name="cell")
+        if self.is_initializing():
+            cell(h)
+        h = loop(self.kind, lambda i, h: jnp.tanh(offset_row("cell", i, cell(h))), h)
+        return nn.Dense(OUT, name="head")(h)
+
+
+def _linen_loop(kind: str) -> Case:
+    variables = LinenLoop("unrolled").init(jax.random.key(0), jnp.ones((IN,)))
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return LinenLoop(kind).apply(variables, x)
+
+    return Case(bridge.probe(LinenLoop(kind), variables, vmap=True), forward)
+
+
+def _nnx_loop(kind: str) -> Case:
+    from flax import nnx
+
+    class NnxLoop(nnx.Module):
+        def __init__(self, kind, rngs):
+            self.kind = kind
+            self.encoder = nnx.Linear(IN, WIDTH, rngs=rngs)
+            self.cell = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+            self.head = nnx.Linear(WIDTH, OUT, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.encoder(x)
+
+            def own(body, init):
+                return nnx.fori_loop(
+                    0, STEPS, lambda i, c: (c[0], body(i, c[1])), (self, init)
+                )[1]
+
+            return self.head(
+                loop(
+                    self.kind,
+                    lambda i, h: jnp.tanh(offset_row("cell", i, self.cell(h))),
+                    h,
+                    own,
+                )
+            )
+
+    models = {k: NnxLoop(k, nnx.Rngs(0)) for k in ("unrolled", "lax", "own")}
+    split = {k: nnx.split(m) for k, m in models.items()}
+
+    def forward(kind, x, offsets):
+        # nnx.fori_loop refuses a module under a plain jax.vmap: the
+        # reference writes it with JAX's, in a module merged in this trace.
+        with offsets_added(offsets):
+            return nnx.merge(*split["lax" if kind == "own" else kind])(x)
+
+    return Case(bridge.probe(models[kind], vmap=True), forward)
+
+
+class EqxLoop(eqx.Module):
+    kind: str = eqx.field(static=True)
+    encoder: eqx.nn.Linear
+    cell: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, kind, key):
+        keys = jax.random.split(key, 3)
+        self.kind = kind
+        self.encoder = eqx.nn.Linear(IN, WIDTH, key=keys[0])
+        self.cell = eqx.nn.Linear(WIDTH, WIDTH, key=keys[1])
+        self.head = eqx.nn.Linear(WIDTH, OUT, key=keys[2])
+
+    def __call__(self, x):
+        h = self.encoder(x)
+        body = lambda i, h: jnp.tanh(offset_row("cell", i, self.cell(h)))  # noqa: E731
+        return self.head(loop(self.kind, body, h))
+
+
+def _equinox_loop(kind: str) -> Case:
+    models = {k: EqxLoop(k, jax.random.key(0)) for k in ("unrolled", kind)}
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return models[kind](x)
+
+    return Case(bridge.probe(models[kind], vmap=True), forward)
+
+
+def _haiku_loop_function(kind: str) -> Callable:
+    def function(x):
+        h = hk.Linear(WIDTH, name="encoder")(x)
+        cell = hk.Linear(WIDTH, name="cell")
+        if hk.running_init():
+            cell(h)
+
+        def own(body, init):
+            return hk.fori_loop(0, STEPS, body, init)
+
+        h = loop(kind, lambda i, h: jnp.tanh(offset_row("cell", i, cell(h))), h, own)
+        return hk.Linear(OUT, name="head")(h)
+
+    return function
+
+
+def _haiku_loop(kind: str) -> Case:
+    params = hk.transform(_haiku_loop_function("unrolled")).init(
+        jax.random.key(0), jnp.ones((IN,))
+    )
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return hk.transform(_haiku_loop_function(kind)).apply(params, None, x)
+
+    return Case(
+        bridge.probe(hk.transform(_haiku_loop_function(kind)), params, vmap=True),
+        forward,
+    )
+
+
+LOOP_BUILDERS = {"linen": _linen_loop, "equinox": _equinox_loop, "haiku": _haiku_loop}
+if nnx_supported():
+    LOOP_BUILDERS["nnx"] = _nnx_loop
+LOOP_KINDS = {
+    "linen": ("lax",),
+    "nnx": ("lax", "own"),
+    "equinox": ("lax",),
+    "haiku": ("lax", "own"),
+}
+LOOP_CASES = [
+    pytest.param(library, kind, id=f"{library}-{kind}")
+    for library in LOOP_BUILDERS
+    for kind in LOOP_KINDS[library]
+]
+
+
+def loop_offsets(value: float = 0.0) -> dict:
+    return {"cell": jnp.full((BATCH, STEPS, WIDTH), value)}
+
+
+@pytest.mark.parametrize(("library", "kind"), LOOP_CASES)
+def test_a_site_in_a_fori_loop_holds_every_iteration(library, kind):
+    """`(iterations, batch, *value)`, eager and jitted: each iteration's value
+    (from the unrolled model) and gradient (the hand offset's, per
+    iteration); summed over iterations, the gradient of one offset shared by
+    every iteration; no `ran` (a loop of static bounds runs every step)."""
+    case = LOOP_BUILDERS[library](kind)
+    x = inputs()
+    assert case.probe.sites(x)["cell"].shape == (STEPS, BATCH, WIDTH)
+
+    def recorded(x):
+        with offsets_added({}) as values:
+            case.forward("unrolled", x, {})
+        return jnp.stack([values[f"cell@{i}"] for i in range(STEPS)])
+
+    values = jnp.moveaxis(jax.vmap(recorded)(x), 0, 1)
+    loss, offset_grads = jax.value_and_grad(lambda o: hand_loss(case, kind, x, o))(
+        loop_offsets()
+    )
+    shared = jax.grad(
+        lambda s: hand_loss(
+            case, kind, x, {"cell": jnp.broadcast_to(s[:, None], (BATCH, STEPS, WIDTH))}
+        )
+    )(jnp.zeros((BATCH, WIDTH)))
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), case.probe, x):
+        assert res.ran == {}
+        assert_close(res.loss, loss)
+        assert_close(res.activations["cell"], values)
+        grads = res.activation_grads["cell"]
+        assert_close(grads, jnp.moveaxis(offset_grads["cell"], 1, 0))
+        assert_close(grads.sum(0), shared)
+
+
+@pytest.mark.parametrize(("library", "kind"), LOOP_CASES)
+def test_jvp_along_every_iteration_of_a_loop_site(library, kind):
+    case = LOOP_BUILDERS[library](kind)
+    x = inputs()
+    direction = {"cell": jax.random.normal(jax.random.key(3), (BATCH, STEPS, WIDTH))}
+    _, tangent = jax.jvp(
+        lambda o: hand_loss(case, kind, x, o), (loop_offsets(),), (direction,)
+    )
+    res = case.probe.value_and_grad(loss_fn, x, at="cell")
+    contracted = jnp.vdot(
+        res.activation_grads["cell"], jnp.moveaxis(direction["cell"], 1, 0)
+    )
+    assert_close(contracted, tangent, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("library", "kind"), LOOP_CASES)
+def test_a_patch_value_in_a_loop_applies_per_iteration(library, kind):
+    """A patch value `(iterations, batch, *value)` replaces each iteration's
+    value by its row: the hand offset that moves each value there."""
+    case = LOOP_BUILDERS[library](kind)
+    x = inputs()
+    fwd = case.probe.apply(x, at="cell")
+    patch = jax.random.normal(jax.random.key(4), fwd.activations["cell"].shape)
+    # Patched, each iteration's value is its row; so is the input of the
+    # next iteration, so the hand reference replaces the values one by one.
+    patched = case.probe.apply(x, at="cell", patch={"cell": patch})
+    assert_close(patched.activations["cell"], patch)
+
+    def replaced(x, rows):
+        # Offsets that move each value to its row, found iteration by
+        # iteration on the unrolled model.
+        found = jnp.zeros((STEPS, WIDTH))
+        for i in range(STEPS):
+            with offsets_added({"cell": found}) as values:
+                case.forward("unrolled", x, {})
+            found = found.at[i].set(rows[i] - (values[f"cell@{i}"] - found[i]))
+        with offsets_added({"cell": found}):
+            return case.forward("unrolled", x, {})
+
+    expected = jax.vmap(replaced)(x, jnp.moveaxis(patch, 1, 0))
+    assert_close(patched.outputs, expected)

@@ -45,7 +45,7 @@ from bridge.adapter_api import (
     positional_arrays,
 )
 
-from ..shared import jax_internals
+from ..shared import jax_internals, unexpressible
 from .jax_transforms import (
     CHECKPOINT,
     SCAN,
@@ -107,6 +107,19 @@ def call_in_transform(
     """A call inside `lax.scan` or `jax.checkpoint`, perhaps inside the
     model's own `jax.vmap`s there: see the module docstring."""
     session = context.session
+    flow = unexpressible.control_flow(context.base_trace)
+    if flow is not None:
+        # Inside branches and loops of static bounds only: the session's
+        # control-flow route (a branch inside a scan over stacked layers
+        # takes the tree's, below).
+        return session.call_in_control_flow(
+            site.path,
+            method,
+            module,
+            args,
+            flow,
+            lambda: function(*args, **kwargs),
+        )
     enclosing = transforms(context.base_trace)
     # The model's own vmaps inside the scan or checkpoint (a layer applied per
     # token): their value is handed out to the body's trace whole.

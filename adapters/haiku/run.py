@@ -114,15 +114,16 @@ class Interceptor:
         session = self.session
         prefix = self.prefixes.get(where.stack_call, "")
         bundle = _joined(prefix, hk.experimental.current_name())
-        branches = unexpressible.branches(self.base)
-        if branches is not None and where.scan is None:
-            # Inside hk.cond, hk.switch or JAX's own: the session's route.
-            return session.call_in_branch(
+        flow = unexpressible.control_flow(self.base)
+        if flow is not None and where.scan is None:
+            # Inside hk.cond, hk.switch, hk.fori_loop or JAX's own: the
+            # session's control-flow route.
+            return session.call_in_control_flow(
                 name,
                 None if method == "__call__" else method,
                 module,
                 call_args,
-                branches,
+                flow,
                 run,
                 Origin(bundle, tap=tap),
             )

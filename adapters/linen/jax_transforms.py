@@ -95,10 +95,10 @@ class JaxTransforms:
         `lax.cond`): listed with its whole value, run as it is, refused where
         selected or patched, naming the transform (`RAW_REFUSALS`)."""
         session = self.session
-        branches = unexpressible.branches(self.base)
-        if branches is not None:  # the session's branch route
-            return session.call_in_branch(
-                path, method, module, call_args, branches, run, Origin(scope)
+        flow = unexpressible.control_flow(self.base)
+        if flow is not None:  # the session's control-flow route
+            return session.call_in_control_flow(
+                path, method, module, call_args, flow, run, Origin(scope)
             )
         names = [unexpressible.name(t) for t in unexpressible.traces(self.base)]
         transform = raw_transform(names)

@@ -309,17 +309,18 @@ class LiftedTransforms:
     def refused(self, run, call_args, module, method, path, tap, transform):
         """A call bridge cannot express inside `transform`: listed with its
         whole value, run as it is (see `bridge.adapters.shared.unexpressible`);
-        inside branches only (`nn.cond`, `nn.switch`, JAX's own), a site of
-        the session's branch route instead."""
+        inside branches and loops of static bounds only (`nn.cond`,
+        `nn.switch`, JAX's own and `lax.fori_loop`), a site of the session's
+        control-flow route instead."""
         session = self.session
-        branches = unexpressible.branches(self.base)
-        if branches is not None:
-            return session.call_in_branch(
+        flow = unexpressible.control_flow(self.base)
+        if flow is not None:
+            return session.call_in_control_flow(
                 "/".join(path if tap is None else (*path, tap)),
                 None if method == "__call__" else method,
                 module if tap is None else None,
                 call_args,
-                branches,
+                flow,
                 run,
                 Origin(path, tap=tap),
             )

@@ -20,7 +20,7 @@ from typing import Any
 
 from flax import nnx
 
-from bridge.adapter_api import Session, refusal
+from bridge.adapter_api import FORI_LOOP, Session, refusal
 
 from ..shared import jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
@@ -137,17 +137,21 @@ class Run:
 
     def listed(self, module, site_method, method, args, kwargs, session, path, why):
         """Call `method` as the model does, listed as a refused site (see
-        `bridge.adapters.shared.unexpressible`); inside branches only
-        (`nnx.cond`, `nnx.switch`, JAX's own), a site of the session's
-        branch route instead."""
-        branches = unexpressible.branches(self.base)
-        if branches is not None:
-            return session.call_in_branch(
+        `bridge.adapters.shared.unexpressible`); inside branches and loops of
+        static bounds only (`nnx.cond`, `nnx.switch`, `nnx.fori_loop`, JAX's
+        own), a site of the session's control-flow route instead."""
+        flow = unexpressible.control_flow(self.base)
+        if flow is None and self._shape_pass_of_fori_loop():
+            # `jax.eval_shape` of nnx.fori_loop's body, which JAX discards:
+            # no call of the model's.
+            return method(module, *args, **kwargs)
+        if flow is not None:
+            return session.call_in_control_flow(
                 path,
                 site_method,
                 module,
                 args,
-                branches,
+                flow,
                 lambda: method(module, *args, **kwargs),
                 Refused(path),
             )
@@ -155,6 +159,15 @@ class Run:
             path, site_method, module, args, origin=Refused(path), record=False
         )
         return self.refused(call, why, method, module, args, kwargs, session)
+
+    def _shape_pass_of_fori_loop(self) -> bool:
+        """Whether this runs in the pass nnx.fori_loop makes of its body
+        before the loop, to learn its shapes (NNX's tag is there, JAX's
+        loop is not)."""
+        traced = unexpressible.transform_names(self.base)
+        return "fori_loop" in self.transforms() and (
+            traced is not None and FORI_LOOP not in traced
+        )
 
     def refused(self, call, why, method, module, args, kwargs, session):
         """Run the call entered as `call` as the model does, listed as refused

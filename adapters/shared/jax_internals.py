@@ -240,6 +240,36 @@ def scan_frames(stop: Any) -> list[tuple[int, bool]] | None:
     return found
 
 
+_FORI_BODY = "scanned_fun"
+_FORI = "fori_loop"
+
+
+def fori_loop_rows(count: int) -> list[tuple[Any, int]] | None:
+    """`(iteration, length)` of the `count` innermost `lax.fori_loop`s of
+    static bounds running now (JAX lowers each to a `lax.scan` whose carry
+    holds the loop's counter), innermost first: the counter less the lower
+    bound, a tracer of the loop's body, read from the frames of
+    `jax._src.lax.control_flow.loops` (its scan body's `i`, `fori_loop`'s
+    `lower_` and `length`). `None` where they cannot be read."""
+    found: list[tuple[Any, int]] = []
+    counter = None
+    frame = sys._getframe(1)
+    while frame is not None and len(found) < count:
+        code = frame.f_code
+        if os.path.abspath(code.co_filename) == _LOOPS_FILE:
+            local = frame.f_locals
+            if code.co_name == _FORI_BODY and counter is None:
+                counter = local.get("i")
+            elif code.co_name == _FORI and counter is not None:
+                lower, length = local.get("lower_"), local.get("length")
+                if not (isinstance(lower, int) and isinstance(length, int)):
+                    return None
+                found.append((counter - lower if lower else counter, length))
+                counter = None
+        frame = frame.f_back
+    return found if len(found) == count else None
+
+
 def scan_call(stop: Any) -> Any:
     """The Python frame of the innermost `lax.scan` running now, up to the
     frame `stop`; `None` where none runs. A body JAX traces twice (its carry

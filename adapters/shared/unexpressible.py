@@ -24,7 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from bridge.adapter_api import BridgeValueError, Session, branches_only, is_array
+from bridge.adapter_api import (
+    FORI_LOOP,
+    BridgeValueError,
+    ControlFlow,
+    Session,
+    is_array,
+)
 
 from . import jax_internals
 
@@ -59,12 +65,9 @@ def name(trace: Any) -> str:
     return "vmap" if jax_internals.is_vmap(trace) else jax_internals.traced_for(trace)
 
 
-def branches(base: Any) -> tuple[str, ...] | None:
-    """JAX's names of the transforms between here and `base`, innermost
-    first, where they are branches (`cond`, `switch`) and nothing else bridge
-    must see through (a `jax.jit` is traced through): a call there is a site
-    whose value leaves through the backward pass (`Session.call_in_branch`).
-    `None` elsewhere, and where the trace stack cannot be read to `base`."""
+def transform_names(base: Any) -> tuple[str, ...] | None:
+    """The names (`name`) of the transforms between here and `base`,
+    innermost first; `None` where the trace stack cannot be read to `base`."""
     names = []
     trace = jax_internals.current_trace()
     while trace is not base:
@@ -72,7 +75,26 @@ def branches(base: Any) -> tuple[str, ...] | None:
             return None
         names.append(name(trace))
         trace = jax_internals.parent(trace)
-    return tuple(names) if branches_only(tuple(names)) else None
+    return tuple(names)
+
+
+def control_flow(base: Any) -> ControlFlow | None:
+    """Where a call runs, where that is inside branches (`cond`, `switch`)
+    and loops of static bounds (`fori_loop`) only, between here and `base`
+    (a `jax.jit` is traced through): a call there is a site of
+    `Session.call_in_control_flow`. `None` elsewhere, and where the trace
+    stack or a loop's counter cannot be read."""
+    transforms = transform_names(base)
+    if transforms is None or not ControlFlow.expressible(transforms):
+        return None
+    loops = transforms.count(FORI_LOOP)
+    if not loops:
+        return ControlFlow(transforms)
+    found = jax_internals.fori_loop_rows(loops)
+    if found is None:
+        return None
+    rows, lengths = zip(*reversed(found), strict=True)  # outermost first
+    return ControlFlow(transforms, tuple(lengths), tuple(rows))
 
 
 def innermost_loop_or_branch(

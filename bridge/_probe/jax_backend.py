@@ -258,14 +258,14 @@ def call_model(
         renames=renames_of(discovered),
     )
 
-    in_branches = {
+    in_control_flow = {
         site.name: site
         for site in chosen or ()
-        if isinstance(site.origin, backward.InBranch)
+        if isinstance(site.origin, backward.InControlFlow)
     }
 
-    def run(dynamic_args, call_kwargs, epsilons, patch_values, branch_recorders):
-        session = Session(request.varied(epsilons, patch_values, branch_recorders))
+    def run(dynamic_args, call_kwargs, epsilons, patch_values, recorders):
+        session = Session(request.varied(epsilons, patch_values, recorders))
         if sessions is not None:
             sessions.append(session)
         with session.active():
@@ -276,14 +276,14 @@ def call_model(
         return outputs, state, session.activations, session.inputs, session.ran
 
     def single(dynamic_args, call_kwargs, epsilons, patch_values):
-        if not in_branches:
+        if not in_control_flow:
             return run(dynamic_args, call_kwargs, epsilons, patch_values, None)
-        # Values inside branches leave through the backward pass.
+        # Values inside branches and loops leave through the backward pass.
         return backward.run_recording(
             lambda recorders: run(
                 dynamic_args, call_kwargs, epsilons, patch_values, recorders
             ),
-            in_branches,
+            in_control_flow,
             with_inputs,
             lambda site: (
                 jax.tree.map(lambda s: without_axis(s, site.stacked), site.value_struct)

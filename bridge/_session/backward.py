@@ -1,24 +1,27 @@
-"""Values that leave a branch through the backward pass.
+"""Sites inside control flow: values that leave through the backward pass.
 
-A value computed inside a `lax.cond` or `lax.switch` branch (or a scan's
-body) is a tracer of that branch's trace: recorded by side effect, it would
-leak. The epsilon needs no route (the branch closes over it, and JAX gives
-it a zero gradient where the branch did not run), but the value does. It
-leaves as a gradient: the call's value passes through `record`, an identity
-whose backward pass returns the value itself (and the call's inputs, and
-ones) as the cotangents of zero-valued recorders the branch closes over, and
-one `jax.vjp` of the model (`run_recording`) pulls them out. Where the branch
-did not run, its backward pass never reaches `record`: the value, the
-inputs and the ones stay zeros, so the ones say where it ran
-(`ProbeResult.ran`). Under a `vmap` whose predicate varies, JAX runs every
-branch and selects each operand's gradient by the predicate, so this holds
-per example.
+A value computed inside a `lax.cond` or `lax.switch` branch, or in the body
+of a `lax.fori_loop` of static bounds, is a tracer of that body's trace:
+recorded by side effect, it would leak. The epsilon needs no route in: the
+body closes over it (inside a loop, over every iteration's epsilon, and
+takes its iteration's row by the loop's counter), and JAX gives it a zero
+gradient where a branch did not run. The value leaves as a gradient: it
+passes through `record`, an identity whose backward pass returns the value
+itself (and the call's inputs, and ones) as the cotangents of zero-valued
+recorders the body closes over (a loop's row of them), and one `jax.vjp` of
+the model (`run_recording`) pulls them out. Where a branch did not run, its
+backward pass never reaches `record`: the value, the inputs and the ones
+stay zeros, so the ones say where it ran (`ProbeResult.ran`). Under a `vmap`
+whose predicate varies, JAX runs every branch and selects each operand's
+gradient by the predicate, so this holds per example.
 
-The core routes a selected site here where its origin is an `InBranch`
-(set by the adapter at discovery); an adapter with its own route (the
-Equinox tree, where a scan slices the recorders) uses `record` directly.
-Inputs that are not floating-point travel as float32 numbers a cotangent
-carries exactly (`as_floats`).
+The adapter reads where a call runs (`ControlFlow`, from JAX's trace stack)
+and hands the call to `Session.call_in_control_flow`; the core runs the
+model inside `run_recording` where a selected site's origin is an
+`InControlFlow`. An adapter with a route of its own (the Equinox tree,
+which a scan over stacked layers slices) uses `record` directly. Inputs
+that are not floating-point travel as float32 numbers a cotangent carries
+exactly (`as_floats`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ from .sites import (
     zeros_like_struct,
 )
 
-#: JAX's names (a trace's `traced_for`) of the branches.
+#: JAX's names (a trace's `traced_for`) of the branches, of a loop of static
+#: bounds, and of what is traced through (a `jax.jit` inside the model).
 BRANCHES = frozenset({"cond", "switch"})
+FORI_LOOP = "fori_loop"
+_TRACED_THROUGH = frozenset({"jit", "pjit"})
 
 
 @jax.custom_vjp
@@ -67,25 +73,77 @@ record.defvjp(_record_forward, _record_backward)
 
 
 @dataclasses.dataclass(frozen=True)
-class InBranch(SiteOrigin):
-    """A call inside a `lax.cond` or `lax.switch` (the library's own, or JAX's
-    in the model's code) and no other transform bridge must see through: its
-    epsilon and patch value are closed over, its value and inputs leave
-    through the backward pass (see the module docstring).
+class ControlFlow:
+    """Where a call runs: inside branches and loops of static bounds only.
 
     Attributes:
       transforms: JAX's names of the transforms around the call, innermost
-        first (`cond`, `switch`, a `jit` inside the model).
+        first (`cond`, `switch`, `fori_loop`, a `jit` inside the model).
+      lengths: each loop's iterations, outermost first.
+      rows: each loop's iteration now (a tracer of its body), outermost first.
+    """
+
+    transforms: tuple[str, ...]
+    lengths: tuple[int, ...] = ()
+    rows: tuple[Any, ...] = ()
+
+    @staticmethod
+    def expressible(transforms: tuple[str, ...]) -> bool:
+        """Whether a call inside `transforms` (innermost first) is a site of
+        this route: branches and loops of static bounds, and nothing else
+        bridge must see through."""
+        seen = [t for t in transforms if t not in _TRACED_THROUGH]
+        return bool(seen) and all(t in BRANCHES or t == FORI_LOOP for t in seen)
+
+    def row(self, tree: Any) -> Any:
+        """This iteration's row of `tree`, whose leaves have the loops'
+        iterations first."""
+        if not self.rows:
+            return tree
+        return jax.tree.map(lambda leaf: leaf[tuple(self.rows)], tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class InControlFlow(SiteOrigin):
+    """The origin of a call inside branches and loops of static bounds
+    (`ControlFlow`): its epsilon and patch value are closed over, its value
+    and inputs leave through the backward pass (see the module docstring).
+
+    Attributes:
+      transforms: as `ControlFlow.transforms`.
+      iterations: the loops' lengths, outermost first: the value's leading
+        axes.
       inputs: how each positional array input comes back from its float32
         transport (an `Encoding`, `None` for other arguments).
-      inputs_recorder: the abstract zeros its inputs are recorded through.
+      inputs_recorder: the abstract zeros one call's inputs are recorded
+        through.
       inner: the adapter's own origin of the call, where it has one.
     """
 
     transforms: tuple[str, ...] = ()
+    iterations: tuple[int, ...] = ()
     inputs: Any = None
     inputs_recorder: Any = None
     inner: SiteOrigin | None = None
+
+    @classmethod
+    def of(
+        cls, flow: ControlFlow, args: tuple, inner: SiteOrigin | None = None
+    ) -> InControlFlow:
+        """The origin of a call at `flow` with positional `args`."""
+        arrays = JAX_ARRAYS.positional(args)
+        return cls(
+            flow.transforms,
+            flow.lengths,
+            jax.tree.map(Encoding.of, arrays),
+            abstract(jax.tree.map(as_floats, arrays)),
+            inner,
+        )
+
+    @property
+    def in_branch(self) -> bool:
+        """Inside a `cond` or `switch`: where it ran is part of the result."""
+        return any(t in BRANCHES for t in self.transforms)
 
     def __getattr__(self, name: str) -> Any:
         # What the adapter's own origin says of the call (its bundle, its
@@ -93,26 +151,6 @@ class InBranch(SiteOrigin):
         if name.startswith("__") or name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
-
-    @classmethod
-    def of(
-        cls, transforms: tuple[str, ...], args: tuple, inner: SiteOrigin | None = None
-    ) -> InBranch:
-        """The origin of a call inside `transforms` with positional `args`."""
-        arrays = JAX_ARRAYS.positional(args)
-        return cls(
-            tuple(transforms),
-            jax.tree.map(Encoding.of, arrays),
-            abstract(jax.tree.map(as_floats, arrays)),
-            inner,
-        )
-
-
-def branches_only(transforms: tuple[str, ...]) -> bool:
-    """Whether `transforms` (innermost first; `jit` and `pjit` are traced
-    through) hold a branch and nothing else bridge must see through."""
-    seen = [t for t in transforms if t not in ("jit", "pjit")]
-    return bool(seen) and all(t in BRANCHES for t in seen)
 
 
 def run_recording(
@@ -123,14 +161,22 @@ def run_recording(
 ) -> tuple[Any, Any, dict, dict, dict]:
     """`run(recorders)` -> `(outputs, state, activations, inputs, ran)`, run
     inside one `jax.vjp` whose pullback brings the values, inputs and
-    where-they-ran of `sites` (`{name: Site}`, each `InBranch`) out of their
-    branches. `without_batch(site)` is the site's abstract value as one
-    trace sees it (one example's, under the probe's vmap)."""
+    where-they-ran of `sites` (`{name: Site}`, each an `InControlFlow`) out
+    of their branches and loops. `without_batch(site)` is the site's abstract
+    value as one trace sees it (one example's, under the probe's vmap)."""
+
+    def stacked(origin: InControlFlow, struct: Any) -> Any:
+        return jax.tree.map(
+            lambda s: jnp.zeros((*origin.iterations, *s.shape), s.dtype), struct
+        )
+
     recorders = {
         name: (
             zeros_like_struct(without_batch(site)),
-            zeros_like_struct(site.origin.inputs_recorder) if with_inputs else None,
-            jnp.zeros((), jnp.float32),
+            stacked(site.origin, site.origin.inputs_recorder) if with_inputs else None,
+            jnp.zeros(site.origin.iterations, jnp.float32)
+            if site.origin.in_branch
+            else None,
         )
         for name, site in sites.items()
     }
@@ -144,9 +190,10 @@ def run_recording(
         ]
         if not floats:
             raise BridgeValueError(
-                "bridge records the sites inside jax.lax.cond through the "
-                "backward pass of the model's outputs, but {model_name} "
-                "returned no floating-point array."
+                "bridge records the sites inside jax.lax.cond and "
+                "jax.lax.fori_loop through the backward pass of the model's "
+                "outputs and state, but the model returned no floating-point "
+                "array."
             )
         return sum(floats, jnp.zeros(())), (outputs, state, activations, inputs, ran)
 
@@ -160,7 +207,8 @@ def run_recording(
         activations[name] = value
         if with_inputs:
             inputs[name] = jax.tree.map(from_floats, site.origin.inputs, site_inputs)
-        ran[name] = site_ran > 0
+        if site_ran is not None:
+            ran[name] = site_ran > 0
     return outputs, state, activations, inputs, ran
 
 

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import BridgeRuntimeError
-from . import backward
 from .liveness import mark
 from .naming import Call
 from .sites import (
@@ -30,7 +29,6 @@ from .sites import (
     Arrays,
     Site,
     differentiable_part,
-    merge_differentiable,
     patch_misfit,
 )
 
@@ -235,10 +233,6 @@ class RunRecorder(Recorder):
         self._with_inputs = request.with_inputs
         self._batch_axis = request.batch_axis
         self._arrays = request.arrays
-        self._branch_recorders = request.branch_recorders
-        # The inputs of the calls now running in a branch, by name: they
-        # leave with the value (`bridge._session.backward`).
-        self._branch_inputs: dict[str, Any] = {}
         self.activations = {}
         self.inputs = {}
         self.ran = {}
@@ -247,11 +241,7 @@ class RunRecorder(Recorder):
 
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         if record and self._with_inputs and call.name in self._selected:
-            positional = self._arrays.positional(args)
-            if call.name in self._branch_recorders:
-                self._branch_inputs[call.name] = positional
-            else:
-                self.inputs[call.name] = positional
+            self.inputs[call.name] = self._arrays.positional(args)
 
     def exited(self, call, value, perturb, record, patch):
         if patch is None:
@@ -267,17 +257,7 @@ class RunRecorder(Recorder):
                     value = self._arrays.add_epsilon(value, epsilon)
                 else:
                     value = perturb(value)
-            if record and call.name in self._branch_recorders:
-                inputs = self._branch_inputs.pop(call.name, None)
-                if inputs is not None:
-                    inputs = jax.tree.map(backward.as_floats, inputs)
-                recorded = backward.record(
-                    self._arrays.recorded(value),
-                    inputs,
-                    self._branch_recorders[call.name],
-                )
-                value = merge_differentiable(value, recorded)
-            elif record:
+            if record:
                 self.activations[call.name] = self._arrays.recorded(value)
         return value
 

@@ -32,6 +32,9 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
+
 from .._errors import BridgeTypeError
 from . import backward, context
 from .carrier import Carrier
@@ -40,7 +43,16 @@ from .naming import BodyTraces as BodyTraces
 from .naming import Call as Call
 from .naming import Naming
 from .recorders import DiscoveryRecorder, Recorder, RunRecorder
-from .sites import JAX_ARRAYS, Arrays, Site, SiteOrigin
+from .sites import (
+    JAX_ARRAYS,
+    Arrays,
+    Site,
+    SiteOrigin,
+    add_epsilon,
+    differentiable_part,
+    is_array,
+    merge_differentiable,
+)
 from .taps import Taps
 
 if TYPE_CHECKING:
@@ -73,9 +85,9 @@ class Request:
       inside: the probe's `bridge._session.inside.Inside`: by default the one
         the core set in this context (`bridge._session.context.INSIDE`), for
         a request made by any adapter.
-      branch_recorders: `{name: recorders}` of the selected sites inside a
-        branch, whose values leave it through the backward pass
-        (`bridge._session.backward`).
+      control_flow_recorders: `{name: recorders}` of the selected sites
+        inside branches and loops, whose values leave through the backward
+        pass (`bridge._session.backward`).
     """
 
     selected: Mapping[str, Site] | None = None
@@ -87,7 +99,7 @@ class Request:
     arrays: Arrays = JAX_ARRAYS
     renames: Mapping[str, tuple[str, int]] | None = None
     inside: Inside | None = dataclasses.field(default_factory=context.INSIDE.get)
-    branch_recorders: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    control_flow_recorders: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.selected is None:  # a discovery lists the sites: nothing is asked
@@ -108,16 +120,17 @@ class Request:
         self,
         epsilons: Mapping[str, Any],
         patch_values: Mapping[str, Any],
-        branch_recorders: Mapping[str, Any] | None = None,
+        control_flow_recorders: Mapping[str, Any] | None = None,
     ):
-        """This request with the epsilons, patch values and branch recorders
-        one trace sees (under the probe's `jax.vmap`: one example's)."""
+        """This request with the epsilons, patch values and control-flow
+        recorders one trace sees (under the probe's `jax.vmap`: one
+        example's)."""
         functions = {k: v for k, v in self.patches.items() if callable(v)}
         return dataclasses.replace(
             self,
             epsilons=epsilons,
             patches={**patch_values, **functions},
-            branch_recorders=branch_recorders or {},
+            control_flow_recorders=control_flow_recorders or {},
         )
 
 
@@ -214,26 +227,68 @@ class Session:
         self._entered(call, args, record)
         return call
 
-    def call_in_branch(
+    def call_in_control_flow(
         self,
         path: str,
         method: str | None,
         module: Any,
         args: tuple,
-        transforms: tuple[str, ...],
+        flow: backward.ControlFlow,
         run: Callable[[], Any],
         origin: SiteOrigin | None = None,
     ) -> Any:
-        """The call `run()` inside a `lax.cond` or `lax.switch` (`transforms`,
-        JAX's names, innermost first: branches and a `jit` only), as a site:
-        its epsilon and patch value are closed over, its value and inputs
-        leave through the backward pass (`bridge._session.backward`), with
-        where it ran. `origin`: the adapter's own, kept as the `InBranch`'s
-        `inner`."""
+        """The call `run()` inside branches and loops of static bounds only
+        (`flow`, read by the adapter), as a site: its epsilon and patch
+        value are closed over (a loop's iteration takes its row), its value
+        and inputs leave through the backward pass, with where it ran
+        (`bridge._session.backward`). It holds every iteration of the loops
+        around it. `origin`: the adapter's own, kept as the
+        `InControlFlow`'s `inner`."""
         if self.recorder.learns_sites():
-            origin = backward.InBranch.of(transforms, args, origin)
-        call = self.enter(path, method, module, args, origin)
-        return self.exit(call, run())
+            call = self.enter(
+                path,
+                method,
+                module,
+                args,
+                backward.InControlFlow.of(flow, args, origin),
+            )
+            value = self.exit(call, run(), perturb=lambda v: v, record=False)
+            listed = value
+            for length in reversed(flow.lengths):  # innermost first
+                self.recorder.holds_iterations(call.name, listed, length)
+                listed = jax.tree.map(
+                    lambda v, n=length: (
+                        jnp.broadcast_to(v, (n, *jnp.shape(v))) if is_array(v) else v
+                    ),
+                    listed,
+                )
+            return value
+        call = self.enter(path, method, module, args, origin, record=False)
+        value = run()
+        if not self.recorder.needs_value(call.name):
+            return self.exit(call, value, record=False)
+        name = call.name
+        epsilon = self.epsilons.get(name)
+        patch = self.patches.get(name)
+        value = self.exit(
+            call,
+            value,
+            perturb=None
+            if epsilon is None
+            else (lambda v: add_epsilon(v, flow.row(epsilon))),
+            record=False,
+            patch=None if patch is None or callable(patch) else flow.row(patch),
+        )
+        recorders = self.request.control_flow_recorders.get(name)
+        if name not in self.selected or recorders is None:
+            return value
+        inputs = None
+        if self.with_inputs:
+            inputs = jax.tree.map(backward.as_floats, positional_arrays(args))
+        floats = backward.record(
+            differentiable_part(value), inputs, flow.row(recorders)
+        )
+        return merge_differentiable(value, floats)
 
     def exit(
         self,
