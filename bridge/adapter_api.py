@@ -228,6 +228,7 @@ from ._session.backward import Encoding as Encoding
 from ._session.backward import InControlFlow as InControlFlow
 from ._session.backward import as_floats as as_floats
 from ._session.backward import from_floats as from_floats
+from ._session.backward import reaching as reaching
 from ._session.backward import record as record
 from ._session.context import tapping_a_local as tapping_a_local
 from ._session.naming import BodyTraces as BodyTraces
@@ -319,6 +320,7 @@ __all__ = [
     "norm_hyperparameters",
     "placed",
     "positional_arrays",
+    "reaching",
     "record",
     "refusal",
     "register_adapter",

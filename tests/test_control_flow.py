@@ -133,7 +133,7 @@ class LinenBranch(nn.Module):
         return nn.Dense(OUT, name="head")(h)
 
 
-def _linen(kind: str) -> Case:
+def _linen(kind: str, vmap: bool = True) -> Case:
     x = jnp.ones((IN,))
     variables = LinenBranch("both").init(jax.random.key(0), x)
 
@@ -141,10 +141,10 @@ def _linen(kind: str) -> Case:
         with offsets_added(offsets):
             return LinenBranch(kind).apply(variables, x)
 
-    return Case(bridge.probe(LinenBranch(kind), variables, vmap=True), forward)
+    return Case(bridge.probe(LinenBranch(kind), variables, vmap=vmap), forward)
 
 
-def _nnx(kind: str) -> Case:
+def _nnx(kind: str, vmap: bool = True) -> Case:
     from flax import nnx
 
     class NnxBranch(nnx.Module):
@@ -198,7 +198,7 @@ def _nnx(kind: str) -> Case:
         with offsets_added(offsets):
             return nnx.merge(*split[plain.get(kind, kind)])(x)
 
-    return Case(bridge.probe(models[kind], vmap=True), forward)
+    return Case(bridge.probe(models[kind], vmap=vmap), forward)
 
 
 class EqxBranch(eqx.Module):
@@ -228,7 +228,7 @@ class EqxBranch(eqx.Module):
         return self.head(h)
 
 
-def _equinox(kind: str) -> Case:
+def _equinox(kind: str, vmap: bool = True) -> Case:
     # The same key: the same parameters, whatever the kind.
     models = {k: EqxBranch(k, jax.random.key(0)) for k in ("both", *KINDS["equinox"])}
 
@@ -236,7 +236,7 @@ def _equinox(kind: str) -> Case:
         with offsets_added(offsets):
             return models[kind](x)
 
-    return Case(bridge.probe(models[kind], vmap=True), forward)
+    return Case(bridge.probe(models[kind], vmap=vmap), forward)
 
 
 def _haiku_function(kind: str) -> Callable:
@@ -264,7 +264,7 @@ def _haiku_function(kind: str) -> Callable:
     return function
 
 
-def _haiku(kind: str) -> Case:
+def _haiku(kind: str, vmap: bool = True) -> Case:
     params = hk.transform(_haiku_function("both")).init(
         jax.random.key(0), jnp.ones((IN,))
     )
@@ -274,7 +274,7 @@ def _haiku(kind: str) -> Case:
             return hk.transform(_haiku_function(kind)).apply(params, None, x)
 
     return Case(
-        bridge.probe(hk.transform(_haiku_function(kind)), params, vmap=True), forward
+        bridge.probe(hk.transform(_haiku_function(kind)), params, vmap=vmap), forward
     )
 
 
@@ -459,17 +459,23 @@ def test_a_site_outside_branches_has_no_ran_entry(library):
     assert case.probe.apply(inputs(), at="head").ran == {}
 
 
-def test_one_call_in_a_branch_without_vmap_has_a_scalar_ran():
-    model = EqxBranch("lax", jax.random.key(0))
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_one_call_in_a_branch_without_vmap_has_a_scalar_ran(library, kind):
+    """One example, `vmap=False`: `ran` is one boolean; the branch not taken
+    has zeros, the one taken the hand offset's gradient."""
+    case = BUILDERS[library](kind, vmap=False)
     x = inputs()
-    for example in (x[0], x[1], x[2]):
-        res = bridge.probe(model).value_and_grad(loss_fn, example, at=["left", "right"])
+    for example in x[:3]:
+        offsets = {"left": jnp.zeros(WIDTH), "right": jnp.zeros(WIDTH)}
+        want = jax.grad(lambda o, x=example: loss_fn(case.forward(kind, x, o)))(offsets)
+        res = case.probe.value_and_grad(loss_fn, example, at=["left", "right"])
         assert res.ran["left"].shape == ()
         assert bool(res.ran["left"]) != bool(res.ran["right"])
         for name in ("left", "right"):
+            assert_close(res.activation_grads[name], want[name])
             if not res.ran[name]:
                 assert not np.any(np.asarray(res.activations[name]))
-                assert not np.any(np.asarray(res.activation_grads[name]))
+                assert not np.any(np.asarray(want[name]))
 
 
 # -- fori_loop with static bounds: one entry per iteration ---------------------------
@@ -720,3 +726,72 @@ def test_a_patch_value_in_a_loop_applies_per_iteration(library, kind):
 
     expected = jax.vmap(replaced)(x, jnp.moveaxis(patch, 1, 0))
     assert_close(patched.outputs, expected)
+
+
+# -- bridge.tap inside a branch -------------------------------------------------------
+
+
+def _tapped_branch(h: jax.Array) -> jax.Array:
+    """`tap("t", sin(h))` in the branch taken where `h[0] > 0`, `cos`
+    otherwise."""
+    return jax.lax.cond(h[0] > 0, lambda h: bridge.tap("t", jnp.sin(h)), jnp.cos, h)
+
+
+class EqxTapped(eqx.Module):
+    first: eqx.nn.Linear
+    last: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.last(_tapped_branch(self.first(x)))
+
+
+def _tapped_probes() -> dict[str, tuple[Any, Callable]]:
+    """`{library: (probe with vmap=True, the model's one-example function
+    with an offset added to the tap's value by hand)}`."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = EqxTapped(
+        eqx.nn.Linear(IN, WIDTH, key=keys[0]), eqx.nn.Linear(WIDTH, OUT, key=keys[1])
+    )
+
+    def haiku_function(x):
+        h = _tapped_branch(hk.Linear(WIDTH, name="first")(x))
+        return hk.Linear(OUT, name="last")(h)
+
+    transformed = hk.without_apply_rng(hk.transform(haiku_function))
+    params = transformed.init(jax.random.key(0), jnp.ones((IN,)))
+
+    def by_hand(first, last):
+        def one(x, offset):
+            h = first(x)
+            h = jnp.where(h[0] > 0, jnp.sin(h) + offset, jnp.cos(h))
+            return last(h)
+
+        return one
+
+    def dense(p):
+        return lambda x: x @ p["w"] + p["b"]
+
+    return {
+        "equinox": (bridge.probe(model, vmap=True), by_hand(model.first, model.last)),
+        "haiku": (
+            bridge.probe(transformed, params, vmap=True),
+            by_hand(dense(params["first"]), dense(params["last"])),
+        ),
+    }
+
+
+@pytest.mark.parametrize("library", ["equinox", "haiku"])
+def test_a_tap_in_a_branch_is_a_site_where_the_branch_runs(library):
+    probe, one = _tapped_probes()[library]
+    x = inputs()
+    assert probe.sites(x)["t"].shape == (BATCH, WIDTH)
+    offsets = jnp.zeros((BATCH, WIDTH))
+    grads = jax.grad(lambda o: loss_fn(jax.vmap(one)(x, o)))(offsets)
+    moved = jax.vmap(one)(x, jnp.full((BATCH, WIDTH), 1e3))
+    runs = np.asarray(jnp.any(moved != jax.vmap(one)(x, offsets), axis=-1))
+    assert runs.any() and not runs.all()
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        np.testing.assert_array_equal(res.ran["t"], runs)
+        assert_close(res.activation_grads["t"], grads)
+        first = res.activations["first"]
+        assert_close(res.activations["t"], np.where(runs[:, None], jnp.sin(first), 0))

@@ -407,13 +407,6 @@ def test_a_site_inside_checkpoint_equals_the_same_model_without_it(mode, filtere
     assert_tree_allclose(res.grads.inner, ref.grads.layers[0])
 
 
-class InCond(eqx.Module):
-    linear: eqx.nn.Linear
-
-    def __call__(self, x):
-        return jax.lax.cond(x[0] > 0, lambda x: self.linear(x), lambda x: -x, x)
-
-
 class ClosedOverCell(eqx.Module):
     """An RNN: the scan body closes over one cell, called at every step."""
 
@@ -448,11 +441,6 @@ def _stacked_linears(key):
 @pytest.mark.parametrize(
     "model, site, message",
     [
-        (
-            InCond(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
-            "linear",
-            "through jax.lax.cond",
-        ),
         pytest.param(
             ClosedOverCell(eqx.nn.Linear(3, 3, key=jax.random.key(0))),
             "cell",
@@ -476,7 +464,7 @@ def _stacked_linears(key):
             marks=NEEDS_JAXPR_PARENTS,
         ),
     ],
-    ids=["cond", "closed_over", "vmap_in_scan", "tap"],
+    ids=["closed_over", "vmap_in_scan", "tap"],
 )
 def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, site, message):
     # A jax.jit inside the model is traced through: tests/test_equinox_jit.py.
@@ -1273,7 +1261,6 @@ class TapInTransform(eqx.Module):
     "kind, word, shape",
     [
         ("checkpoint", "checkpoint", (2, 4)),
-        ("cond", "cond", (2, 4)),
         ("scan", "scan", (2, 2, 4)),
     ],
 )

@@ -623,28 +623,41 @@ def looped(x):
     return hk.fori_loop(0, 3, lambda i, h: jnp.tanh(cell(h)), h)
 
 
-def test_a_site_inside_hk_fori_loop_is_refused_and_sites_outside_work():
+def test_a_site_inside_hk_fori_loop_holds_every_iteration():
+    """One Linear applied in every iteration: the site holds each
+    iteration's value and gradient, and the Linear's bias gradient is their
+    sum over iterations and examples (the bias identity)."""
     x = _inputs(5, 8)
     model = Model(looped, (x,), True, apply_rng=False, rng=None)
     probe = bridge.probe(model.transformed, model.params, model.state)
-    # Listed with every iteration (a fori_loop of static bounds is a scan).
     assert probe.sites(x)["cell"].shape == (3, 5, 8)
-    with pytest.raises(
-        ValueError, match="bridge cannot see through hk.fori_loop around site 'cell'"
-    ):
-        probe.value_and_grad(mse, x, at="cell")
-    # `at=None` leaves it out, and says so.
-    with leaves_out("cell"):
-        res = probe.value_and_grad(mse, x)
-    assert list(res.activations) == ["embed"]
     loss, grads = jax.value_and_grad(lambda params: mse(model.apply(params, (x,))[0]))(
         model.params
     )
-    np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
-    assert_tree_allclose(res.grads, grads)
-    np.testing.assert_allclose(
-        res.activation_grads["embed"].sum(axis=0), grads["embed"]["b"], rtol=1e-5
-    )
+    for res in (
+        probe.value_and_grad(mse, x),  # `at=None`: nothing left out
+        jax.jit(lambda p: p.value_and_grad(mse, x))(probe),
+    ):
+        assert set(res.activations) == {"embed", "cell"}  # jit sorts keys
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
+        assert_tree_allclose(res.grads, grads)
+        np.testing.assert_allclose(
+            res.activation_grads["cell"].sum(axis=(0, 1)),
+            grads["cell"]["b"],
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        # Each iteration's value: the Linear of the previous one's tanh.
+        cell = model.params["cell"]
+        h = res.activations["embed"]
+        for i in range(3):
+            np.testing.assert_allclose(
+                res.activations["cell"][i],
+                h @ cell["w"] + cell["b"][None],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+            h = jnp.tanh(res.activations["cell"][i])
 
 
 def test_a_plain_transform_with_a_wrapped_apply_and_a_layer_stack_is_an_error():
@@ -721,7 +734,7 @@ def test_a_tap_inside_a_layer_stack_or_hk_scan_is_stacked_over_iterations(stack,
     )
 
 
-def test_a_tap_inside_hk_fori_loop_is_refused_not_a_summed_site():
+def test_a_tap_inside_hk_fori_loop_holds_every_iteration_not_a_sum():
     def looped(x):
         body = lambda i, x: x + bridge.tap("h", jnp.tanh(x))  # noqa: E731
         return hk.fori_loop(0, 2, body, x)
@@ -730,10 +743,18 @@ def test_a_tap_inside_hk_fori_loop_is_refused_not_a_summed_site():
     x = _inputs(4, 8)
     probe = bridge.probe(transformed, transformed.init(jax.random.key(0), x))
     assert probe.sites(x)["h"].shape == (2, 4, 8)  # every iteration
-    with pytest.raises(
-        ValueError, match="bridge cannot see through hk.fori_loop around site 'h'"
-    ):
-        probe.value_and_grad(mse, x, at="h")
+
+    # The reference: the loop unrolled, an offset added to each tap by hand.
+    def reference(offsets):
+        h = x
+        for i in range(2):
+            h = h + jnp.tanh(h) + offsets[i]
+        return mse(h)
+
+    grads = jax.grad(reference)(jnp.zeros((2, 4, 8)))
+    res = probe.value_and_grad(mse, x, at="h")
+    np.testing.assert_allclose(res.activation_grads["h"], grads, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(res.activations["h"][0], jnp.tanh(x), rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -865,7 +886,6 @@ def _tap_in(kind, x):
     "kind, word, shape",
     [
         ("checkpoint", "checkpoint", (3, 4)),
-        ("cond", "cond", (3, 4)),
         ("scan", "scan", (3, 3, 4)),
     ],
 )

@@ -493,9 +493,17 @@ def test_a_patch_of_one_layers_shape_is_an_error_naming_the_stacked_shape(kind):
         probe.apply(*stack.args, patch={site: lambda v: v[..., :2]})
 
 
-def test_patching_a_site_inside_hk_fori_loop_is_still_refused():
+def test_a_patch_inside_hk_fori_loop_applies_to_every_iteration():
+    """The loop is `h = tanh(cell(h))` three times: a patch function zeroing
+    `cell` gives zeros out; a patch value replaces each iteration's row, so
+    the output is tanh of the last row."""
     x = _inputs(5, 8)
     model = Model(looped, (x,), True, apply_rng=False, rng=None)
     probe = bridge.probe(model.transformed, model.params, model.state)
-    with pytest.raises(ValueError, match="bridge cannot see through hk.fori_loop"):
-        probe.apply(x, at="embed", patch={"cell": jnp.zeros_like})
+    fwd = probe.apply(x, at="cell", patch={"cell": jnp.zeros_like})
+    np.testing.assert_array_equal(fwd.outputs, 0.0)
+    np.testing.assert_array_equal(fwd.activations["cell"], 0.0)
+    rows = jax.random.normal(jax.random.key(3), (3, 5, 8))
+    fwd = probe.apply(x, at="cell", patch={"cell": rows})
+    np.testing.assert_allclose(fwd.outputs, jnp.tanh(rows[-1]), rtol=1e-6)
+    np.testing.assert_allclose(fwd.activations["cell"], rows, rtol=1e-6)

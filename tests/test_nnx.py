@@ -800,11 +800,6 @@ class TapInCheckpoint(ArgumentOfCheckpoint):
         return jax.checkpoint(lambda x: bridge.tap("t", self.cell(x)))(x)
 
 
-class InLaxCond(ArgumentOfCheckpoint):
-    def __call__(self, x):
-        return jax.lax.cond(jnp.all(x < 10), self.cell, jnp.tanh, x)
-
-
 class InLaxScan(ArgumentOfCheckpoint):
     """The cell closed over by a `lax.scan` whose body is traced twice (its
     carry starts as a Python 0)."""
@@ -824,7 +819,6 @@ class InLaxScan(ArgumentOfCheckpoint):
     [
         (ArgumentOfCheckpoint, "cell", (3, 4), "jax.checkpoint around site 'cell'"),
         (TapInCheckpoint, "t", (3, 4), r"jax.checkpoint around site 't'"),
-        (InLaxCond, "cell", (3, 4), "jax.lax.cond around site 'cell'"),
         # Every step's value, steps first; listed once, though traced twice.
         (InLaxScan, "cell", (3, 3, 4), "jax.lax.scan around site 'cell'"),
     ],

@@ -734,17 +734,20 @@ def test_recordings_leave_a_transform_and_are_adopted_outside():
     inner_recorder = RunRecorder(request)
     inner = Carrier(request, inner_recorder)
     through(inner_recorder, a_call("s"), jnp.full((2, 3), 3.0), args=(jnp.ones(2),))
+    inner.carried_out("b", jnp.zeros(2), None, ran=jnp.array(True))
     recordings = inner.recordings()
-    activations, inputs = recordings
-    assert set(activations) == {"s"} and set(inputs) == {"s"}
+    activations, inputs, ran = recordings
+    assert set(activations) == {"s", "b"} and set(inputs) == {"s"}
+    assert set(ran) == {"b"}
     activations["junk"] = 0  # a copy, not the recorder's own
-    assert set(inner_recorder.activations) == {"s"}
+    assert set(inner_recorder.activations) == {"s", "b"}
     del activations["junk"]
     outer_recorder = RunRecorder(request)
     outer = Carrier(request, outer_recorder)
     outer.adopt(recordings)
     close(outer_recorder.activations["s"], np.full((2, 3), 3.0))
     close(outer_recorder.inputs["s"][0], np.ones(2))
+    assert bool(outer_recorder.ran["b"])
     assert jax.tree.structure(outer.recordings()) == jax.tree.structure(recordings)
 
 

@@ -1,7 +1,8 @@
 """A site bridge cannot express never blocks the others, in every library.
 
-Each case is an unexpressible call (inside a `while_loop`, a `cond`, a scan
-or vmap that broadcasts its parameters) between ordinary layers, a head
+Each case is an unexpressible call (inside a `while_loop`, a scan or vmap
+that broadcasts its parameters; branches and loops of static bounds are
+sites, `tests/test_control_flow.py`) between ordinary layers, a head
 after it. `sites()` lists it with its whole shape (the model's own mapped
 axes in front, a scan's iterations first); selecting or patching it raises
 a `bridge.BridgeError` naming the innermost transform that holds it;
@@ -138,19 +139,6 @@ class LinenVmap(nn.Module):
         return nn.Dense(2, name="head")(jnp.tanh(shared(4, name="shared")(h)))
 
 
-class LinenCond(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Dense(4, name="embed")(x)
-        left, right = nn.Dense(4, name="left"), nn.Dense(4, name="right")
-        if self.is_initializing():
-            left(h), right(h)
-        h = nn.cond(
-            jnp.sum(h) > 0, lambda _, h: left(h), lambda _, h: right(h), self, h
-        )
-        return nn.Dense(2, name="head")(jnp.tanh(h))
-
-
 class LinenWhile(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -251,24 +239,6 @@ def test_linen_vmap_broadcasting_params_is_refused_and_the_rest_probes():
         assert_close(bias_sum(grad["head"], 2), grads["head"]["bias"])
 
 
-def test_linen_cond_branches_are_refused_and_the_rest_probes():
-    x = jax.random.normal(jax.random.key(1), (3, 4))
-    module = LinenCond()
-    probe, params = _linen(module, x)
-    sites = probe.sites(x)
-    assert shapes(sites["left"]) == shapes(sites["right"]) == (3, 4)
-    assert_refused(probe, (x,), "left", "nn.cond around site 'left'")
-    loss, grads = _linen_plain(module, params, x)
-    for res in both_ways(
-        lambda p, x: p.value_and_grad(loss_fn, x), probe, x, leaves_out=("left",)
-    ):
-        assert set(res.activations) == {"embed", "head"}
-        assert_close(res.grads, grads)
-        grad = res.activation_grads
-        assert_close(bias_sum(grad["embed"], 1), grads["embed"]["bias"])
-        assert_close(bias_sum(grad["head"], 1), grads["head"]["bias"])
-
-
 def test_linen_while_loop_is_refused_and_the_rest_is_recorded():
     x = jax.random.normal(jax.random.key(1), (3, 4))
     module = LinenWhile()
@@ -302,12 +272,7 @@ class NnxModel(nnx.Module):
 
     def __call__(self, x):
         h = self.embed(x)
-        if self.kind == "cond":
-            h = nnx.cond(
-                jnp.sum(h) > 0, lambda a, b, h: a(h), lambda a, b, h: b(h),
-                self.inner, self.other, h,
-            )  # fmt: skip
-        elif self.kind == "scan":  # an RNN: one cell for every step
+        if self.kind == "scan":  # an RNN: one cell for every step
             cell = nnx.scan(
                 lambda cell, c, x: (jnp.tanh(cell(c) + x),) * 2,
                 in_axes=(None, nnx.Carry, 1),
@@ -329,13 +294,12 @@ class NnxModel(nnx.Module):
 @pytest.mark.parametrize(
     "kind, refused, shape",
     [
-        ("cond", ["inner", "other"], (5, 4)),
         ("scan", ["inner"], (3, 5, 4)),  # (steps, batch, features)
         ("vmap", ["inner"], (3, 5, 4)),  # the mapped (time) axis first
     ],
 )
 def test_nnx_refused_site_is_listed_and_the_rest_probes(kind, refused, shape):
-    x = jax.random.normal(jax.random.key(1), (5, 3) if kind == "cond" else (5, 3, 3))
+    x = jax.random.normal(jax.random.key(1), (5, 3, 3))
     model = NnxModel(kind, nnx.Rngs(0))
     probe = bridge.probe(model)
     sites = probe.sites(x)
@@ -380,8 +344,6 @@ def _haiku_model(kind):
         inner, other = hk.Linear(4, name="inner"), hk.Linear(4, name="other")
         if hk.running_init():  # every branch's and loop's parameters
             h = inner(h) + other(h)
-        elif kind == "cond":
-            h = hk.cond(jnp.sum(h) > 0, inner, other, h)
         elif kind == "vmap":  # one module for every example
             h = hk.vmap(inner, split_rng=False)(h)
         elif kind == "while":
@@ -393,9 +355,7 @@ def _haiku_model(kind):
     return hk.without_apply_rng(hk.transform(forward))
 
 
-@pytest.mark.parametrize(
-    "kind, refused", [("cond", ["inner", "other"]), ("vmap", ["inner"])]
-)
+@pytest.mark.parametrize("kind, refused", [("vmap", ["inner"])])
 def test_haiku_refused_site_is_listed_and_the_rest_probes(kind, refused):
     x = jax.random.normal(jax.random.key(1), (5, 3))
     transformed = _haiku_model(kind)
@@ -522,8 +482,9 @@ def test_equinox_ode_solver_sites_are_listed_batch_first_and_refused_naming_the_
 
 
 class EqxModel(eqx.Module):
-    """`encoder`, then a `lax.cond` of two layers or an RNN cell the scan
-    closes over, then `head`: one example (probed with `vmap=True`)."""
+    """`encoder`, then an RNN cell the scan closes over, then `head`: one
+    example (probed with `vmap=True`). (`left` and `right` are the branches
+    of `tests/test_control_flow.py`'s model.)"""
 
     kind: str = eqx.field(static=True)
     encoder: eqx.nn.Linear
@@ -541,20 +502,14 @@ class EqxModel(eqx.Module):
 
     def __call__(self, x):
         h = self.encoder(x)
-        if self.kind == "cond":
-            h = jax.lax.cond(
-                h[0] > 0, lambda h: self.left(h), lambda h: self.right(h), h
-            )
-        else:
-            step = lambda c, _: (jnp.tanh(self.left(c) + h), None)  # noqa: E731
-            h = jax.lax.scan(step, h, None, length=3)[0]
+        step = lambda c, _: (jnp.tanh(self.left(c) + h), None)  # noqa: E731
+        h = jax.lax.scan(step, h, None, length=3)[0]
         return self.head(jnp.tanh(h))
 
 
 @pytest.mark.parametrize(
     "kind, refused, shape, transform",
     [
-        ("cond", ["left", "right"], (5, 4), "jax.lax.cond"),
         ("rnn", ["left"], (3, 5, 4), "this jax.lax.scan"),  # (steps, batch, ...)
     ],
 )

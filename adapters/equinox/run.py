@@ -30,6 +30,7 @@ from bridge.adapter_api import (
     tapping_a_local,
 )
 
+from ..shared import unexpressible
 from . import jax_transforms, transforms, variables
 
 
@@ -172,12 +173,20 @@ class _TapSite:
 
 
 def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
-    """A `bridge.tap` inside a transform that gives it no route out (a
-    `lax.scan`, `jax.checkpoint` or `lax.cond` of the model's own code: a tap
-    has no leaves in the tree that carry a module call's value out): listed
-    with the shape its value has for the model, run as it is, and refused
-    where selected or patched, naming the transform (`jax_transforms.unreachable`)."""
+    """A `bridge.tap` inside a transform of the model's own code: inside
+    branches and loops of static bounds only, a site of the session's
+    control-flow route; inside a `lax.scan` or `jax.checkpoint`, which give
+    it no route out (a tap has no leaves in the tree that carry a module
+    call's value out), listed with the shape its value has for the model,
+    run as it is, and refused where selected or patched, naming the
+    transform (`jax_transforms.unreachable`)."""
     session = context.session
+    path = f"{session.enclosing[-1]}/{name}" if session.enclosing else name
+    flow = unexpressible.control_flow(context.base_trace)
+    if flow is not None and not tapping_a_local():
+        # Inside branches and loops of static bounds only: a site of the
+        # session's control-flow route.
+        return session.call_in_control_flow(path, None, None, (), flow, lambda: value)
     enclosing = jax_transforms.transforms(context.base_trace)
     if tapping_a_local():
         # A local of the probe's `inside=`: the core lists it and says so.
@@ -186,7 +195,6 @@ def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
             "where bridge cannot see a tap."
         )
     outer = [t for t in enclosing if t != "vmap"]
-    path = f"{session.enclosing[-1]}/{name}" if session.enclosing else name
     where = jax_transforms.describe(enclosing)
     blocker = jax_transforms.describe((outer[0],)) if outer else where
     why = refusal(

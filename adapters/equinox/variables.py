@@ -38,6 +38,7 @@ from bridge.adapter_api import (
     from_floats,
     merge_differentiable,
     positional_arrays,
+    reaching,
     record,
     without_axis,
     zeros_like_struct,
@@ -220,15 +221,7 @@ def through_patch(session: Session, name: str, original: Any, patched: Any) -> A
     would cut that pass, and their activations would come out as zeros."""
     if name not in session.patches or not in_tree(session):
         return patched
-
-    def keep(before: Any, after: Any) -> Any:
-        if not (eqx.is_inexact_array(before) and eqx.is_inexact_array(after)):
-            return after
-        if before.shape != after.shape or before.dtype != after.dtype:
-            return after
-        return jax.lax.select(jnp.zeros(after.shape, bool), before, after)
-
-    return jax.tree.map(keep, original, patched, is_leaf=lambda x: x is None)
+    return reaching(original, patched)
 
 
 def inputs_origin(args: tuple, iterations: int | None) -> dict[str, Any]:

@@ -102,12 +102,20 @@ class Run:
         return self.lifted.call(module, site_method, method, args, kwargs, session)
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
-        """`bridge.tap` in the model's code. Inside an NNX transform, where the
-        value is a tracer of the transform's trace, it is listed and refused
-        where selected or patched: bridge does not carry taps out of NNX
-        transforms yet. Inside the model's own `jax.vmap`s it is handed out
-        whole; inside JAX's other transforms, listed and refused."""
+        """`bridge.tap` in the model's code. Inside branches and loops of static
+        bounds only (NNX's or JAX's), a site of the session's control-flow
+        route. Inside another NNX transform, where the value is a tracer of
+        the transform's trace, it is listed and refused where selected or
+        patched: bridge does not carry taps out of NNX transforms yet. Inside
+        the model's own `jax.vmap`s it is handed out whole; inside JAX's
+        other transforms, listed and refused."""
         self.scan_bodies.traced()
+        flow = unexpressible.control_flow(self.base)
+        if flow is not None:  # branches and loops of static bounds only
+            path = session.naming.under_enclosing(name)
+            return session.call_in_control_flow(
+                path, None, None, (), flow, lambda: value
+            )
         transforms = self.transforms()
         if transforms:
             why = (

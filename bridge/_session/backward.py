@@ -39,6 +39,7 @@ from .sites import (
     SiteOrigin,
     abstract,
     differentiable_part,
+    is_array,
     zeros_like_struct,
 )
 
@@ -210,6 +211,26 @@ def run_recording(
         if site_ran is not None:
             ran[name] = site_ran > 0
     return outputs, state, activations, inputs, ran
+
+
+def reaching(original: Any, patched: Any) -> Any:
+    """`patched`, through which the backward pass still reaches `original`
+    (with zero cotangents): a patch value downstream of a site recorded
+    through the backward pass would otherwise cut that pass, and the site's
+    value would come out as zeros."""
+
+    def keep(before: Any, after: Any) -> Any:
+        if not (is_array(before) and is_array(after)):
+            return after
+        if not (
+            jnp.issubdtype(before.dtype, jnp.inexact)
+            and before.shape == after.shape
+            and before.dtype == after.dtype
+        ):
+            return after
+        return jax.lax.select(jnp.zeros(after.shape, bool), before, after)
+
+    return jax.tree.map(keep, original, patched, is_leaf=lambda x: x is None)
 
 
 # -- inputs as numbers a cotangent carries ------------------------------------

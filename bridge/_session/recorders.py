@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import BridgeRuntimeError
+from . import backward
 from .liveness import mark
 from .naming import Call
 from .sites import (
@@ -233,6 +234,9 @@ class RunRecorder(Recorder):
         self._with_inputs = request.with_inputs
         self._batch_axis = request.batch_axis
         self._arrays = request.arrays
+        # Sites recorded through the backward pass (`bridge._session.backward`)
+        # must stay reachable from the outputs through a patch.
+        self._recording_backward = bool(request.control_flow_recorders)
         self.activations = {}
         self.inputs = {}
         self.ran = {}
@@ -354,6 +358,8 @@ class RunRecorder(Recorder):
                 self._arrays.shapes_and_dtypes(new),
                 function=callable(patch),
             )
+        if self._recording_backward:
+            new = backward.reaching(value, new)
         return new
 
 
