@@ -168,3 +168,27 @@ def left_out_or_refused(run: Any, *sites: str) -> Any:
     for site in sites:
         assert repr(site) in said, f"nothing names {site!r}: {said!r}"
     return result
+
+
+def jaxpr_traces_record_their_parent() -> bool:
+    """Whether a jaxpr trace (of scan, checkpoint, cond, ...) records the
+    trace it runs in (jax >= 0.6.2): only then does bridge see sites inside
+    `lax.scan` and `jax.checkpoint` of the model's own code (Equinox), and
+    inside branches and loops of static bounds (every library); before, they
+    are listed and refused."""
+    from jax._src import core
+
+    seen = []
+
+    def f(x):
+        seen.append(hasattr(core.trace_ctx.trace, "parent_trace"))
+        return x
+
+    jax.make_jaxpr(f)(1.0)
+    return seen[0]
+
+
+NEEDS_JAXPR_PARENTS = pytest.mark.skipif(
+    not jaxpr_traces_record_their_parent(),
+    reason="sites inside jax.lax.scan / jax.checkpoint / control flow: jax >= 0.6.2",
+)

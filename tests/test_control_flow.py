@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import nnx_supported
+from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
 
 import bridge
+
+pytestmark = NEEDS_JAXPR_PARENTS
 
 # -- offsets added by hand --------------------------------------------------------
 
@@ -795,3 +797,60 @@ def test_a_tap_in_a_branch_is_a_site_where_the_branch_runs(library):
         assert_close(res.activation_grads["t"], grads)
         first = res.activations["first"]
         assert_close(res.activations["t"], np.where(runs[:, None], jnp.sin(first), 0))
+
+
+# -- a branch inside a scan over stacked layers (Equinox's tree route) ----------------
+
+LAYERS = 3
+
+
+class EqxScannedBranches(eqx.Module):
+    """`LAYERS` stacked Linears scanned over; each layer is applied where
+    `h[0] > 0`, negated otherwise."""
+
+    layers: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(WIDTH, WIDTH, key=k))(
+            jax.random.split(key, LAYERS)
+        )
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(h, arrays):
+            layer = eqx.combine(arrays, static)
+            return jax.lax.cond(
+                h[0] > 0, lambda h: jnp.tanh(layer(h)), jnp.negative, h
+            ), None
+
+        return jax.lax.scan(step, x, dynamic)[0]
+
+
+def test_a_branch_inside_a_scan_over_stacked_layers_runs_per_iteration():
+    """Equinox: `ran` per layer and example, `(layers, batch)`; values and
+    gradients those of the scan unrolled by hand with offsets."""
+    model = EqxScannedBranches(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+
+    def unrolled(x, offsets):
+        taken, values = [], []
+        h = x
+        for i in range(LAYERS):
+            layer = jax.tree.map(lambda a, i=i: a[i], model.layers)
+            value = layer(h) + offsets[i]
+            taken.append(h[0] > 0)
+            values.append(value)
+            h = jnp.where(h[0] > 0, jnp.tanh(value), -h)
+        return h, (jnp.stack(taken), jnp.stack(values))
+
+    offsets = jnp.zeros((BATCH, LAYERS, WIDTH))
+    _, (taken, values) = jax.vmap(unrolled)(x, offsets)
+    grads = jax.grad(lambda o: loss_fn(jax.vmap(unrolled)(x, o)[0]))(offsets)
+    taken, values, grads = (jnp.moveaxis(a, 1, 0) for a in (taken, values, grads))
+    assert bool(taken.any()) and not bool(taken.all())
+    probe = bridge.probe(model, vmap=True)
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        np.testing.assert_array_equal(res.ran["layers"], taken)
+        assert_close(res.activations["layers"], jnp.where(taken[..., None], values, 0))
+        assert_close(res.activation_grads["layers"], grads)

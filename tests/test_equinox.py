@@ -17,33 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.equinox import batch_norm
-from helpers import assert_tree_allclose, leaves_out
+from helpers import (
+    NEEDS_JAXPR_PARENTS,
+    assert_tree_allclose,
+    jaxpr_traces_record_their_parent,
+    leaves_out,
+)
 
 import bridge
 
 MODES = ["eager", "jit"]
-
-
-def _jaxpr_traces_record_their_parent() -> bool:
-    """Whether a jaxpr trace (of scan, checkpoint, ...) records the trace it
-    runs in (jax >= 0.6.2): only then does bridge see Equinox sites inside
-    jax.lax.scan and jax.checkpoint; before, they are an error."""
-    from jax._src import core
-
-    seen = []
-
-    def f(x):
-        seen.append(hasattr(core.trace_ctx.trace, "parent_trace"))
-        return x
-
-    jax.make_jaxpr(f)(1.0)
-    return seen[0]
-
-
-NEEDS_JAXPR_PARENTS = pytest.mark.skipif(
-    not _jaxpr_traces_record_their_parent(),
-    reason="sites inside jax.lax.scan / jax.checkpoint: jax >= 0.6.2",
-)
 
 
 def _run(mode, fn, *args):
@@ -652,7 +635,7 @@ def test_a_jitted_step_partitions_its_probe_once_and_compares_it_by_identity(
 
 
 @pytest.mark.skipif(
-    _jaxpr_traces_record_their_parent(), reason="this jax records jaxpr parents"
+    jaxpr_traces_record_their_parent(), reason="this jax records jaxpr parents"
 )
 def test_a_site_inside_checkpoint_on_an_older_jax_is_an_error_naming_the_version():
     keys = jax.random.split(jax.random.key(0), 2)
