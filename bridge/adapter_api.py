@@ -236,6 +236,8 @@ from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
 from ._session.routing import BRANCH as BRANCH
 from ._session.routing import CLOSED_OVER_LOOP as CLOSED_OVER_LOOP
+from ._session.routing import TRACED_BOUNDS as TRACED_BOUNDS
+from ._session.routing import TRACED_BOUNDS_FIX as TRACED_BOUNDS_FIX
 from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
 from ._session.routing import refusal as refusal
 from ._session.session import Request as Request
@@ -295,6 +297,8 @@ __all__ = [
     "Session",
     "Site",
     "SiteOrigin",
+    "TRACED_BOUNDS",
+    "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",
     "UNCHECKED_LOSS",
     "Weight",

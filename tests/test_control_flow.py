@@ -854,3 +854,74 @@ def test_a_branch_inside_a_scan_over_stacked_layers_runs_per_iteration():
         np.testing.assert_array_equal(res.ran["layers"], taken)
         assert_close(res.activations["layers"], jnp.where(taken[..., None], values, 0))
         assert_close(res.activation_grads["layers"], grads)
+
+
+# -- a fori_loop JAX cannot reverse-differentiate ------------------------------------
+
+
+def _traced_bounds_probe(library: str) -> tuple[Any, tuple]:
+    """A probe of a model whose `fori_loop` gets its upper bound as an input
+    (traced: JAX runs it as a `while_loop`), and its arguments."""
+    x, steps = jnp.ones((2, IN)), jnp.int32(3)
+
+    def body(layer):
+        return lambda i, h: jnp.tanh(layer(h))
+
+    if library == "equinox":
+
+        class Looped(eqx.Module):
+            cell: eqx.nn.Linear
+
+            def __call__(self, x, steps):
+                return jax.lax.fori_loop(0, steps, body(self.cell), x)
+
+        model = Looped(eqx.nn.Linear(IN, IN, key=jax.random.key(0)))
+        return bridge.probe(model), (x[0], steps)
+    if library == "linen":
+
+        class LinenLooped(nn.Module):
+            @nn.compact
+            def __call__(self, x, steps):
+                cell = nn.Dense(IN, name="cell")
+                if self.is_initializing():
+                    cell(x)
+                return jax.lax.fori_loop(0, steps, body(cell), x)
+
+        variables = LinenLooped().init(jax.random.key(0), x, 3)
+        return bridge.probe(LinenLooped(), variables), (x, steps)
+    if library == "nnx":
+        from flax import nnx
+
+        class NnxLooped(nnx.Module):
+            def __init__(self):
+                self.cell = nnx.Linear(IN, IN, rngs=nnx.Rngs(0))
+
+            def __call__(self, x, steps):
+                return jax.lax.fori_loop(0, steps, body(self.cell), x)
+
+        return bridge.probe(NnxLooped()), (x, steps)
+
+    def function(x, steps):
+        cell = hk.Linear(IN, name="cell")
+        if hk.running_init():
+            cell(x)
+        return hk.fori_loop(0, steps, body(cell), x)
+
+    transformed = hk.without_apply_rng(hk.transform(function))
+    return bridge.probe(transformed, transformed.init(jax.random.key(0), x, 3)), (
+        x,
+        steps,
+    )
+
+
+@pytest.mark.parametrize("library", list(BUILDERS))
+def test_a_fori_loop_with_traced_bounds_is_refused_naming_it(library):
+    """JAX runs it as a `while_loop`, which it cannot reverse-differentiate:
+    selecting or patching a site inside raises naming the fori_loop (never
+    the while_loop JAX makes of it) and the way out, before any work."""
+    probe, args = _traced_bounds_probe(library)
+    message = r"fori_loop( with traced bounds)? around site 'cell'.*Python int bounds"
+    with pytest.raises(bridge.BridgeValueError, match=message):
+        probe.apply(*args, at="cell")
+    with pytest.raises(bridge.BridgeValueError, match=message):
+        probe.value_and_grad(jnp.sum, *args, patch={"cell": jnp.negative})

@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BRANCH,
     CLOSED_OVER_LOOP,
+    TRACED_BOUNDS,
+    TRACED_BOUNDS_FIX,
     UNBOUNDED_LOOP,
     BridgeRuntimeError,
     BridgeValueError,
@@ -237,6 +239,7 @@ _REFUSALS = {
     ),
 }
 _REFUSALS["while_cond"] = _REFUSALS["while_body"]
+_REFUSALS[jax_internals.FORI_LOOP_TRACED] = (TRACED_BOUNDS, TRACED_BOUNDS_FIX)
 _REFUSALS["switch"] = _REFUSALS["cond"]
 
 

@@ -23,6 +23,8 @@ import jax
 
 from bridge.adapter_api import (
     BRANCH,
+    TRACED_BOUNDS,
+    TRACED_BOUNDS_FIX,
     UNBOUNDED_LOOP,
     Session,
     add_epsilon,
@@ -100,12 +102,8 @@ _REFUSALS = {
         "inside a layer stack), where bridge cannot pick one iteration's row",
         "scan one level deep, or stack layers with hk.experimental.layer_stack",
     ),
-    "hk.fori_loop": (
-        "Haiku carries state through hk.fori_loop as one value for every "
-        "iteration, so one epsilon would serve them all and their gradients "
-        "would be summed",
-        "write the loop as hk.scan, or stack layers with hk.experimental.layer_stack",
-    ),
+    # One of static bounds is a site of the control-flow route.
+    "hk.fori_loop": (TRACED_BOUNDS, TRACED_BOUNDS_FIX),
     "hk.while_loop": (
         UNBOUNDED_LOOP,
         "write the loop as hk.scan of fixed length",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.adapter_api import Session, refusal
+from bridge.adapter_api import TRACED_BOUNDS, TRACED_BOUNDS_FIX, Session, refusal
 
 from ..shared import guests, jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
@@ -38,6 +38,7 @@ RAW_REFUSALS = {
     "switch": REFUSALS["nn.switch"],
     "while_body": REFUSALS["nn.while_loop"],
     "while_cond": REFUSALS["nn.while_loop"],
+    jax_internals.FORI_LOOP_TRACED: (TRACED_BOUNDS, TRACED_BOUNDS_FIX),
 }
 
 

@@ -32,7 +32,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from bridge.adapter_api import BRANCH, UNBOUNDED_LOOP, Session
+from bridge.adapter_api import (
+    BRANCH,
+    TRACED_BOUNDS,
+    TRACED_BOUNDS_FIX,
+    UNBOUNDED_LOOP,
+    Session,
+)
 
 from ..shared import jax_internals, lifting
 from . import internals
@@ -64,6 +70,10 @@ REFUSALS = {
     "jax.lax.while_loop": (
         UNBOUNDED_LOOP,
         "write the loop as an nnx.scan of fixed length",
+    ),
+    jax_internals.TRANSFORM_NAMES[jax_internals.FORI_LOOP_TRACED]: (
+        TRACED_BOUNDS,
+        TRACED_BOUNDS_FIX,
     ),
 }
 

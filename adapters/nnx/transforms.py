@@ -29,6 +29,8 @@ import jax.numpy as jnp
 
 from bridge.adapter_api import (
     BRANCH,
+    TRACED_BOUNDS,
+    TRACED_BOUNDS_FIX,
     UNBOUNDED_LOOP,
     BridgeNotImplementedError,
     add_epsilon,
@@ -49,11 +51,8 @@ _REFUSALS = {
         UNBOUNDED_LOOP,
         "write the loop as an nnx.scan of fixed length",
     ),
-    "nnx.fori_loop": (
-        "it carries the module through its iterations as one value, so one "
-        "epsilon would serve every iteration and their gradients would be summed",
-        "write the loop as an nnx.scan over stacked layers",
-    ),
+    # One of static bounds is a site of the control-flow route.
+    "nnx.fori_loop": (TRACED_BOUNDS, TRACED_BOUNDS_FIX),
     "nnx.cond": (
         BRANCH,
         "compute both branches and pick with jnp.where",

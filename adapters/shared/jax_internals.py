@@ -133,6 +133,7 @@ def unreadable_scan(adapter: str) -> ImportError:
 TRANSFORM_NAMES = {
     "scan": "jax.lax.scan",
     "fori_loop": "jax.lax.fori_loop",
+    "fori_loop (traced bounds)": "jax.lax.fori_loop with traced bounds",
     "checkpoint / remat": "jax.checkpoint",
     "checkpoint": "jax.checkpoint",  # its name on jax < 0.5
     "cond": "jax.lax.cond",
@@ -186,9 +187,43 @@ def mapped_dims(value: Any, trace: Any, depth: int) -> tuple[int | None, ...] | 
 
 def traced_for(trace: Any) -> str:
     """JAX's name of the transform `trace` traces (`scan`, `checkpoint / remat`),
-    or the trace's class name."""
+    or the trace's class name; a `fori_loop` whose bounds are traced (JAX
+    runs it as a `while_loop`) is `FORI_LOOP_TRACED`."""
+    name = _debug_name(trace) or type(trace).__name__
+    if name == "fori_loop" and _fori_loop_kind(trace) == _FORI_WHILE_BODY:
+        return FORI_LOOP_TRACED
+    return name
+
+
+#: `traced_for`'s name of a `fori_loop` of traced bounds.
+FORI_LOOP_TRACED = "fori_loop (traced bounds)"
+
+
+def _debug_name(trace: Any) -> str | None:
     debug = getattr(getattr(trace, "frame", None), "debug_info", None)
-    return getattr(debug, "traced_for", None) or type(trace).__name__
+    return getattr(debug, "traced_for", None)
+
+
+def _fori_loop_kind(trace: Any) -> str | None:
+    """How JAX runs the `fori_loop` that `trace` traces the body of: its
+    scan body's frame (`scanned_fun`, static bounds) or its while body's
+    (`while_body_fun`, traced bounds), paired with the `fori_loop` traces
+    from here outwards by order; `None` where no such frame is found."""
+    position = 0
+    current = current_trace()
+    while current is not None and current is not trace:
+        position += _debug_name(current) == "fori_loop"
+        current = parent(current)
+    kinds = []
+    frame = sys._getframe(1)
+    while frame is not None and len(kinds) <= position:
+        code = frame.f_code
+        if code.co_name in (_FORI_BODY, _FORI_WHILE_BODY) and (
+            os.path.abspath(code.co_filename) == _LOOPS_FILE
+        ):
+            kinds.append(code.co_name)
+        frame = frame.f_back
+    return kinds[position] if position < len(kinds) else None
 
 
 def mapped_primitive(
@@ -241,6 +276,7 @@ def scan_frames(stop: Any) -> list[tuple[int, bool]] | None:
 
 
 _FORI_BODY = "scanned_fun"
+_FORI_WHILE_BODY = "while_body_fun"
 _FORI = "fori_loop"
 
 

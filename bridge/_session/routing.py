@@ -18,13 +18,35 @@ the library's own construct, so the adapter supplies it.
 
 from __future__ import annotations
 
-__all__ = ["BRANCH", "CLOSED_OVER_LOOP", "UNBOUNDED_LOOP", "refusal"]
+__all__ = [
+    "BRANCH",
+    "CLOSED_OVER_LOOP",
+    "TRACED_BOUNDS",
+    "TRACED_BOUNDS_FIX",
+    "UNBOUNDED_LOOP",
+    "refusal",
+]
 
 
-#: A call in a `cond` or `switch` branch.
+#: A call in a `cond` or `switch` branch that another transform encloses (a
+#: scanned stack): only where branches and loops of static bounds alone
+#: enclose it does its value leave through the backward pass.
 BRANCH = (
-    "which branch runs is known only when the model runs, so a call in a "
-    "branch may not run at all"
+    "a call in a branch may not run, and bridge brings its value and where "
+    "it ran out through the backward pass only where branches and loops of "
+    "static bounds alone enclose it"
+)
+
+#: A call in a `fori_loop` whose bounds are traced: JAX makes it a
+#: `while_loop`.
+TRACED_BOUNDS = (
+    "its bounds are traced, so JAX runs it as a while_loop, which it cannot "
+    "reverse-differentiate and whose iterations are known only when the model "
+    "runs"
+)
+TRACED_BOUNDS_FIX = (
+    "give it Python int bounds (JAX then makes it a scan, whose iterations "
+    "bridge probes one by one)"
 )
 
 #: A call in a `while_loop`.
