@@ -39,6 +39,7 @@ CASES = {
     "sharded_step.py": (("flax",), ()),
     "porting.py": (("flax", "equinox", "haiku"), ()),
     "kfac.py": (("flax", "matplotlib"), ("kfac.png",)),
+    "mixture_of_experts.py": (("flax", "optax", "sklearn"), ()),
     "activation_patching.py": (
         ("flax", "optax", "matplotlib"),
         ("activation_patching.png",),
