@@ -23,8 +23,9 @@ hand their value out the same way, to the body's trace, where that route
 takes it on (`lift` with the call's leaves from the tree as `extra`).
 
 A call inside a transform bridge cannot see through (a `jax.vmap` of the
-model's own code inside a `lax.scan`, `lax.cond`, `while_loop`, nested
-scans, a layer the scan closes over) has no route for its epsilon or its
+model's own code inside a `lax.scan`, a `while_loop`, nested scans, a layer
+the scan closes over; branches and loops of static bounds are the
+control-flow route's, `bridge._session.backward`) has no route for its epsilon or its
 value. It must not cost the other sites anything: the README promises that
 unselected sites cost nothing, so discovery lists it and a run that neither
 selects nor patches it calls it as it is (`unreachable`). Where it is

@@ -19,8 +19,12 @@ is patched, recorded and perturbed with the call's leaves as a call in the
 body itself is (`_call_mapped`). The site is `(iterations, *mapped axes,
 *value)`, and with `vmap=True` the probe's batch axis after the iterations.
 
-A call inside a transform this cannot express (`lax.cond`, `while_loop`, a
-`jax.jit` called in the model's code, a scan or checkpoint inside the
+A branch (`lax.cond`, `lax.switch`) inside such a scan is seen through the
+same way, its recorder of where it ran sliced per iteration (`ProbeResult.ran`);
+branches and `fori_loop`s of static bounds outside any scan take the
+session's control-flow route (`Session.call_in_control_flow`). A call inside
+a transform this cannot express (a `while_loop`, a `jax.jit` called in the
+model's code, a scan or checkpoint inside the
 model's own `jax.vmap`, nested scans, a layer closed over by the scan body
 rather than scanned over) is listed, and raises an error naming it where it
 is selected or patched (`bridge.adapters.equinox.jax_transforms.unreachable`):

@@ -14,8 +14,10 @@ Flax traces a lifted body more than once: a repeated trace re-uses the names
 of the first (`entering_linen_lifted_scope`, shared with Linen's guest). The
 calls bridge cannot express there are listed and refused only where selected
 or patched (`LiftedTransforms.refused`, see
-`bridge.adapters.shared.unexpressible`): inside `nn.while_loop`, `nn.cond` or
-`nn.switch`, or an `nn.scan`/`nn.vmap` that broadcasts `params` (`nn.RNN`).
+`bridge.adapters.shared.unexpressible`): inside `nn.while_loop`, a branch
+inside another lifted transform, or an `nn.scan`/`nn.vmap` that broadcasts
+`params` (`nn.RNN`). `nn.cond` and `nn.switch` alone are sites of the
+session's control-flow route (`LiftedTransforms.refused` hands them over).
 Such a transform is found by discovery: recording a call inside it among the
 parameters, Flax refuses a broadcast variable that depends on the loop
 (`broadcasting` reads which transform from its error), and discovery runs

@@ -15,8 +15,11 @@ back in, mapped along axis 0 at every level
 (`bridge.adapters.shared.lifting.lift`, as the other adapters do). No tracer
 leaves its trace, and autodiff sees ordinary operations.
 
-Inside any other transform of JAX's (a `lax.scan`, `jax.checkpoint`,
-`lax.cond`, ...) no value can leave and no epsilon can enter: the site is
+Inside branches and loops of static bounds only (`lax.cond`, `lax.switch`,
+`lax.fori_loop`), a call is a site of the session's control-flow route
+(`run.Run.listed`). Inside any other transform of JAX's (a `lax.scan`,
+`jax.checkpoint`, a `while_loop`, ...) no value can leave and no epsilon can
+enter: the site is
 listed with the shape its value has for the model and refused where selected
 or patched, naming the innermost such transform (`around`, `REFUSALS`); a
 `lax.scan` body JAX traces twice lists its sites once

@@ -2,9 +2,9 @@
 selected or patched.
 
 A call inside a transform that gives its epsilon and its value no route (a
-`while_loop`, whose iterations are not known; a `cond` or `switch`, whose
-branch may not run; a scan or vmap that broadcasts the parameters, so one
-epsilon would serve every iteration) must not cost the other sites anything.
+`while_loop`, whose iterations are not known; a branch inside a scanned
+stack; a scan or vmap that broadcasts the parameters, so one epsilon would
+serve every iteration) must not cost the other sites anything.
 Discovery lists it with the shape its value has for the model (the axes of
 the model's own `vmap`s around it in front, a scan's iterations first, as
 the contract lays sites out), with its origin's `blocked` saying why and
@@ -12,6 +12,10 @@ naming the innermost transform that holds it; `at=None` leaves it out
 (`bridge._probe.selection.select`), and selecting or patching it raises that
 reason. A `jax.jit` inside the model is no such transform: it is skipped
 when naming one.
+
+Branches and loops of static bounds are no such transform: `control_flow`
+reads where a call there runs (a `ControlFlow`), and the adapter hands it to
+`Session.call_in_control_flow`.
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`.
 """
