@@ -228,6 +228,8 @@ from ._session.backward import Encoding as Encoding
 from ._session.backward import InControlFlow as InControlFlow
 from ._session.backward import as_floats as as_floats
 from ._session.backward import from_floats as from_floats
+from ._session.backward import in_a_branch as in_a_branch
+from ._session.backward import pulled_out as pulled_out
 from ._session.backward import reaching as reaching
 from ._session.backward import record as record
 from ._session.context import tapping_a_local as tapping_a_local
@@ -317,6 +319,7 @@ __all__ = [
     "flatten_trailing",
     "flattened",
     "from_floats",
+    "in_a_branch",
     "is_array",
     "is_carrier_name",
     "key_name",
@@ -324,6 +327,7 @@ __all__ = [
     "norm_hyperparameters",
     "placed",
     "positional_arrays",
+    "pulled_out",
     "reaching",
     "record",
     "refusal",

@@ -925,3 +925,38 @@ def test_a_fori_loop_with_traced_bounds_is_refused_naming_it(library):
         probe.apply(*args, at="cell")
     with pytest.raises(bridge.BridgeValueError, match=message):
         probe.value_and_grad(jnp.sum, *args, patch={"cell": jnp.negative})
+
+
+# -- a branch inside the model's own cached jax.jit ----------------------------------
+
+
+@jax.jit
+def _jitted_branch(model, h):
+    return jax.lax.cond(
+        h[0] > 0, lambda h: model.left(h), lambda h: jnp.tanh(model.right(h)), h
+    )
+
+
+class EqxJittedBranch(EqxBranch):
+    def __call__(self, x):
+        return self.head(_jitted_branch(self, self.encoder(x)))
+
+
+def test_a_branch_inside_a_jit_the_model_traced_before_is_no_silent_zero():
+    """The model's jitted helper holding the branch is traced once before
+    the probe (JAX caches it): its sites still hold the branch that ran, and
+    their gradients equal those of the same model written without the jit."""
+    model = EqxJittedBranch("lax", jax.random.key(0))
+    x = inputs()
+    jax.vmap(model)(x)  # fills the helper's cache
+    reference = EqxBranch("lax", jax.random.key(0))
+    want = bridge.probe(reference, vmap=True).value_and_grad(loss_fn, x)
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(loss_fn, x), bridge.probe(model, vmap=True), x
+    ):
+        assert set(res.ran) == {"left", "right"}
+        for name in ("left", "right"):
+            np.testing.assert_array_equal(res.ran[name], want.ran[name])
+            assert_close(res.activations[name], want.activations[name])
+            assert_close(res.activation_grads[name], want.activation_grads[name])
+            assert np.any(np.asarray(res.activation_grads[name]))  # no silent zero

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
-    BRANCHES,
     BridgeValueError,
     Encoding,
     Session,
@@ -36,8 +35,10 @@ from bridge.adapter_api import (
     as_floats,
     differentiable_part,
     from_floats,
+    in_a_branch,
     merge_differentiable,
     positional_arrays,
+    pulled_out,
     reaching,
     record,
     without_axis,
@@ -130,6 +131,7 @@ def run_with_tree_leaves(
     }
 
     def forward(recorders: dict) -> tuple[Any, Any]:
+        # What the session records in here leaves `jax.vjp` as outputs.
         leaves = {name: Leaves(patch=p) for name, p in patches.items()}
         for name, site in sites.items():
             value_recorder, inputs_recorder, ran_recorder = recorders[name]
@@ -142,29 +144,12 @@ def run_with_tree_leaves(
                 ran_recorder,
             )
         outputs, state = call_model(leaves)
-        floats = [
-            jnp.sum(leaf)
-            for leaf in jax.tree.leaves(differentiable_part(outputs))
-            if leaf is not None
-        ]
-        if not floats:
-            raise BridgeValueError(
-                "bridge records the sites inside jax.lax.scan or "
-                "jax.checkpoint through the backward pass of the model's "
-                f"outputs, but {model_name} returned no floating-point array."
-            )
-        # What the session recorded in here must leave `jax.vjp` as outputs.
-        return sum(floats, jnp.zeros(())), (
-            outputs,
-            state,
-            session.carrier.recordings(),
-        )
+        return outputs, (state, session.carrier.recordings())
 
-    total, pullback, (outputs, state, recorded) = jax.vjp(
-        forward, recorders, has_aux=True
+    outputs, (state, recorded), cotangents = pulled_out(
+        forward, recorders, "jax.lax.scan or jax.checkpoint", model_name
     )
     session.carrier.adopt(recorded)
-    (cotangents,) = pullback(jnp.ones_like(total))
     for name, site in sites.items():
         value, inputs, ran = cotangents[name]
         if session.with_inputs:
@@ -199,7 +184,7 @@ class InTransform(SiteOrigin):
     def in_branch(self) -> bool:
         """Inside a `lax.cond` or `lax.switch`: a call that may not run, whose
         result says where it ran (`ProbeResult.ran`)."""
-        return any(t in BRANCHES for t in self.transforms)
+        return in_a_branch(self.transforms)
 
 
 def through_tree(value: Any, inputs: Any, leaves: Leaves) -> Any:

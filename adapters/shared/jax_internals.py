@@ -41,9 +41,10 @@ JAX fails at `bridge.probe`, never with a wrong number.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jax.extend.core import Primitive
@@ -214,16 +215,23 @@ def _fori_loop_kind(trace: Any) -> str | None:
     while current is not None and current is not trace:
         position += _debug_name(current) == "fori_loop"
         current = parent(current)
-    kinds = []
+    kinds = (
+        frame.f_code.co_name
+        for frame in _loops_frames()
+        if frame.f_code.co_name in (_FORI_BODY, _FORI_WHILE_BODY)
+    )
+    return next(itertools.islice(kinds, position, None), None)
+
+
+def _loops_frames(stop: Any = None) -> Iterator[Any]:
+    """The Python frames running `jax._src.lax.control_flow.loops`' own code
+    (`lax.scan`, `fori_loop` and their bodies' wrappers), innermost first, up
+    to the frame `stop`."""
     frame = sys._getframe(1)
-    while frame is not None and len(kinds) <= position:
-        code = frame.f_code
-        if code.co_name in (_FORI_BODY, _FORI_WHILE_BODY) and (
-            os.path.abspath(code.co_filename) == _LOOPS_FILE
-        ):
-            kinds.append(code.co_name)
+    while frame is not None and frame is not stop:
+        if os.path.abspath(frame.f_code.co_filename) == _LOOPS_FILE:
+            yield frame
         frame = frame.f_back
-    return kinds[position] if position < len(kinds) else None
 
 
 def mapped_primitive(
@@ -255,23 +263,17 @@ def scan_frames(stop: Any) -> list[tuple[int, bool]] | None:
     raises `unsupported`, naming itself)."""
     found: list[tuple[int, bool]] = []
     inferred = None  # `scan_nocarry`'s length, inferred, under `jax_scan3`
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        code = frame.f_code
-        if code.co_name in (_SCAN, _SCAN_NOCARRY) and (
-            os.path.abspath(code.co_filename) == _LOOPS_FILE
-        ):
-            local = frame.f_locals
+    for frame in _loops_frames(stop):
+        name, local = frame.f_code.co_name, frame.f_locals
+        if name == _SCAN_NOCARRY:
+            inferred = local.get("length")
+        elif name == _SCAN:
             length = local.get("length")
-            if code.co_name == _SCAN_NOCARRY:
-                inferred = length
-            else:
-                length = length if isinstance(length, int) else inferred
-                if not isinstance(length, int):
-                    return None
-                found.append((length, bool(local.get("reverse", False))))
-                inferred = None
-        frame = frame.f_back
+            length = length if isinstance(length, int) else inferred
+            if not isinstance(length, int):
+                return None
+            found.append((length, bool(local.get("reverse", False))))
+            inferred = None
     return found
 
 
@@ -289,20 +291,18 @@ def fori_loop_rows(count: int) -> list[tuple[Any, int]] | None:
     `lower_` and `length`). `None` where they cannot be read."""
     found: list[tuple[Any, int]] = []
     counter = None
-    frame = sys._getframe(1)
-    while frame is not None and len(found) < count:
-        code = frame.f_code
-        if os.path.abspath(code.co_filename) == _LOOPS_FILE:
-            local = frame.f_locals
-            if code.co_name == _FORI_BODY and counter is None:
-                counter = local.get("i")
-            elif code.co_name == _FORI and counter is not None:
-                lower, length = local.get("lower_"), local.get("length")
-                if not (isinstance(lower, int) and isinstance(length, int)):
-                    return None
-                found.append((counter - lower if lower else counter, length))
-                counter = None
-        frame = frame.f_back
+    for frame in _loops_frames():
+        if len(found) == count:
+            break
+        name, local = frame.f_code.co_name, frame.f_locals
+        if name == _FORI_BODY and counter is None:
+            counter = local.get("i")
+        elif name == _FORI and counter is not None:
+            lower, length = local.get("lower_"), local.get("length")
+            if not (isinstance(lower, int) and isinstance(length, int)):
+                return None
+            found.append((counter - lower if lower else counter, length))
+            counter = None
     return found if len(found) == count else None
 
 
@@ -311,10 +311,7 @@ def scan_call(stop: Any) -> Any:
     frame `stop`; `None` where none runs. A body JAX traces twice (its carry
     changes type) is traced both times from the same frame, and another
     scan's body from another frame."""
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        code = frame.f_code
-        if code.co_name == _SCAN and os.path.abspath(code.co_filename) == _LOOPS_FILE:
-            return frame
-        frame = frame.f_back
-    return None
+    return next(
+        (frame for frame in _loops_frames(stop) if frame.f_code.co_name == _SCAN),
+        None,
+    )

@@ -144,7 +144,7 @@ class InControlFlow(SiteOrigin):
     @property
     def in_branch(self) -> bool:
         """Inside a `cond` or `switch`: where it ran is part of the result."""
-        return any(t in BRANCHES for t in self.transforms)
+        return in_a_branch(self.transforms)
 
     def __getattr__(self, name: str) -> Any:
         # What the adapter's own origin says of the call (its bundle, its
@@ -182,27 +182,14 @@ def run_recording(
         for name, site in sites.items()
     }
 
-    def forward(recorders: dict) -> tuple[Any, Any]:
-        outputs, state, activations, inputs, ran = run(recorders)
-        floats = [
-            jnp.sum(leaf.astype(jnp.float32))
-            for leaf in jax.tree.leaves(differentiable_part((outputs, state)))
-            if leaf is not None
-        ]
-        if not floats:
-            raise BridgeValueError(
-                "bridge records the sites inside jax.lax.cond and "
-                "jax.lax.fori_loop through the backward pass of the model's "
-                "outputs and state, but the model returned no floating-point "
-                "array."
-            )
-        return sum(floats, jnp.zeros(())), (outputs, state, activations, inputs, ran)
+    def split(recorders: dict) -> tuple[Any, Any]:
+        outputs, state, *recorded = run(recorders)
+        return (outputs, state), recorded
 
-    total, pullback, (outputs, state, activations, inputs, ran) = jax.vjp(
-        forward, recorders, has_aux=True
+    (outputs, state), recorded, cotangents = pulled_out(
+        split, recorders, "branches and loops"
     )
-    (cotangents,) = pullback(jnp.ones_like(total))
-    activations, inputs, ran = dict(activations), dict(inputs), dict(ran)
+    activations, inputs, ran = (dict(part) for part in recorded)
     for name, site in sites.items():
         value, site_inputs, site_ran = cotangents[name]
         activations[name] = value
@@ -211,6 +198,44 @@ def run_recording(
         if site_ran is not None:
             ran[name] = site_ran > 0
     return outputs, state, activations, inputs, ran
+
+
+def pulled_out(
+    run: Callable[[Any], tuple[Any, Any]],
+    recorders: Any,
+    where: str,
+    model: str = "the model",
+) -> tuple[Any, Any, Any]:
+    """`run(recorders) -> (outputs, aux)` inside one `jax.vjp`, pulled back
+    from the sum of the floating leaves of `outputs`: `(outputs, aux,
+    cotangents of recorders)`, the cotangents what `record` put there.
+    `where` (the transforms the sites are in) and `model` name them in the
+    error raised where the outputs hold no floating-point array."""
+
+    def forward(recorders: Any) -> tuple[Any, Any]:
+        outputs, aux = run(recorders)
+        floats = [
+            jnp.sum(leaf.astype(jnp.float32))
+            for leaf in jax.tree.leaves(differentiable_part(outputs))
+            if leaf is not None
+        ]
+        if not floats:
+            raise BridgeValueError(
+                f"bridge records the sites inside {where} through the backward "
+                f"pass of the model's outputs, but {model} returned no "
+                "floating-point array."
+            )
+        return sum(floats, jnp.zeros(())), (outputs, aux)
+
+    total, pullback, (outputs, aux) = jax.vjp(forward, recorders, has_aux=True)
+    (cotangents,) = pullback(jnp.ones_like(total))
+    return outputs, aux, cotangents
+
+
+def in_a_branch(transforms: tuple[str, ...]) -> bool:
+    """Whether `transforms` (JAX's names) hold a `cond` or `switch`: a call
+    there may not run, and its result says where it ran."""
+    return any(t in BRANCHES for t in transforms)
 
 
 def reaching(original: Any, patched: Any) -> Any:

@@ -253,14 +253,17 @@ class Session:
                 backward.InControlFlow.of(flow, args, origin),
             )
             value = self.exit(call, run(), perturb=lambda v: v, record=False)
-            listed = value
-            for length in reversed(flow.lengths):  # innermost first
-                self.recorder.holds_iterations(call.name, listed, length)
-                listed = jax.tree.map(
-                    lambda v, n=length: (
-                        jnp.broadcast_to(v, (n, *jnp.shape(v))) if is_array(v) else v
+            if flow.lengths:  # the site holds every iteration, loops first
+                self.carrier.carried_out(
+                    call.name,
+                    jax.tree.map(
+                        lambda v: (
+                            jnp.broadcast_to(v, (*flow.lengths, *jnp.shape(v)))
+                            if is_array(v)
+                            else v
+                        ),
+                        value,
                     ),
-                    listed,
                 )
             return value
         call = self.enter(path, method, module, args, origin, record=False)
@@ -268,15 +271,14 @@ class Session:
         if not self.recorder.needs_value(call.name):
             return self.exit(call, value, record=False)
         name = call.name
-        epsilon = self.epsilons.get(name)
         patch = self.patches.get(name)
         value = self.exit(
             call,
             value,
-            perturb=None
-            if epsilon is None
-            else (lambda v: add_epsilon(v, flow.row(epsilon))),
+            # Applied only where the site has an epsilon.
+            perturb=lambda v: add_epsilon(v, flow.row(self.epsilons[name])),
             record=False,
+            # A patch function applies to this iteration's value as it is.
             patch=None if patch is None or callable(patch) else flow.row(patch),
         )
         recorders = self.request.control_flow_recorders.get(name)
