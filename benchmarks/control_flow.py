@@ -137,7 +137,8 @@ def measure(name, model, at, x, repeats) -> dict:
         "flops": flops / plain_flops,
         "flops floor": (plain_flops + elements) / plain_flops,
         "bytes": bytes_accessed / plain_bytes,
-        "temporaries": temp / max(plain_temp, 1),
+        # In MB, not as a ratio: on a TPU plain's step may need none.
+        "temporaries MB (plain / probe)": f"{plain_temp / 1e6:.2f} / {temp / 1e6:.2f}",
         "returned MB": returned / 1e6,
         "time": statistics.median(times["probe"]) / statistics.median(times["plain"]),
     }

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import models
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 import bridge
 from bridge._probe.discovery_cache import CACHE as DISCOVERIES
@@ -262,7 +263,12 @@ def measure(name, steps, first, x, options, archive) -> dict:
     lowered, rows = {}, {}
     for variant, step in steps.items():
         start = time.perf_counter()
-        lowered[variant] = jax.jit(step).lower(first[variant], *x)
+        # `_auto`: the same step, its outputs in the layouts XLA picks (on a
+        # TPU its own tiling) rather than row-major: what returning arrays
+        # costs once the relayout copies to row-major are left out.
+        out = Format(Layout.AUTO) if variant.endswith("_auto") else None
+        jitted = jax.jit(step, out_shardings=out)
+        lowered[variant] = jitted.lower(first[variant], *x)
         rows[variant] = {"lower_s": time.perf_counter() - start}
     try:
         compiled, seconds = compile_all(lowered, options.compile_threads)
@@ -351,6 +357,11 @@ def main() -> None:
         "check on the CPU)",
     )
     parser.add_argument(
+        "--auto-layouts",
+        action="store_true",
+        help="also `hand` and `all` with their outputs in XLA's own layouts",
+    )
+    parser.add_argument(
         "--hlo", action="store_true", help="optimised HLO and per-op device times"
     )
     options = parser.parse_args()
@@ -386,6 +397,9 @@ def main() -> None:
                         built = library_steps(model, batch, tokens, dtype, width, depth)
                     steps, first, x, returned, sites = built
                     steps = {v: steps[v] for v in wanted}
+                    if options.auto_layouts:
+                        for v in {"hand", "all"} & set(steps):
+                            steps[v + "_auto"], first[v + "_auto"] = steps[v], first[v]
                     build = time.perf_counter() - start
                     rows = measure(name, steps, first, x, options, archive)
                     record = {

@@ -144,6 +144,57 @@ def compile_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def layout_table(table: dict) -> list[str]:
+    """The rows measured with `tpu.py --auto-layouts`: the same steps, their
+    outputs left in the layouts XLA picks instead of row-major."""
+    lines = [
+        "| model | size | dtype | all sites | all, XLA's layouts | all floor "
+        "| hand | hand, XLA's layouts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (model, size, dtype), entry in sorted(table.items()):
+        if "all_auto" not in entry:
+            continue
+        lines.append(
+            f"| {model} | {size} | {dtype} | {cell(entry, 'all')} "
+            f"| {cell(entry, 'all_auto')} | {number(floor(entry, 'all'))} "
+            f"| {cell(entry, 'hand')} | {cell(entry, 'hand_auto')} |"
+        )
+    return lines
+
+
+def memory_table(runs: pathlib.Path) -> list[str]:
+    """`benchmarks/tpu_memory.py`'s rows: the small CNN's memory and the
+    scanned stack's cold compile."""
+    records = []
+    for path in sorted((runs / "memory").glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    if not records:
+        return []
+    mib = 2**20
+    lines = [
+        "| library | step | temporaries MiB | outputs MiB (logical) "
+        "| outputs, XLA's layouts MiB | scanned stack of 12, cold compile |",
+        "|---|---|---|---|---|---|",
+    ]
+    for record in records:
+        (depth, plain_s, cold_s, _), *_ = record["scanned"]
+        for variant in ("plain", "one site", "all sites", "hand trick"):
+            rows = record["cnn"]
+            row, auto = rows[f"{variant} / row-major"], rows[f"{variant} / auto"]
+            compile_cell = (
+                f"{cold_s / plain_s:.2f}× ({plain_s:.2f} s plain)"
+                if variant == "plain"
+                else ""
+            )
+            lines.append(
+                f"| {record['library']} | {variant} | {row['temp'] / mib:.2f} "
+                f"| {row['output'] / mib:.2f} ({row['output_logical'] / mib:.2f}) "
+                f"| {auto['output'] / mib:.2f} | {compile_cell} |"
+            )
+    return lines
+
+
 def failures(records: list[dict]) -> list[str]:
     lines = []
     for record in records:
@@ -156,7 +207,7 @@ def failures(records: list[dict]) -> list[str]:
     return lines
 
 
-def report(records: list[dict]) -> str:
+def report(records: list[dict], runs: pathlib.Path) -> str:
     table = latest_timings(records)
     first = records[0]
     dates = sorted({r["date"][:10] for r in records})
@@ -203,6 +254,33 @@ def report(records: list[dict]) -> str:
         "",
     ]
     out += compile_table(records)
+    layouts = layout_table(table)
+    if len(layouts) > 2:
+        out += [
+            "",
+            "## Returned arrays in XLA's own layouts",
+            "",
+            "`tpu.py --auto-layouts`: `hand` and `all` jitted again with "
+            "`out_shardings=Format(Layout.AUTO)`, so that XLA leaves each "
+            "returned array in the tiled layout it computed it in instead of "
+            "copying it to row-major. What is left over plain is the writing "
+            "of the returned bytes.",
+            "",
+        ] + layouts
+    memory = memory_table(runs)
+    if memory:
+        out += [
+            "",
+            "## A small CNN's memory, and a scanned stack's compile",
+            "",
+            "`python benchmarks/tpu_memory.py` (compile only): `models.py`'s "
+            "CNN (8 × 32 × 32 images, 16 channels) and scanned stack of 12 "
+            "layers, float32. A TPU stores an array in tiles of its last two "
+            "dimensions, so a 16-channel activation takes 4× its logical "
+            "bytes: the CNN's steps need no temporaries at all, and their "
+            "memory is their outputs, the hand trick's as bridge's.",
+            "",
+        ] + memory
     failed = failures(records)
     if failed:
         out += ["", "## Did not run", ""] + failed
@@ -260,7 +338,7 @@ def main() -> None:
     parser.add_argument("--plot", help="also draw the float32 device ratios here")
     options = parser.parse_args()
     records = load(pathlib.Path(options.runs))
-    pathlib.Path(options.out).write_text(report(records))
+    pathlib.Path(options.out).write_text(report(records, pathlib.Path(options.runs)))
     if options.plot:
         plot(records, options.plot)
     print(f"wrote {options.out} from {len(records)} rows")
