@@ -222,6 +222,7 @@ from ._probe.jax_backend import ProbeBase as ProbeBase
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
 from ._session.backward import BRANCHES as BRANCHES
+from ._session.backward import CHECKPOINTED_WHILE as CHECKPOINTED_WHILE
 from ._session.backward import FORI_LOOP as FORI_LOOP
 from ._session.backward import ControlFlow as ControlFlow
 from ._session.backward import Encoding as Encoding
@@ -284,6 +285,7 @@ __all__ = [
     "Discovery",
     "DiscoveryOwner",
     "Encoding",
+    "CHECKPOINTED_WHILE",
     "FORI_LOOP",
     "InControlFlow",
     "Layer",

@@ -19,6 +19,7 @@ the leaves in the tree of `bridge.adapters.equinox.variables`).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -145,7 +146,7 @@ class EquinoxProbe(ProbeBase):
         model = surgery.instrument(
             eqx.combine(trainable, self.model), (), self.vmap, leaves, surgery.Token()
         )
-        context = run.Context(session, jax_internals.current_trace())
+        context = run.Context(session, jax_internals.current_trace(), sys._getframe())
         token = run.CONTEXT.set(context)
         # `bridge.tap` inside the model's own vmap must leave it the same way.
         tapping = session.taps.tapping(

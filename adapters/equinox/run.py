@@ -30,7 +30,7 @@ from bridge.adapter_api import (
     tapping_a_local,
 )
 
-from ..shared import unexpressible
+from ..shared import jax_internals, unexpressible
 from . import jax_transforms, transforms, variables
 
 
@@ -40,6 +40,7 @@ class Context:
 
     session: Session
     base_trace: Any  # the trace the probe runs the model in
+    stop: Any = None  # the Python frame of the probe's call of the model
 
 
 CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
@@ -77,6 +78,10 @@ def observed_call(
     if context is None or session is not context.session:
         return function(*args, **kwargs)
     depth = jax_transforms.mapped_depth(context.base_trace)
+    if depth is None and jax_internals.in_a_shape_pass(context.stop):
+        # The model's own `jax.eval_shape` (diffrax's of its vector field):
+        # no call of the model's, as JAX discards its values.
+        return function(*args, **kwargs)
     if depth is None:
         return transforms.call_in_transform(
             context, site, method, module, function, args, kwargs

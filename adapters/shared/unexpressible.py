@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    CHECKPOINTED_WHILE,
     FORI_LOOP,
     BridgeValueError,
     ControlFlow,
@@ -36,7 +37,7 @@ from bridge.adapter_api import (
     is_array,
 )
 
-from . import jax_internals
+from . import equinox_loops, jax_internals
 
 #: JAX's names (a trace's `traced_for`) of the transforms no site can be
 #: expressed in, as the libraries' own transforms are named after them.
@@ -84,21 +85,48 @@ def transform_names(base: Any) -> tuple[str, ...] | None:
 
 def control_flow(base: Any) -> ControlFlow | None:
     """Where a call runs, where that is inside branches (`cond`, `switch`)
-    and loops of static bounds (`fori_loop`) only, between here and `base`
+    and loops of known bounds (a `fori_loop` of static bounds, Equinox's
+    checkpointed while loop with `max_steps`) only, between here and `base`
     (a `jax.jit` is traced through): a call there is a site of
     `Session.call_in_control_flow`. `None` elsewhere, and where the trace
     stack or a loop's counter cannot be read."""
     transforms = transform_names(base)
-    if transforms is None or not ControlFlow.expressible(transforms):
+    if transforms is None:
         return None
-    loops = transforms.count(FORI_LOOP)
-    if not loops:
+    checkpointed = {
+        id(equinox_loops.trace_of(step)): (step, max_steps, runs)
+        for step, max_steps, runs in equinox_loops.running()
+    }
+    if checkpointed:
+        # The body's trace, which JAX names `jit`, is the loop's.
+        transforms = tuple(
+            CHECKPOINTED_WHILE if id(trace) in checkpointed else name
+            for trace, name in zip(traces(base), transforms, strict=True)
+        )
+    if not ControlFlow.expressible(transforms):
+        return None
+    fori_loops = jax_internals.fori_loop_rows(transforms.count(FORI_LOOP))
+    if fori_loops is None:
+        return None
+    fori_loops = iter(fori_loops)
+    checkpointed_loops = iter(
+        checkpointed[id(trace)] for trace in traces(base) if id(trace) in checkpointed
+    )
+    found = []  # (row, length), innermost first
+    runs = None  # whether the call runs for this example
+    for transform in transforms:
+        if transform == FORI_LOOP:
+            found.append(next(fori_loops))
+        elif transform == CHECKPOINTED_WHILE:
+            step, max_steps, step_runs = next(checkpointed_loops)
+            found.append((step, max_steps))
+            runs = step_runs if runs is None else runs & step_runs
+    if not found:
         return ControlFlow(transforms)
-    found = jax_internals.fori_loop_rows(loops)
-    if found is None:
+    if any(length is None for _, length in found):
         return None
     rows, lengths = zip(*reversed(found), strict=True)  # outermost first
-    return ControlFlow(transforms, tuple(lengths), tuple(rows))
+    return ControlFlow(transforms, tuple(lengths), tuple(rows), runs)
 
 
 def innermost_loop_or_branch(

@@ -20,7 +20,13 @@ import jax
 from .._session import backward, liveness
 from .._session.naming import renames_of
 from .._session.session import Request, Session
-from .._session.sites import Site, split_arrays, without_axis, zeros_like_struct
+from .._session.sites import (
+    Site,
+    is_array,
+    split_arrays,
+    without_axis,
+    zeros_like_struct,
+)
 from . import discovery_cache
 from .batching import (
     BATCH_AXIS,
@@ -165,6 +171,7 @@ class ProbeBase(ProbeFront):
                 patches=plan.patches,
                 with_inputs=with_inputs,
                 discovered=plan.discovered,
+                differentiated=True,
             )
             loss_out = loss_fn(outputs)
             loss, aux = loss_out if has_aux else (loss_out, None)
@@ -236,6 +243,7 @@ def call_model(
     with_inputs: bool = False,
     discovered: Sequence[Site] = (),
     sessions: list[Session] | None = None,
+    differentiated: bool = False,
 ) -> tuple[Any, Any, dict, dict, dict]:
     """Run `probe`'s model under a session: `(outputs, state, activations,
     inputs, ran)`.
@@ -246,6 +254,13 @@ def call_model(
     stacked site's iteration axes), are mapped with the inputs, and so are
     the random keys among the keywords, one per example
     (`per_example_keys`).
+
+    `differentiated`: the caller differentiates the outputs (with respect to
+    `trainable` and `epsilons`). A site inside a checkpointed while loop is
+    then recorded by a second run of the model that nothing differentiates:
+    the loop's custom backward pass is a `lax.while_loop` that JAX cannot
+    differentiate again, as recording through the first run's backward
+    pass would (`bridge._session.backward`).
     """
     patches = patches or {}
     request = Request(
@@ -264,7 +279,12 @@ def call_model(
         if isinstance(site.origin, backward.InControlFlow)
     }
 
-    def run(dynamic_args, call_kwargs, epsilons, patch_values, recorders):
+    recorded_apart = differentiated and any(
+        backward.CHECKPOINTED_WHILE in site.origin.transforms
+        for site in in_control_flow.values()
+    )
+
+    def run(trainable, dynamic_args, call_kwargs, epsilons, patch_values, recorders):
         session = Session(request.varied(epsilons, patch_values, recorders))
         if sessions is not None:
             sessions.append(session)
@@ -275,13 +295,16 @@ def call_model(
         session.check_reached()
         return outputs, state, session.activations, session.inputs, session.ran
 
-    def single(dynamic_args, call_kwargs, epsilons, patch_values):
-        if not in_control_flow:
-            return run(dynamic_args, call_kwargs, epsilons, patch_values, None)
+    def recording(trainable, dynamic_args, call_kwargs, epsilons, patch_values):
         # Values inside branches and loops leave through the backward pass.
         return backward.run_recording(
             lambda recorders: run(
-                dynamic_args, call_kwargs, epsilons, patch_values, recorders
+                trainable,
+                dynamic_args,
+                call_kwargs,
+                epsilons,
+                patch_values,
+                recorders,
             ),
             in_control_flow,
             with_inputs,
@@ -291,6 +314,21 @@ def call_model(
                 else site.value_struct
             ),
         )
+
+    def single(dynamic_args, call_kwargs, epsilons, patch_values):
+        arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
+        if not in_control_flow:
+            return run(*arguments, None)
+        if not recorded_apart:
+            return recording(*arguments)
+        outputs, state, activations, inputs, ran = run(*arguments, None)
+        constants = jax.tree.map(
+            lambda a: jax.lax.stop_gradient(a) if is_array(a) else a, arguments
+        )
+        _, _, *recorded = recording(*constants)
+        for into, part in zip((activations, inputs, ran), recorded, strict=True):
+            into.update({k: v for k, v in part.items() if k in in_control_flow})
+        return outputs, state, activations, inputs, ran
 
     dynamic_args, rebuild_args = split_arrays(args)
     patch_values = request.patch_values()

@@ -47,27 +47,41 @@ from .sites import (
 #: bounds, and of what is traced through (a `jax.jit` inside the model).
 BRANCHES = frozenset({"cond", "switch"})
 FORI_LOOP = "fori_loop"
+#: The name a `ControlFlow` gives Equinox's checkpointed while loop
+#: (`equinox.internal.while_loop(kind="checkpointed", max_steps=n)`): a loop
+#: of at most `max_steps` steps, which may stop before, so that a call
+#: there, like one in a branch, may not run.
+CHECKPOINTED_WHILE = "while_loop (checkpointed)"
+LOOPS = frozenset({FORI_LOOP, CHECKPOINTED_WHILE})
 _TRACED_THROUGH = frozenset({"jit", "pjit"})
 
 
 @jax.custom_vjp
-def record(value: Any, inputs: Any, recorders: Any) -> Any:
+def record(value: Any, inputs: Any, recorders: Any, runs: Any = None) -> Any:
     """`value`; the cotangent of `recorders = (value recorder, inputs
     recorder, ran recorder)` is `(value, inputs, ones)` (`None` where a
-    recorder is)."""
-    del inputs, recorders
+    recorder is). `runs`, a boolean scalar where given, says whether the
+    call runs for this example: a vmapped while loop runs its body for an
+    example that has stopped, and selects its old carry (Equinox's
+    checkpointed loop); there the cotangent is zeros."""
+    del inputs, recorders, runs
     return value
 
 
-def _record_forward(value: Any, inputs: Any, recorders: Any) -> tuple[Any, Any]:
+def _record_forward(
+    value: Any, inputs: Any, recorders: Any, runs: Any
+) -> tuple[Any, Any]:
     _, _, ran = recorders
-    return value, (value, inputs, ran)
+    return value, (value, inputs, ran, runs)
 
 
-def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any]:
-    value, inputs, ran = recorded
+def _record_backward(recorded: Any, cotangent: Any) -> tuple[Any, Any, Any, None]:
+    value, inputs, ran, runs = recorded
     ran = jax.tree.map(jnp.ones_like, ran)
-    return cotangent, jax.tree.map(jnp.zeros_like, inputs), (value, inputs, ran)
+    kept = (value, inputs, ran)
+    if runs is not None:
+        kept = jax.tree.map(lambda leaf: jnp.where(runs, leaf, 0), kept)
+    return cotangent, jax.tree.map(jnp.zeros_like, inputs), kept, None
 
 
 record.defvjp(_record_forward, _record_backward)
@@ -82,11 +96,15 @@ class ControlFlow:
         first (`cond`, `switch`, `fori_loop`, a `jit` inside the model).
       lengths: each loop's iterations, outermost first.
       rows: each loop's iteration now (a tracer of its body), outermost first.
+      runs: whether the call runs for this example (a boolean scalar), where
+        a while loop around it runs its body for examples that have stopped;
+        `None` where it always runs.
     """
 
     transforms: tuple[str, ...]
     lengths: tuple[int, ...] = ()
     rows: tuple[Any, ...] = ()
+    runs: Any = None
 
     @staticmethod
     def expressible(transforms: tuple[str, ...]) -> bool:
@@ -94,7 +112,7 @@ class ControlFlow:
         this route: branches and loops of static bounds, and nothing else
         bridge must see through."""
         seen = [t for t in transforms if t not in _TRACED_THROUGH]
-        return bool(seen) and all(t in BRANCHES or t == FORI_LOOP for t in seen)
+        return bool(seen) and all(t in BRANCHES or t in LOOPS for t in seen)
 
     def row(self, tree: Any) -> Any:
         """This iteration's row of `tree`, whose leaves have the loops'
@@ -233,9 +251,10 @@ def pulled_out(
 
 
 def in_a_branch(transforms: tuple[str, ...]) -> bool:
-    """Whether `transforms` (JAX's names) hold a `cond` or `switch`: a call
-    there may not run, and its result says where it ran."""
-    return any(t in BRANCHES for t in transforms)
+    """Whether `transforms` (JAX's names) hold a `cond`, a `switch` or a
+    checkpointed while loop: a call there may not run, and its result says
+    where it ran."""
+    return any(t in BRANCHES or t == CHECKPOINTED_WHILE for t in transforms)
 
 
 def reaching(original: Any, patched: Any) -> Any:

@@ -288,7 +288,7 @@ class Session:
         if self.with_inputs:
             inputs = jax.tree.map(backward.as_floats, positional_arrays(args))
         floats = backward.record(
-            differentiable_part(value), inputs, flow.row(recorders)
+            differentiable_part(value), inputs, flow.row(recorders), flow.runs
         )
         return merge_differentiable(value, floats)
 

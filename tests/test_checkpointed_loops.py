@@ -1,0 +1,237 @@
+"""Sites inside Equinox's checkpointed while loop (DESIGN.md, "Sites inside
+control flow"): `equinox.internal.while_loop(kind="checkpointed",
+max_steps=n)`, and diffrax's ODE solve that runs on it.
+
+A site there holds every step, `(max_steps, *value shape)`, zeros for the
+steps that did not run, and `res.ran[path]` says which did. The references
+never use bridge: the same loop unrolled to `max_steps` in Python, each step
+applied where the loop's condition holds (`jnp.where`) with an offset added
+by hand at the site, differentiated by `jax.grad` and pushed forward by
+`jax.jvp` (the checkpointed loop itself has no forward mode).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import equinox.internal as eqxi
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import NEEDS_JAXPR_PARENTS
+
+import bridge
+
+pytestmark = NEEDS_JAXPR_PARENTS
+
+MAX_STEPS = 6
+WIDTH = 3
+
+
+class Relax(eqx.Module):
+    """Iterates `h <- h + 0.5 tanh(cell(h))` while `|h|` is below a bound
+    and fewer than `MAX_STEPS` steps ran, then `head(h)`: how many steps run
+    depends on the example."""
+
+    cell: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        cell, head = jax.random.split(key)
+        self.cell = eqx.nn.Linear(WIDTH, WIDTH, key=cell)
+        self.head = eqx.nn.Linear(WIDTH, 2, key=head)
+
+    def step(self, h, offset=0.0):
+        """One step: the new `h` and the `cell` site's value."""
+        value = self.cell(h) + offset
+        return h + 0.5 * jnp.tanh(value), value
+
+    @staticmethod
+    def going_on(h):
+        return jnp.sum(h**2) < 4.0
+
+    def __call__(self, x):
+        def body(carry):
+            return self.step(carry)[0]
+
+        h = eqxi.while_loop(
+            self.going_on, body, x, max_steps=MAX_STEPS, kind="checkpointed"
+        )
+        return self.head(h)
+
+    def unrolled(self, x, offsets):
+        """The reference: `(output, values, ran)` of one example, with
+        `offsets[k]` added at the site on step `k`."""
+        h, values, ran = x, [], []
+        running = jnp.array(True)
+        for k in range(MAX_STEPS):
+            running = running & self.going_on(h)
+            new, value = self.step(h, offsets[k])
+            h = jnp.where(running, new, h)
+            values.append(jnp.where(running, value, 0.0))
+            ran.append(running)
+        return self.head(h), jnp.stack(values), jnp.stack(ran)
+
+
+def loss_fn(outputs):
+    return jnp.sum(outputs**2)
+
+
+@pytest.fixture(scope="module")
+def relax():
+    model = Relax(jax.random.key(0))
+    x = 0.9 * jax.random.normal(jax.random.key(1), (5, WIDTH))
+    return model, x
+
+
+def reference(model, x, offsets):
+    """Per example (offsets `(batch, max_steps, width)`): the loss's gradient
+    with respect to the offsets, the values and where the site ran."""
+
+    def loss(offsets):
+        outputs, values, ran = jax.vmap(model.unrolled)(x, offsets)
+        return loss_fn(outputs), (values, ran)
+
+    (_, (values, ran)), grads = jax.value_and_grad(loss, has_aux=True)(offsets)
+    return grads, values, ran
+
+
+def steps_first(a):
+    return jnp.swapaxes(a, 0, 1)
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = max(float(np.max(np.abs(expected))), 1e-6)
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_site_in_a_checkpointed_loop_holds_every_step(relax, jit):
+    model, x = relax
+    probe = bridge.probe(model, vmap=True)
+    assert probe.sites(x)["cell"].shape == (MAX_STEPS, 5, WIDTH)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=["cell"])
+
+    res = (jax.jit(run) if jit else run)(probe, x)
+    grads, values, ran = reference(model, x, jnp.zeros((5, MAX_STEPS, WIDTH)))
+    ran = steps_first(ran)
+    # Examples stop at different steps, one only at `max_steps`.
+    assert len(set(np.asarray(ran.sum(0)).tolist())) > 2 and bool(ran[-1].any())
+    np.testing.assert_array_equal(res.ran["cell"], ran)
+    assert_close(res.activations["cell"], steps_first(values))
+    assert_close(res.activation_grads["cell"], steps_first(grads))
+    expected_loss = loss_fn(jax.vmap(model)(x))
+    assert_close(res.loss, expected_loss)
+
+
+def test_jvp_along_every_step_of_a_checkpointed_loop_site(relax):
+    model, x = relax
+    res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
+    direction = jax.random.normal(jax.random.key(2), (5, MAX_STEPS, WIDTH))
+
+    def loss(offsets):
+        return loss_fn(jax.vmap(model.unrolled)(x, offsets)[0])
+
+    _, pushed = jax.jvp(loss, (jnp.zeros_like(direction),), (direction,))
+    along = jnp.sum(res.activation_grads["cell"] * steps_first(direction))
+    assert_close(along, pushed)
+
+
+def test_parameter_gradients_through_a_checkpointed_loop_equal_plain_jax(relax):
+    model, x = relax
+    res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    plain = jax.grad(lambda p: loss_fn(jax.vmap(eqx.combine(p, static))(x)))(params)
+    for got, expected in zip(
+        jax.tree.leaves(res.grads), jax.tree.leaves(plain), strict=True
+    ):
+        assert_close(got, expected)
+
+
+def test_one_call_of_a_checkpointed_loop_without_vmap_has_a_ran_per_step(relax):
+    model, x = relax
+    res = bridge.probe(model).value_and_grad(loss_fn, x[0], at=["cell"])
+    grads, values, ran = reference(model, x[:1], jnp.zeros((1, MAX_STEPS, WIDTH)))
+    assert res.ran["cell"].shape == (MAX_STEPS,)
+    np.testing.assert_array_equal(res.ran["cell"], ran[0])
+    assert_close(res.activations["cell"], values[0])
+    assert_close(res.activation_grads["cell"], grads[0])
+
+
+def test_a_site_outside_the_loop_has_no_ran_entry(relax):
+    model, x = relax
+    res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, x)
+    assert set(res.activations) == {"cell", "head"}
+    assert set(res.ran) == {"cell"}
+
+
+# -- diffrax: a neural ODE's vector field, one entry per solver step ------------------
+
+diffrax = pytest.importorskip("diffrax")
+
+ODE_STEPS = 8
+DT = 0.125
+
+
+class VectorField(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __call__(self, t, y, args):
+        return self.mlp(y)
+
+
+class NeuralODE(eqx.Module):
+    field: VectorField
+
+    def __init__(self, key):
+        self.field = VectorField(
+            eqx.nn.MLP(WIDTH, WIDTH, 8, 1, activation=jnp.tanh, key=key)
+        )
+
+    def __call__(self, y0):
+        solution = diffrax.diffeqsolve(
+            diffrax.ODETerm(self.field),
+            diffrax.Euler(),
+            t0=0.0,
+            t1=ODE_STEPS * DT,
+            dt0=DT,
+            y0=y0,
+            max_steps=ODE_STEPS,
+            adjoint=diffrax.RecursiveCheckpointAdjoint(),
+        )
+        return solution.ys[-1]
+
+    def unrolled(self, y0, offsets):
+        """Euler by hand, `offsets[k]` added to the field's last layer on
+        step `k`: `(output, that layer's values)`."""
+        y, values = y0, []
+        mlp = self.field.mlp
+        for k in range(ODE_STEPS):
+            hidden = mlp.activation(mlp.layers[0](y))
+            value = mlp.layers[1](hidden) + offsets[k]
+            values.append(value)
+            y = y + DT * value
+        return y, jnp.stack(values)
+
+
+def test_a_neural_odes_vector_field_site_holds_every_solver_step():
+    model = NeuralODE(jax.random.key(3))
+    y0 = jax.random.normal(jax.random.key(4), (4, WIDTH))
+    probe = bridge.probe(model, vmap=True)
+    site = "field/mlp/layers/1"
+    res = jax.jit(lambda p, y: p.value_and_grad(loss_fn, y, at=[site]))(probe, y0)
+    offsets = jnp.zeros((4, ODE_STEPS, WIDTH))
+
+    def loss(offsets):
+        outputs, values = jax.vmap(model.unrolled)(y0, offsets)
+        return loss_fn(outputs), values
+
+    (expected_loss, values), grads = jax.value_and_grad(loss, has_aux=True)(offsets)
+    assert res.activations[site].shape == (ODE_STEPS, 4, WIDTH)
+    assert bool(res.ran[site].all())
+    assert_close(res.loss, expected_loss)
+    assert_close(res.activations[site], steps_first(values))
+    assert_close(res.activation_grads[site], steps_first(grads))
