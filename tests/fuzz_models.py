@@ -14,28 +14,44 @@ and the whole layer optionally runs inside one transform (`Layer.wrap`):
   the body turns into a float, so that JAX traces the body twice (or, where
   not `retrace`, a float: traced once).
 - `cond`: a `cond` whose first branch, the layer, is the one that runs.
+- `switch`: a `switch` of three branches, the layer first, then two without
+  its sites (`siteless`, zeros), the data choosing which runs
+  (`switch_index`: for the whole batch, or per example under `vmap`), so
+  that a site holds zeros where its branch did not run.
+- `fori_loop`: a `fori_loop` of `iterations` iterations with Python-int
+  bounds, its carry a scan's (a Python `0` where `retrace`); a site holds one
+  value per iteration, stacked first.
 - `vmap`: mapped over a new leading axis holding two copies of the input.
 
 `Layer.native` picks the library's own transform (`nn.jit`, `nnx.remat`,
-`hk.scan`, `eqx.filter_jit`, ...) over JAX's (`jax.jit`, `jax.checkpoint`,
-`lax.scan`, `lax.cond`, `jax.vmap`). Linen and Haiku create parameters when
-a module is first called, and inside a JAX transform that leaks them at
-`init`: their module calls always run inside the library's own transform
-(Haiku has no `jit`: there the module call runs before the cached jitted
-activation and tap), and never inside a `cond` (whose branches would each
-have to create them). A scan slices one module per step where the library
-makes that idiomatic (Equinox's `lax.scan` over a stack of layers, NNX's
-`nnx.scan` over a module made by `nnx.vmap`), else it closes over one module
-whose parameters every step shares (`nn.scan` broadcasting them, `hk.scan`,
-a `lax.scan` closing over an NNX module).
+`hk.scan`, `nn.switch`, `nnx.fori_loop`, `hk.switch`, `eqx.filter_jit`, ...)
+over JAX's (`jax.jit`, `jax.checkpoint`, `lax.scan`, `lax.cond`,
+`lax.switch`, `lax.fori_loop`, `jax.vmap`); where the library has none
+(Linen's `fori_loop`; Equinox's `cond`, `switch`, `fori_loop` and `scan`),
+JAX's (`uses_jax`). Linen and Haiku create parameters when a module is first
+called, and inside a JAX transform that leaks them at `init`: their module
+calls run inside the library's own transform (Haiku has no `jit`: there the
+module call runs before the cached jitted activation and tap), except inside
+JAX's `vmap` and control flow. Before a branch or a loop, theirs or JAX's,
+they call the module once at `init`, as their documentation asks
+(`early_params`): a branch that creates parameters the others do not fails
+`init`. A scan
+slices one module per step where the library makes that idiomatic
+(Equinox's `lax.scan` over a stack of layers, NNX's `nnx.scan` over a module
+made by `nnx.vmap`), else it closes over one module whose parameters every
+step shares (`nn.scan` broadcasting them, `hk.scan`, a `lax.scan` closing
+over an NNX module); a `fori_loop` always shares them (NNX's carries the
+module, the others close over it).
 
 Each site's value passes through a test-owned hook (`hook`) that replaces it
 by `iv["patch:" + name]` and adds `iv[name]` where given, and records it.
 These values travel as arguments through every transform (never by side
 effect), so that a cached trace, a scan or a vmap hands them in and out as it
 does the model's own values; given `iv`, the model returns what its hooks
-saw beside its output. The references are computed from these hooks with
-plain JAX, never with bridge.
+saw beside its output. A `fori_loop` hands iteration `i` row `i` of its
+`iv` (indexed by the loop counter), and records row `i`; a branch records,
+under `ran_key(name)`, whether each of its sites ran. The references are
+computed from these hooks with plain JAX, never with bridge.
 """
 
 from __future__ import annotations
@@ -51,11 +67,15 @@ from reliability import ACTIVATIONS, filled, random_values
 
 import bridge
 
-WRAPS = (None, "jit", "checkpoint", "scan", "cond", "vmap")
+WRAPS = (None, "jit", "checkpoint", "scan", "cond", "switch", "fori_loop", "vmap")
 
-#: Where a library cannot run a module call inside a transform of the
-#: model's own (its parameters would be created there at `init`).
-NO_MODULE_INSIDE = {"linen": {"cond"}, "haiku": {"cond"}}
+#: The wraps of JAX's control flow (and the libraries' own).
+CONTROL_FLOW = ("cond", "switch", "fori_loop")
+#: The wraps whose body runs once per iteration, carrying the layer's input
+#: into its output: a module there keeps its input's width.
+LOOPS = ("scan", "fori_loop")
+#: How many branches a `switch` layer has: the layer, then two without sites.
+SWITCH_BRANCHES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,20 +105,13 @@ class Spec:
 
     def widths(self) -> list[tuple[int, int]]:
         """`(input width, output width)` of each layer: a layer without a
-        module, or a scanned one, keeps its input's width."""
+        module, or one inside a loop (`LOOPS`), keeps its input's width."""
         widths, width = [], self.in_dim
         for layer in self.layers:
-            new = layer.width if layer.module and layer.wrap != "scan" else width
+            new = layer.width if layer.module and layer.wrap not in LOOPS else width
             widths.append((width, new))
             width = new
         return widths
-
-    def valid_for(self, library: str) -> bool:
-        """Whether the library can run this model at all."""
-        return not any(
-            layer.module and layer.wrap in NO_MODULE_INSIDE.get(library, ())
-            for layer in self.layers
-        )
 
 
 def module_name(library: str, i: int) -> str:
@@ -123,6 +136,40 @@ def layer_of(spec: Spec, library: str, name: str) -> Layer | None:
         if name in layer_sites(library, i, layer):
             return layer
     return None
+
+
+def uses_jax(library: str, layer: Layer) -> bool:
+    """Whether the layer runs inside JAX's transform (else the library's own).
+
+    Linen and Haiku run a module call inside their own transform, but for
+    JAX's `vmap` and control flow (their parameters made first,
+    `early_params`); Linen has no `fori_loop` of its own, nor Equinox a
+    `cond`, `switch`, `fori_loop` or `scan`: there JAX's runs."""
+    if layer.wrap is None:
+        return True
+    if library == "equinox" and layer.wrap in (*CONTROL_FLOW, "scan"):
+        return True
+    if library == "linen" and layer.wrap == "fori_loop":
+        return True
+    if layer.native:
+        return False
+    if library in ("linen", "haiku") and layer.module:
+        return layer.wrap in ("vmap", *CONTROL_FLOW)
+    return True
+
+
+def early_params(library: str, layer: Layer) -> bool:
+    """Whether Linen or Haiku call the layer's module once at `init` before
+    its branch or loop, as their documentation asks: a branch that creates
+    parameters the other branches do not fails `init` (`nn.cond` and
+    `nn.switch` too, for a module made in `setup`), and JAX's transforms
+    would create them inside their trace. Haiku's own `fori_loop` runs its
+    first iteration outside the loop at `init` by itself."""
+    if library not in ("linen", "haiku") or not layer.module:
+        return False
+    if library == "haiku" and layer.wrap == "fori_loop" and layer.native:
+        return False
+    return layer.wrap in CONTROL_FLOW
 
 
 # -- the test-owned hook ----------------------------------------------------------
@@ -155,6 +202,11 @@ def hook(name: str, value: jax.Array, iv: dict, rec: dict) -> jax.Array:
         value = value + offset
     rec[name] = value
     return value
+
+
+def ran_key(name: str) -> str:
+    """Where a branch records whether the site `name` ran (a boolean)."""
+    return "ran:" + name
 
 
 def own(iv: dict, names: list[str]) -> dict:
@@ -229,15 +281,56 @@ def cached_jit(kind: str, i: int, layer: Layer, mod_name: str) -> Callable:
     raise ValueError(kind)
 
 
-def skipped_branch(names: list[str], width_out: int) -> Callable:
-    """A `cond` branch that does not run: zeros shaped like the layer's."""
+def taken_branch(run: Callable, names: list[str]) -> Callable:
+    """The branch that runs the layer (`run`), recording that its sites ran."""
+
+    def branch(*args):
+        h, rec = run(*args)
+        return h, {**rec, **{ran_key(name): jnp.array(True) for name in names}}
+
+    return branch
+
+
+def skipped_branch(
+    names: list[str], width_out: int, value: Callable | None = None
+) -> Callable:
+    """A branch without the layer: `value(h, width_out)` (zeros where `None`);
+    its sites hold zeros and did not run, as the contract has them."""
 
     def branch(*args):
         h = args[-2]
         zeros = jnp.zeros((*h.shape[:-1], width_out), h.dtype)
-        return -zeros, {name: zeros for name in names}
+        out = -zeros if value is None else value(h, width_out)
+        recorded = {name: zeros for name in names}
+        return out, {**recorded, **{ran_key(name): jnp.array(False) for name in names}}
 
     return branch
+
+
+def siteless(h, width_out):
+    """A branch's value without sites that depends on its input, so that the
+    gradients of the layers before it flow through it."""
+    mean = jnp.mean(jnp.sin(h), axis=-1, keepdims=True)
+    return jnp.broadcast_to(mean, (*h.shape[:-1], width_out))
+
+
+def switch_branches(run: Callable, names: list[str], width_out: int) -> list:
+    """A `switch` layer's branches: the layer, then two without its sites."""
+    return [
+        taken_branch(run, names),
+        skipped_branch(names, width_out, siteless),
+        skipped_branch(names, width_out),
+    ]
+
+
+def switch_index(h):
+    """Which branch a `switch` takes: the feature with the largest total
+    over the batch (per example under `vmap`), so that the data decide it and
+    each branch runs for some models. Not a threshold on a value: bridge's
+    run and the reference could only disagree on a near tie between two
+    features (an exact one, zeros after a `relu`, takes the first)."""
+    totals = jnp.sum(h.reshape(-1, h.shape[-1]), axis=0)
+    return jnp.argmax(totals) % SWITCH_BRANCHES
 
 
 def pair(h):
@@ -276,6 +369,37 @@ def unscanned(carry):
     return h + 0.1 * total
 
 
+def fori_layer(loop: Callable, run: Callable, layer: Layer, names, module, h, iv):
+    """A `fori_loop` of `layer.iterations` iterations of `run(module, h, iv)`.
+
+    Its carry is a scan's (`scan_start`, `unscanned`), and the rows its hooks
+    record, one per iteration: a site's value has the input's shape, the
+    layer keeping its width. Each iteration hands its hooks row `i` of `iv`
+    (whose leading axis is the iterations'), `i` the loop counter.
+    `loop(iterations, step, module, init)` runs `step(i, module, carry)`.
+    """
+    rows = {name: jnp.zeros((layer.iterations, *h.shape), h.dtype) for name in names}
+
+    def step(i, module, carry):
+        h, total, rows = carry
+        h, rec = run(module, h, jax.tree.map(lambda a: a[i], iv))
+        rows = {name: rows[name].at[i].set(value) for name, value in rec.items()}
+        return h, total + jnp.mean(h), rows
+
+    h, total, rows = loop(layer.iterations, step, module, (h, scan_start(layer), rows))
+    return unscanned((h, total)), rows
+
+
+def closing_over(fori_loop: Callable) -> Callable:
+    """The `loop` of `fori_layer` from a `fori_loop(lower, upper, body, init)`
+    whose body closes over the module."""
+
+    def loop(iterations, step, module, init):
+        return fori_loop(0, iterations, lambda i, c: step(i, module, c), init)
+
+    return loop
+
+
 def jax_layer(
     i, layer, mod_name, module, h, iv, width_out, *, pytree, rebuild=None
 ) -> tuple[jax.Array, dict]:
@@ -306,11 +430,17 @@ def jax_layer(
     if wrap == "cond":
         return jax.lax.cond(
             predicate(h),
-            lambda h, iv: run(module, h, iv),
+            taken_branch(lambda h, iv: run(module, h, iv), names),
             skipped_branch(names, width_out),
             h,
             iv,
         )
+    if wrap == "switch":
+        branches = switch_branches(lambda h, iv: run(module, h, iv), names, width_out)
+        return jax.lax.switch(switch_index(h), branches, h, iv)
+    if wrap == "fori_loop":
+        loop = closing_over(jax.lax.fori_loop)
+        return fori_layer(loop, run, layer, names, module, h, iv)
     if wrap == "scan":
         if rebuild is not None and module is not None:
             arrays, make = rebuild(module)
@@ -369,7 +499,6 @@ def inputs(spec: Spec) -> jax.Array:
 
 
 def build(library: str, spec: Spec, seed: int = 0) -> Built:
-    assert spec.valid_for(library), (library, spec)
     built = _BUILDERS[library](spec, seed)
     built.warm()
     return built
@@ -401,8 +530,12 @@ def _linen(spec: Spec, seed: int) -> Built:
             ys, rec = mapped(mdl, pair(h), iv)
             return unpair(ys), rec
         if wrap == "cond":
+            taken = taken_branch(run, names)
             skipped = skipped_branch(names, widths[i][1])
-            return nn.cond(predicate(h), run, skipped, mdl, h, iv)
+            return nn.cond(predicate(h), taken, skipped, mdl, h, iv)
+        if wrap == "switch":
+            branches = switch_branches(run, names, widths[i][1])
+            return nn.switch(switch_index(h), branches, mdl, h, iv)
         if wrap == "scan":
             step = scan_step(lambda mdl, h, iv: run(mdl, h, iv))
             scanned = nn.scan(
@@ -426,27 +559,12 @@ def _linen(spec: Spec, seed: int) -> Built:
             given, rec, h = iv, {}, x
             iv = iv or {}
             for i, layer in enumerate(spec.layers):
-                if layer.wrap is None or (not layer.module and not layer.native):
+                module = getattr(self, f"layer{i}", None)
+                if early_params("linen", layer) and self.is_initializing():
+                    module(h)
+                if uses_jax("linen", layer):
                     h, more = jax_layer(
-                        i,
-                        layer,
-                        f"layer{i}",
-                        getattr(self, f"layer{i}", None),
-                        h,
-                        iv,
-                        widths[i][1],
-                        pytree=False,
-                    )
-                elif layer.wrap == "vmap" and not layer.native:
-                    h, more = jax_layer(
-                        i,
-                        layer,
-                        f"layer{i}",
-                        getattr(self, f"layer{i}"),
-                        h,
-                        iv,
-                        widths[i][1],
-                        pytree=False,
+                        i, layer, f"layer{i}", module, h, iv, widths[i][1], pytree=False
                     )
                 else:
                     h, more = native(self, i, layer, h, iv)
@@ -498,8 +616,20 @@ def _nnx(spec: Spec, seed: int) -> Built:
             ys, rec = nnx.vmap(run, in_axes=(None, 0, 0))(module, pair(h), iv)
             return unpair(ys), rec
         if wrap == "cond":
+            taken = taken_branch(run, names)
             skipped = skipped_branch(names, widths[i][1])
-            return nnx.cond(predicate(h), run, skipped, module, h, iv)
+            return nnx.cond(predicate(h), taken, skipped, module, h, iv)
+        if wrap == "switch":
+            branches = switch_branches(run, names, widths[i][1])
+            return nnx.switch(switch_index(h), branches, module, h, iv)
+        if wrap == "fori_loop":
+            # The module travels in the carry, as `nnx.fori_loop` has it.
+            def loop(iterations, step, module, init):
+                return nnx.fori_loop(
+                    0, iterations, lambda i, c: (c[0], step(i, *c)), (module, init)
+                )[1]
+
+            return fori_layer(loop, run, layer, names, module, h, iv)
         if wrap == "scan":
             # A stack of modules, one per step (made by `nnx.vmap`).
             step = scan_step(run)
@@ -537,7 +667,7 @@ def _nnx(spec: Spec, seed: int) -> Built:
             iv = iv or {}
             for i, layer in enumerate(spec.layers):
                 module = getattr(self, f"layer{i}", None)
-                if layer.native and layer.wrap is not None:
+                if not uses_jax("nnx", layer):
                     h, more = native(module, i, layer, h, iv)
                 else:
                     h, more = jax_layer(
@@ -607,7 +737,7 @@ def _equinox(spec: Spec, seed: int) -> Built:
             given, rec, h = iv, {}, x
             iv = iv or {}
             for i, layer in enumerate(spec.layers):
-                if layer.native and layer.wrap in ("jit", "checkpoint", "vmap"):
+                if not uses_jax("equinox", layer):
                     h, more = native(self.layers[i], i, layer, h, iv)
                 else:
                     h, more = jax_layer(
@@ -631,6 +761,7 @@ def _equinox(spec: Spec, seed: int) -> Built:
             if not layer.module:
                 layers.append(None)
             elif layer.wrap == "scan":
+                # One layer per step, sliced by the scan.
                 keys = jax.random.split(key, layer.iterations)
                 layers.append(
                     eqx.filter_vmap(lambda k, w=width: eqx.nn.Linear(w, w, key=k))(keys)
@@ -641,18 +772,19 @@ def _equinox(spec: Spec, seed: int) -> Built:
 
     model = filled(eqx.filter_eval_shape(make, jax.random.key(0)), jnp.float32, seed)
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    scanned = {
+    looped = {
         name
         for i, layer in enumerate(spec.layers)
-        if layer.wrap == "scan"
+        if layer.wrap in LOOPS
         for name in layer_sites("equinox", i, layer)
     }
 
     def swap(tree):
-        # The reference maps the model over the batch: a scanned site's
-        # steps come after the batch axis, where the contract puts them first.
+        # The reference maps the model over the batch: a looped site's
+        # iterations come after the batch axis, where the contract puts them
+        # first.
         return {
-            k: jnp.swapaxes(v, 0, 1) if k.split(":")[-1] in scanned and v.ndim else v
+            k: jnp.swapaxes(v, 0, 1) if k.split(":")[-1] in looped and v.ndim else v
             for k, v in tree.items()
         }
 
@@ -706,8 +838,16 @@ def _haiku(spec: Spec, seed: int) -> Built:
             ys, rec = hk.vmap(run, split_rng=False)(pair(h), iv)
             return unpair(ys), rec
         if wrap == "cond":
-            return hk.cond(
-                predicate(h), run, skipped_branch(names, widths[i][1]), h, iv
+            taken = taken_branch(run, names)
+            skipped = skipped_branch(names, widths[i][1])
+            return hk.cond(predicate(h), taken, skipped, h, iv)
+        if wrap == "switch":
+            branches = switch_branches(run, names, widths[i][1])
+            return hk.switch(switch_index(h), branches, h, iv)
+        if wrap == "fori_loop":
+            loop = closing_over(hk.fori_loop)
+            return fori_layer(
+                loop, lambda _, h, iv: run(h, iv), layer, names, None, h, iv
             )
         if wrap == "scan":
             step = scan_step(lambda _, h, iv: run(h, iv))
@@ -725,8 +865,9 @@ def _haiku(spec: Spec, seed: int) -> Built:
         iv = iv or {}
         for i, layer in enumerate(spec.layers):
             linear = hk.Linear(widths[i][1], name=f"layer{i}") if layer.module else None
-            jax_ok = not layer.module or layer.wrap == "vmap"
-            if layer.wrap is None or (jax_ok and not layer.native):
+            if early_params("haiku", layer) and hk.running_init():
+                linear(h)
+            if uses_jax("haiku", layer):
                 h, more = jax_layer(
                     i, layer, f"layer{i}", linear, h, iv, widths[i][1], pytree=False
                 )

@@ -1,6 +1,6 @@
 """A trace-pattern fuzzer: layers inside `jax.jit` (a cached trace),
-`jax.checkpoint`, a `lax.scan` traced twice, `lax.cond` and `jax.vmap`, in all
-four libraries.
+`jax.checkpoint`, a `lax.scan` traced twice, `lax.cond`, `lax.switch`,
+`lax.fori_loop` and `jax.vmap` (or the library's own), in all four libraries.
 
 Hypothesis draws a stack of one to three layers (`fuzz_models.Layer`): a
 module call, a `bridge.tap`, or both, each layer optionally inside one
@@ -14,7 +14,11 @@ value; references come from it with plain JAX, never from bridge:
   missing for a trace JAX had cached;
 - each site's activation is the value the hook saw, its activation gradient
   is `jax.grad` with respect to the hook's offset, and `vdot(gradient, delta)`
-  is `jax.jvp` of the loss along an offset `delta` at that site alone;
+  is `jax.jvp` of the loss along an offset `delta` at that site alone (in a
+  `fori_loop`, per iteration: the hook's offset has a row per iteration);
+- `res.ran` has an entry for each probed site inside a `cond` or a `switch`,
+  and no other, equal to the hooks' record of whether its branch ran (where
+  it did not, the site's value and gradient are the hook's zeros);
 - parameter gradients and the loss are those of the unprobed model under
   `jax.grad` (with a patch, of the model whose hook replaced the value);
 - a site bridge cannot express is still listed, and refused only when
@@ -27,8 +31,11 @@ A silent zero, a missing activation or a phantom site fails. Each jit layer's
 function is traced once, before the probe (`Built.warm`): the probe meets a
 cached trace, as a model's `init` or an earlier step leaves it.
 
-`test_reproduction` holds the smallest models found to fail, one per kind of
-failure. `BRIDGE_FUZZ_EXAMPLES=200 pytest tests/test_trace_fuzz.py` runs more
+`test_control_flow_patterns` draws only layers inside control flow, so that
+CI's few examples always meet them. `test_reproduction` holds the smallest
+models found to fail, one per kind of failure; one still open is a strict
+xfail naming its reproducer, and the draws avoid it (`known_bug`).
+`BRIDGE_FUZZ_EXAMPLES=200 pytest tests/test_trace_fuzz.py` runs more
 examples; `BRIDGE_FUZZ_SHRINK=1` shrinks a failure (minutes).
 """
 
@@ -44,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fuzz_models import (
+    CONTROL_FLOW,
     WRAPS,
     Layer,
     Spec,
@@ -52,6 +60,7 @@ from fuzz_models import (
     patch_function,
     patch_function_key,
     patch_key,
+    ran_key,
 )
 from helpers import assert_tree_allclose, tree_vdot
 from hypothesis import HealthCheck, Phase, given, settings
@@ -84,25 +93,35 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
-layers = st.builds(
-    Layer,
-    module=st.booleans(),
-    tap=st.booleans(),
-    width=st.integers(1, 4),
-    act=st.sampled_from(sorted(ACTIVATIONS)),
-    wrap=st.sampled_from(WRAPS),
-    native=st.booleans(),
-    iterations=st.integers(1, 2),
-    retrace=st.booleans(),
-).filter(lambda layer: layer.module or layer.tap)
 
-specs = st.builds(
-    Spec,
-    layers=st.lists(layers, min_size=1, max_size=3).map(tuple),
-    in_dim=st.integers(1, 4),
-    batch=st.integers(1, 3),
-    out=st.integers(1, 3),
-)
+def layers_in(wraps):
+    """Layers, each inside one of `wraps`."""
+    return st.builds(
+        Layer,
+        module=st.booleans(),
+        tap=st.booleans(),
+        width=st.integers(1, 4),
+        act=st.sampled_from(sorted(ACTIVATIONS)),
+        wrap=st.sampled_from(wraps),
+        native=st.booleans(),
+        iterations=st.integers(1, 2),
+        retrace=st.booleans(),
+    ).filter(lambda layer: layer.module or layer.tap)
+
+
+def specs_of(layers, max_layers):
+    return st.builds(
+        Spec,
+        layers=st.lists(layers, min_size=1, max_size=max_layers).map(tuple),
+        in_dim=st.integers(1, 4),
+        batch=st.integers(1, 3),
+        out=st.integers(1, 3),
+    )
+
+
+specs = specs_of(layers_in(WRAPS), 3)
+#: Every layer inside a `cond`, a `switch` or a `fori_loop`.
+control_flow_specs = specs_of(layers_in(CONTROL_FLOW), 2)
 
 #: `at=`: `None` (every site), or the index of one site (modulo their number).
 selections = st.one_of(st.none(), st.integers(0, 8))
@@ -117,15 +136,17 @@ patches = st.one_of(
 
 def site_structs(built):
     """Each site's shape and dtype, as the hooks saw it."""
-    return jax.eval_shape(
+    recorded = jax.eval_shape(
         lambda p, x: built.forward(p, x, {})[1], built.params, built.x
     )
+    return {name: recorded[name] for name in built.names if name in recorded}
 
 
 def reference(built, patch_values, deltas):
-    """Loss, parameter gradients, the hooks' values, the gradient with respect
-    to a zero offset at every site, and `jax.jvp` of the loss along each
-    `deltas[name]` alone (one tangent per site, `jax.jacfwd`)."""
+    """Loss, parameter gradients, the hooks' values (and, under `ran_key`,
+    whether a branch's sites ran), the gradient with respect to a zero offset
+    at every site, and `jax.jvp` of the loss along each `deltas[name]` alone
+    (one tangent per site, `jax.jacfwd`)."""
     structs = site_structs(built)
     order = sorted(deltas)
 
@@ -160,15 +181,15 @@ def reference(built, patch_values, deltas):
 
 
 #: The transforms inside which bridge may refuse a site, with a `BridgeError`
-#: that names the site and the transform (one of these words): a `cond`
-#: (the contract: its branch may not run), a scan (where the site's epsilon
-#: has no route: a tap, parameters every step shares), a checkpoint, and a
-#: library's own vmap that broadcasts the parameters (`nn.vmap`, `nnx.vmap`,
-#: `hk.vmap`). Never a `jax.jit` (the contract: traced through), never a
-#: `jax.vmap` (the contract: the site holds the mapped value), never a site
-#: outside any transform.
+#: that names the site and the transform (one of these words): a scan (where
+#: the site's epsilon has no route: a tap, parameters every step shares), a
+#: checkpoint, and a library's own vmap that broadcasts the parameters
+#: (`nn.vmap`, `nnx.vmap`, `hk.vmap`). Never a `jax.jit` (the contract:
+#: traced through), never a `jax.vmap` (the contract: the site holds the
+#: mapped value), never a `cond`, a `switch` or a `fori_loop` of static
+#: bounds (the contract: every branch's sites are sites, a loop's hold every
+#: iteration), never a site outside any transform.
 REFUSABLE = {
-    "cond": ("cond",),
     "scan": ("scan",),
     "checkpoint": ("checkpoint", "remat"),
     "vmap": ("vmap",),
@@ -306,6 +327,16 @@ def check(library, spec, mode, at=None, patch=None):
     }
     expected = reference(built, patch_values, deltas)
 
+    recorded = expected["activations"]
+    branched = {name for name in got if ran_key(name) in recorded}
+    assert set(res.ran) == branched, (
+        f"res.ran has {sorted(res.ran)}, the sites in a branch are {sorted(branched)}"
+    )
+    for name in sorted(branched):
+        np.testing.assert_array_equal(
+            res.ran[name], recorded[ran_key(name)], err_msg=f"ran of {name}"
+        )
+
     np.testing.assert_allclose(res.loss, expected["loss"], rtol=1e-5, atol=1e-6)
     assert_tree_allclose(res.grads, expected["grads"], rtol=1e-4, atol=1e-6)
     for name in sorted(got):
@@ -338,7 +369,27 @@ def check(library, spec, mode, at=None, patch=None):
 @FUZZ
 @given(data=st.data())
 def test_trace_patterns(library, mode, data):
-    spec = data.draw(specs.filter(lambda spec: spec.valid_for(library)), label="spec")
+    fuzz(library, mode, data, specs)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+@pytest.mark.parametrize("library", LIBRARIES)
+@FUZZ
+@given(data=st.data())
+def test_control_flow_patterns(library, mode, data):
+    """As `test_trace_patterns`, every layer inside control flow: the few
+    examples CI draws there meet each of them, whatever the draws of the
+    other (a `switch` taking its layer's branch or another, a `fori_loop`
+    with a row per iteration, the library's own or JAX's)."""
+    fuzz(library, mode, data, control_flow_specs)
+
+
+def fuzz(library, mode, data, specs):
+    """Draw a model of `specs` that runs into no open bug, a selection and a
+    patch, and check them."""
+    spec = data.draw(
+        specs.filter(lambda spec: known_bug(library, spec) is None), label="spec"
+    )
     at = data.draw(selections, label="at")
     patch = data.draw(patches, label="patch")
     check(library, spec, mode, at, patch)
@@ -358,6 +409,60 @@ def test_the_jitted_functions_inside_the_models_are_warm(library, native):
     assert len(fuzz_models.JIT_TRACES) == before
 
 
+# -- open bridge bugs ------------------------------------------------------------------
+
+#: Bridge bugs the fuzzer found and that are still open, each with a
+#: standalone reproducer. The fuzzer draws no model that runs into one
+#: (`known_bug`); `test_reproduction` holds each as a strict xfail: when it
+#: passes, drop it from here.
+LINEN_SITE_IN_ONE_BRANCH = (
+    "a Linen nn.cond or nn.switch with a module call in some branches only "
+    "fails: 'branch outputs must have the same pytree structure' (bridge's "
+    "bridge_recordings collection is written by one branch); reproducer "
+    "/tmp/fuzz_findings/linen_cond_site_in_one_branch.py"
+)
+LINEN_TAP_IN_OWN_BRANCH = (
+    "a bridge.tap inside a branch of Linen's nn.cond or nn.switch fails: "
+    "'Perturbation collection bridge_epsilons present, but missing "
+    "perturbation variable bridge_epsilon:tap/t0#0'; reproducer "
+    "/tmp/fuzz_findings/linen_tap_in_nn_cond.py"
+)
+NNX_TAP_IN_OWN_FORI_LOOP = (
+    "a bridge.tap inside NNX's nnx.fori_loop is listed twice, a phantom "
+    "'t0#1' beside 't0'; reproducer /tmp/fuzz_findings/nnx_tap_in_nnx_fori_loop.py"
+)
+EQUINOX_TAP_IN_RETRACED_SCAN = (
+    "a bridge.tap inside an Equinox model's lax.scan whose body JAX traces "
+    "twice (a carry that starts as a Python 0) is listed twice, a phantom "
+    "'t0#1' beside 't0'; reproducer "
+    "/tmp/fuzz_findings/equinox_tap_in_retraced_scan.py"
+)
+CUSTOM_JVP_IN_FORI_LOOP = (
+    "inside a fori_loop (JAX's or a library's), bridge's gradients "
+    "differentiate a custom_jvp's primal function, not its rule: where a relu "
+    "in the loop body meets an exact 0, they take maximum's derivative (1/2), "
+    "not relu's (0); "
+    "reproducer /tmp/fuzz_findings/custom_jvp_dropped_in_fori_loop.py"
+)
+
+
+def known_bug(library, spec):
+    """The open bridge bug a model of `spec` runs into, or `None`."""
+    for layer in spec.layers:
+        native = layer.native
+        if library == "linen" and native and layer.wrap in ("cond", "switch"):
+            return LINEN_TAP_IN_OWN_BRANCH if layer.tap else LINEN_SITE_IN_ONE_BRANCH
+        if library == "nnx" and native and layer.wrap == "fori_loop" and layer.tap:
+            return NNX_TAP_IN_OWN_FORI_LOOP
+        retraced = layer.wrap == "scan" and layer.retrace
+        if library == "equinox" and retraced and layer.tap:
+            return EQUINOX_TAP_IN_RETRACED_SCAN
+        # `jax.nn.relu`, the one activation with a custom_jvp.
+        if layer.wrap == "fori_loop" and layer.act == "relu":
+            return CUSTOM_JVP_IN_FORI_LOOP
+    return None
+
+
 # -- minimal reproductions of what the fuzzer found ----------------------------------
 
 
@@ -373,8 +478,16 @@ TAP = {"module": False, "tap": True}
 MODULE = {"module": True, "tap": False}
 
 
-def _case(library, spec, id, mode="jit", at=None, patch=None):
-    return pytest.param(library, spec, mode, at, patch, id=id)
+def _case(library, spec, id, mode="jit", at=None, patch=None, marks=()):
+    return pytest.param(library, spec, mode, at, patch, id=id, marks=marks)
+
+
+def _open_bug(library, spec, id, raises, **kwargs):
+    """A reproduction of a bug still open (`known_bug`), a strict xfail."""
+    reason = known_bug(library, spec)
+    assert reason is not None, id
+    marks = pytest.mark.xfail(strict=True, raises=raises, reason=reason)
+    return _case(library, spec, id, marks=marks, **kwargs)
 
 
 NATIVE_VMAP = {**MODULE, "wrap": "vmap", "native": True}
@@ -501,6 +614,49 @@ REPRODUCTIONS = [
         _two({**MODULE, "wrap": "jit", "native": True}, NATIVE_VMAP),
         "linen-nn.jit-site-lost-before-an-nn.vmap",
         mode="eager",
+    ),
+    # Open: a Linen module called in one branch of `nn.cond` or `nn.switch`
+    # (the others hold no site), a tap in one, a tap in `nnx.fori_loop`, one
+    # in an Equinox `lax.scan` traced twice, and a relu in a `fori_loop`
+    # meeting the zeros of its previous iteration.
+    _open_bug(
+        "linen",
+        _one(**MODULE, wrap="cond", native=True),
+        "linen-module-in-one-branch-of-nn.cond",
+        TypeError,
+    ),
+    _open_bug(
+        "linen",
+        _one(**MODULE, wrap="switch", native=True),
+        "linen-module-in-one-branch-of-nn.switch",
+        TypeError,
+    ),
+    _open_bug(
+        "linen",
+        _one(**TAP, wrap="cond", native=True),
+        "linen-tap-in-nn.cond",
+        ValueError,
+    ),
+    _open_bug(
+        "nnx",
+        _one(**TAP, wrap="fori_loop", native=True),
+        "nnx-tap-in-nnx.fori_loop-listed-twice",
+        AssertionError,
+    ),
+    _open_bug(
+        "equinox",
+        _one(**TAP, wrap="scan"),
+        "equinox-tap-in-retraced-lax.scan-listed-twice",
+        AssertionError,
+    ),
+    *(
+        _open_bug(
+            lib,
+            _one(**TAP, act="relu", wrap="fori_loop", iterations=2),
+            f"{lib}-relu-custom_jvp-in-lax.fori_loop",
+            AssertionError,
+        )
+        for lib in ("linen", "equinox")
     ),
 ]
 
