@@ -279,7 +279,7 @@ def _run_sliced(
 
 
 def _check_leaves(name: str, leaves: Any, enclosing: tuple[str, ...]) -> None:
-    if leaves is None or leaves.recorder is None:
+    if leaves is None or (leaves.recorder is None and leaves.epsilon is None):
         raise BridgeRuntimeError(
             f"bridge found no epsilon for site {name!r} inside "
             f"{describe(enclosing)}: the model called it differently from the "

@@ -111,6 +111,17 @@ def run_with_tree_leaves(
             struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
         return zeros_like_struct(struct)
 
+    if not session.recording:
+        # Another run records them (`Request.recording`): epsilons and
+        # patches only.
+        leaves = {name: Leaves(patch=p) for name, p in patches.items()}
+        for name, site in sites.items():
+            epsilon = session.epsilons.get(name)
+            leaves[name] = Leaves(
+                shaped(site) if epsilon is None else epsilon, patch=patches.get(name)
+            )
+        return call_model(leaves)
+
     def shaped_inputs(site: Any) -> Any:
         if not session.with_inputs:
             return None
@@ -186,14 +197,18 @@ class InTransform(SiteOrigin):
         result says where it ran (`ProbeResult.ran`)."""
         return in_a_branch(self.transforms)
 
+    @property
+    def recorded_in_a_loop(self) -> bool:
+        return self.iterations is not None
+
 
 def through_tree(value: Any, inputs: Any, leaves: Leaves) -> Any:
     """`value` recorded through the tree with its `inputs` (see `record`),
     and its epsilon added. The value recorded is the patched one, before its
     epsilon."""
-    floats = record(
-        differentiable_part(value), inputs, (leaves.recorder, leaves.inputs, leaves.ran)
-    )
+    floats = differentiable_part(value)
+    if leaves.recorder is not None:
+        floats = record(floats, inputs, (leaves.recorder, leaves.inputs, leaves.ran))
     floats = jax.tree.map(jnp.add, floats, leaves.epsilon)
     return merge_differentiable(value, floats)
 

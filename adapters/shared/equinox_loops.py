@@ -66,8 +66,3 @@ def running() -> list[tuple[Any, int | None, Any]]:
             step = None
         frame = frame.f_back
     return found
-
-
-def trace_of(step: Any) -> Any:
-    """The trace the loop's body is traced in: its counter's."""
-    return getattr(step, "_trace", None)

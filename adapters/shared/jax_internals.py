@@ -163,6 +163,11 @@ def vmap_size(trace: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def trace_of(tracer: Any) -> Any:
+    """The trace `tracer` belongs to (`None` for a concrete value)."""
+    return getattr(tracer, "_trace", None)
+
+
 def parent(trace: Any) -> Any:
     """The trace `trace` was opened in, or `None` if it cannot tell."""
     return getattr(trace, "parent_trace", None)

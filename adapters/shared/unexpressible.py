@@ -94,7 +94,7 @@ def control_flow(base: Any) -> ControlFlow | None:
     if transforms is None:
         return None
     checkpointed = {
-        id(equinox_loops.trace_of(step)): (step, max_steps, runs)
+        id(jax_internals.trace_of(step)): (step, max_steps, runs)
         for step, max_steps, runs in equinox_loops.running()
     }
     if checkpointed:

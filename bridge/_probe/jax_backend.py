@@ -12,6 +12,7 @@ where `vmap=True`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -256,11 +257,9 @@ def call_model(
     (`per_example_keys`).
 
     `differentiated`: the caller differentiates the outputs (with respect to
-    `trainable` and `epsilons`). A site inside a checkpointed while loop is
-    then recorded by a second run of the model that nothing differentiates:
-    the loop's custom backward pass is a `lax.while_loop` that JAX cannot
-    differentiate again, as recording through the first run's backward
-    pass would (`bridge._session.backward`).
+    `trainable` and `epsilons`). A site inside a loop is then recorded by a
+    second run of the model that nothing differentiates (see
+    `recorded_apart` below; `bridge._session.backward`).
     """
     patches = patches or {}
     request = Request(
@@ -279,13 +278,29 @@ def call_model(
         if isinstance(site.origin, backward.InControlFlow)
     }
 
+    # Where the caller differentiates, a site whose value leaves a loop
+    # through the backward pass is recorded by a second run of the model
+    # that nothing differentiates: differentiating the first run's backward
+    # pass again would drop the `custom_jvp` rules inside a scan (JAX
+    # differentiates their primal functions instead: relu's derivative at 0
+    # becomes 1/2), and Equinox's checkpointed loop has a custom backward
+    # pass (a `while_loop`) JAX cannot differentiate at all.
     recorded_apart = differentiated and any(
-        backward.CHECKPOINTED_WHILE in site.origin.transforms
-        for site in in_control_flow.values()
+        site.origin is not None and site.origin.recorded_in_a_loop
+        for site in chosen or ()
     )
 
-    def run(trainable, dynamic_args, call_kwargs, epsilons, patch_values, recorders):
-        session = Session(request.varied(epsilons, patch_values, recorders))
+    def run(
+        trainable,
+        dynamic_args,
+        call_kwargs,
+        epsilons,
+        patch_values,
+        recorders,
+        recording=True,
+    ):
+        varied = request.varied(epsilons, patch_values, recorders)
+        session = Session(dataclasses.replace(varied, recording=recording))
         if sessions is not None:
             sessions.append(session)
         with session.active():
@@ -315,19 +330,21 @@ def call_model(
             ),
         )
 
+    def recorded(trainable, dynamic_args, call_kwargs, epsilons, patch_values):
+        arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
+        if in_control_flow:
+            return recording(*arguments)
+        return run(*arguments, None)
+
     def single(dynamic_args, call_kwargs, epsilons, patch_values):
         arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
-        if not in_control_flow:
-            return run(*arguments, None)
         if not recorded_apart:
-            return recording(*arguments)
-        outputs, state, activations, inputs, ran = run(*arguments, None)
+            return recorded(*arguments)
+        outputs, state, *_ = run(*arguments, None, recording=False)
         constants = jax.tree.map(
             lambda a: jax.lax.stop_gradient(a) if is_array(a) else a, arguments
         )
-        _, _, *recorded = recording(*constants)
-        for into, part in zip((activations, inputs, ran), recorded, strict=True):
-            into.update({k: v for k, v in part.items() if k in in_control_flow})
+        _, _, activations, inputs, ran = recorded(*constants)
         return outputs, state, activations, inputs, ran
 
     dynamic_args, rebuild_args = split_arrays(args)

@@ -145,6 +145,10 @@ class InControlFlow(SiteOrigin):
     inputs_recorder: Any = None
     inner: SiteOrigin | None = None
 
+    @property
+    def recorded_in_a_loop(self) -> bool:
+        return any(t in LOOPS for t in self.transforms)
+
     @classmethod
     def of(
         cls, flow: ControlFlow, args: tuple, inner: SiteOrigin | None = None

@@ -88,6 +88,15 @@ class SiteOrigin:
     tap: str | None = None
     blocked: str | None = None
 
+    @property
+    def recorded_in_a_loop(self) -> bool:
+        """Whether the call's value leaves a loop (a scan) through the
+        backward pass of the model: differentiating that pass again drops
+        the `custom_jvp` rules inside the scan (JAX differentiates their
+        primal functions instead), so where the caller differentiates, the
+        core records it in a run of its own (`call_model`)."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Site:
