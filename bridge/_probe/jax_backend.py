@@ -286,7 +286,8 @@ def call_model(
     # becomes 1/2), and Equinox's checkpointed loop has a custom backward
     # pass (a `while_loop`) JAX cannot differentiate at all.
     recorded_apart = differentiated and any(
-        site.origin is not None and site.origin.recorded_in_a_loop
+        # A third-party adapter's origin may be any value.
+        getattr(site.origin, "recorded_in_a_loop", False)
         for site in chosen or ()
     )
 
