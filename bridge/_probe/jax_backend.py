@@ -298,10 +298,10 @@ def call_model(
         epsilons,
         patch_values,
         recorders,
-        recording=True,
+        records=True,
     ):
         varied = request.varied(epsilons, patch_values, recorders)
-        session = Session(dataclasses.replace(varied, recording=recording))
+        session = Session(dataclasses.replace(varied, recording=records))
         if sessions is not None:
             sessions.append(session)
         with session.active():
@@ -311,17 +311,14 @@ def call_model(
         session.check_reached()
         return outputs, state, session.activations, session.inputs, session.ran
 
-    def recording(trainable, dynamic_args, call_kwargs, epsilons, patch_values):
-        # Values inside branches and loops leave through the backward pass.
+    def recorded(trainable, dynamic_args, call_kwargs, epsilons, patch_values):
+        """One run recording every selected site; the values inside branches
+        and loops leave through the backward pass."""
+        arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
+        if not in_control_flow:
+            return run(*arguments, None)
         return backward.run_recording(
-            lambda recorders: run(
-                trainable,
-                dynamic_args,
-                call_kwargs,
-                epsilons,
-                patch_values,
-                recorders,
-            ),
+            lambda recorders: run(*arguments, recorders),
             in_control_flow,
             with_inputs,
             lambda site: (
@@ -331,17 +328,11 @@ def call_model(
             ),
         )
 
-    def recorded(trainable, dynamic_args, call_kwargs, epsilons, patch_values):
-        arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
-        if in_control_flow:
-            return recording(*arguments)
-        return run(*arguments, None)
-
     def single(dynamic_args, call_kwargs, epsilons, patch_values):
         arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
         if not recorded_apart:
             return recorded(*arguments)
-        outputs, state, *_ = run(*arguments, None, recording=False)
+        outputs, state, *_ = run(*arguments, None, records=False)
         constants = jax.tree.map(
             lambda a: jax.lax.stop_gradient(a) if is_array(a) else a, arguments
         )

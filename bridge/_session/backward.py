@@ -13,7 +13,16 @@ the model (`run_recording`) pulls them out. Where a branch did not run, its
 backward pass never reaches `record`: the value, the inputs and the ones
 stay zeros, so the ones say where it ran (`ProbeResult.ran`). Under a `vmap`
 whose predicate varies, JAX runs every branch and selects each operand's
-gradient by the predicate, so this holds per example.
+gradient by the predicate, so this holds per example. Equinox's
+checkpointed while loop is such a loop too (`CHECKPOINTED_WHILE`): its
+steps take their rows by its counter, and a step an example did not run
+records zeros (`record`'s `runs`).
+
+Where the step is differentiated, the backward pass that records a loop's
+sites must not be differentiated again: JAX then drops the `custom_jvp`
+rules inside a scan, and Equinox's loop has a custom backward pass JAX
+cannot differentiate. The core records those in a run of their own
+(`SiteOrigin.recorded_in_a_loop`, `bridge._probe.jax_backend.call_model`).
 
 The adapter reads where a call runs (`ControlFlow`, from JAX's trace stack)
 and hands the call to `Session.call_in_control_flow`; the core runs the
