@@ -419,23 +419,23 @@ LINEN_SITE_IN_ONE_BRANCH = (
     "a Linen nn.cond or nn.switch with a module call in some branches only "
     "fails: 'branch outputs must have the same pytree structure' (bridge's "
     "bridge_recordings collection is written by one branch); reproducer "
-    "/tmp/fuzz_findings/linen_cond_site_in_one_branch.py"
+    "tests/fuzz_findings/linen_cond_site_in_one_branch.py"
 )
 LINEN_TAP_IN_OWN_BRANCH = (
     "a bridge.tap inside a branch of Linen's nn.cond or nn.switch fails: "
     "'Perturbation collection bridge_epsilons present, but missing "
     "perturbation variable bridge_epsilon:tap/t0#0'; reproducer "
-    "/tmp/fuzz_findings/linen_tap_in_nn_cond.py"
+    "tests/fuzz_findings/linen_tap_in_nn_cond.py"
 )
 NNX_TAP_IN_OWN_FORI_LOOP = (
     "a bridge.tap inside NNX's nnx.fori_loop is listed twice, a phantom "
-    "'t0#1' beside 't0'; reproducer /tmp/fuzz_findings/nnx_tap_in_nnx_fori_loop.py"
+    "'t0#1' beside 't0'; reproducer tests/fuzz_findings/nnx_tap_in_nnx_fori_loop.py"
 )
 EQUINOX_TAP_IN_RETRACED_SCAN = (
     "a bridge.tap inside an Equinox model's lax.scan whose body JAX traces "
     "twice (a carry that starts as a Python 0) is listed twice, a phantom "
     "'t0#1' beside 't0'; reproducer "
-    "/tmp/fuzz_findings/equinox_tap_in_retraced_scan.py"
+    "tests/fuzz_findings/equinox_tap_in_retraced_scan.py"
 )
 
 
