@@ -398,7 +398,7 @@ def main() -> None:
                     steps, first, x, returned, sites = built
                     steps = {v: steps[v] for v in wanted}
                     if options.auto_layouts:
-                        for v in {"hand", "all"} & set(steps):
+                        for v in [v for v in ("hand", "all") if v in steps]:
                             steps[v + "_auto"], first[v + "_auto"] = steps[v], first[v]
                     build = time.perf_counter() - start
                     rows = measure(name, steps, first, x, options, archive)

@@ -92,12 +92,17 @@ class EqxLoop(eqx.Module):
         return jax.lax.fori_loop(0, ITERATIONS, body, x)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize(
     ("make", "site"), [(EqxScanned, "layers"), (EqxLoop, "cell")], ids=["scan", "fori"]
 )
-def test_equinox_loop_sites_keep_a_custom_jvp_rule(make, site):
+def test_equinox_loop_sites_keep_a_custom_jvp_rule(make, site, jit):
     model = make(jax.random.key(0))
-    res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, X)
+
+    def step(probe, x):
+        return probe.value_and_grad(loss_fn, x)
+
+    res = (jax.jit(step) if jit else step)(bridge.probe(model, vmap=True), X)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     plain = jax.grad(lambda p: loss_fn(jax.vmap(eqx.combine(p, static))(X)))(params)
     for got, expected in zip(

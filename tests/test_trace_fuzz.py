@@ -608,17 +608,14 @@ REPRODUCTIONS = [
     # Open: a Linen module called in one branch of `nn.cond` or `nn.switch`
     # (the others hold no site), a tap in one, a tap in `nnx.fori_loop`, one
     # in an Equinox `lax.scan` traced twice.
-    _open_bug(
-        "linen",
-        _one(**MODULE, wrap="cond", native=True),
-        "linen-module-in-one-branch-of-nn.cond",
-        TypeError,
-    ),
-    _open_bug(
-        "linen",
-        _one(**MODULE, wrap="switch", native=True),
-        "linen-module-in-one-branch-of-nn.switch",
-        TypeError,
+    *(
+        _open_bug(
+            "linen",
+            _one(**MODULE, wrap=branch, native=True),
+            f"linen-module-in-one-branch-of-nn.{branch}",
+            TypeError,
+        )
+        for branch in ("cond", "switch")
     ),
     _open_bug(
         "linen",

@@ -111,16 +111,27 @@ def run_with_tree_leaves(
             struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
         return zeros_like_struct(struct)
 
-    if not session.recording:
-        # Another run records them (`Request.recording`): epsilons and
-        # patches only.
+    def tree_leaves(recorders: dict | None) -> dict[str, Leaves]:
+        """Each site's epsilon and patch value, and its recorders unless
+        `recorders` is `None`; the other patched calls' patch values."""
         leaves = {name: Leaves(patch=p) for name, p in patches.items()}
         for name, site in sites.items():
+            value_recorder, inputs_recorder, ran_recorder = (
+                (None, None, None) if recorders is None else recorders[name]
+            )
             epsilon = session.epsilons.get(name)
             leaves[name] = Leaves(
-                shaped(site) if epsilon is None else epsilon, patch=patches.get(name)
+                shaped(site) if epsilon is None else epsilon,
+                value_recorder,
+                inputs_recorder,
+                patches.get(name),
+                ran_recorder,
             )
-        return call_model(leaves)
+        return leaves
+
+    if not session.recording:
+        # Another run records them (`Request.recording`).
+        return call_model(tree_leaves(None))
 
     def shaped_inputs(site: Any) -> Any:
         if not session.with_inputs:
@@ -143,18 +154,7 @@ def run_with_tree_leaves(
 
     def forward(recorders: dict) -> tuple[Any, Any]:
         # What the session records in here leaves `jax.vjp` as outputs.
-        leaves = {name: Leaves(patch=p) for name, p in patches.items()}
-        for name, site in sites.items():
-            value_recorder, inputs_recorder, ran_recorder = recorders[name]
-            epsilon = session.epsilons.get(name)
-            leaves[name] = Leaves(
-                shaped(site) if epsilon is None else epsilon,
-                value_recorder,
-                inputs_recorder,
-                patches.get(name),
-                ran_recorder,
-            )
-        outputs, state = call_model(leaves)
+        outputs, state = call_model(tree_leaves(recorders))
         return outputs, (state, session.carrier.recordings())
 
     outputs, (state, recorded), cotangents = pulled_out(

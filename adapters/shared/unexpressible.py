@@ -93,32 +93,29 @@ def control_flow(base: Any) -> ControlFlow | None:
     transforms = transform_names(base)
     if transforms is None:
         return None
+    stack = list(traces(base))  # as `transforms` names them
     checkpointed = {
         id(jax_internals.trace_of(step)): (step, max_steps, runs)
         for step, max_steps, runs in equinox_loops.running()
     }
-    if checkpointed:
-        # The body's trace, which JAX names `jit`, is the loop's.
-        transforms = tuple(
-            CHECKPOINTED_WHILE if id(trace) in checkpointed else name
-            for trace, name in zip(traces(base), transforms, strict=True)
-        )
+    # A checkpointed loop's body trace, which JAX names `jit`, is the loop's.
+    transforms = tuple(
+        CHECKPOINTED_WHILE if id(trace) in checkpointed else name
+        for trace, name in zip(stack, transforms, strict=True)
+    )
     if not ControlFlow.expressible(transforms):
         return None
     fori_loops = jax_internals.fori_loop_rows(transforms.count(FORI_LOOP))
     if fori_loops is None:
         return None
     fori_loops = iter(fori_loops)
-    checkpointed_loops = iter(
-        checkpointed[id(trace)] for trace in traces(base) if id(trace) in checkpointed
-    )
     found = []  # (row, length), innermost first
     runs = None  # whether the call runs for this example
-    for transform in transforms:
+    for trace, transform in zip(stack, transforms, strict=True):
         if transform == FORI_LOOP:
             found.append(next(fori_loops))
         elif transform == CHECKPOINTED_WHILE:
-            step, max_steps, step_runs = next(checkpointed_loops)
+            step, max_steps, step_runs = checkpointed[id(trace)]
             found.append((step, max_steps))
             runs = step_runs if runs is None else runs & step_runs
     if not found:
