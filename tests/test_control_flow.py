@@ -960,3 +960,121 @@ def test_a_branch_inside_a_jit_the_model_traced_before_is_no_silent_zero():
             assert_close(res.activations[name], want.activations[name])
             assert_close(res.activation_grads[name], want.activation_grads[name])
             assert np.any(np.asarray(res.activation_grads[name]))  # no silent zero
+
+
+# -- Linen: a site in one branch only, called through the branch's module ---------
+
+
+class LinenOneSided(nn.Module):
+    """A branch of Linen's own `nn.cond` or `nn.switch` whose taken side calls
+    a submodule through the module the branch is handed (`mdl.inner`, in
+    the lifted transform's own scope) and taps its value; the other side has
+    no site. `both` computes both sides and picks (the reference)."""
+
+    kind: str
+
+    def setup(self):
+        self.encoder = nn.Dense(WIDTH)
+        self.inner = nn.Dense(WIDTH)
+        self.head = nn.Dense(OUT)
+
+    def __call__(self, x):
+        h = self.encoder(x)
+        if self.is_initializing():
+            self.inner(h)  # parameters made before the branch, as Flax asks
+
+        def taken(mdl, v):
+            value = jnp.tanh(offset("inner", mdl.inner(v)))
+            return bridge.tap("t", offset("t", value))
+
+        def other(mdl, v):
+            return -v
+
+        predicate = h[0] > 0
+        if self.kind == "both":
+            h = jnp.where(predicate, taken(self, h), other(self, h))
+        elif self.kind == "cond":
+            h = nn.cond(predicate, taken, other, self, h)
+        else:
+            index = predicate.astype(jnp.int32)
+            h = nn.switch(index, [other, taken], self, h)
+        return self.head(h)
+
+
+ONE_SIDED = ("inner", "t")
+
+
+def _linen_one_sided(kind: str) -> Case:
+    x = jnp.ones((IN,))
+    variables = LinenOneSided("both").init(jax.random.key(0), x)
+
+    def forward(kind, x, offsets):
+        with offsets_added(offsets):
+            return LinenOneSided(kind).apply(variables, x)
+
+    return Case(bridge.probe(LinenOneSided(kind), variables, vmap=True), forward)
+
+
+def _one_sided_reference(case: Case, kind: str, x: jax.Array):
+    """Where the site's side runs (per example), each site's value computed
+    outside any branch, and the loss and its gradients with respect to
+    offsets added by hand at both sites."""
+    values = branch_values(case, x)
+    ran = np.asarray(
+        jax.vmap(
+            lambda x: jnp.any(
+                case.forward("both", x, {})
+                != case.forward("both", x, {"t": jnp.full((WIDTH,), 1e3)})
+            )
+        )(x)
+    )
+    zeros = {name: jnp.zeros((BATCH, WIDTH)) for name in ONE_SIDED}
+    loss, grads = jax.value_and_grad(lambda o: hand_loss(case, kind, x, o))(zeros)
+    return ran, values, loss, grads
+
+
+@pytest.mark.parametrize("kind", ["cond", "switch"])
+def test_linen_sites_in_one_branch_only_of_its_own_cond(kind):
+    """A module call and a `bridge.tap` in one side only of `nn.cond` or
+    `nn.switch`, eager and jitted: the side's value where it ran, zeros
+    elsewhere, `ran` saying where, and the gradients of offsets added by
+    hand (a run of the lifted route, writing bridge's collection in one
+    branch only, failed)."""
+    case = _linen_one_sided(kind)
+    x = inputs()
+    assert list(case.probe.sites(x)) == ["encoder", "inner", "t", "head"]
+    ran, values, loss, grads = _one_sided_reference(case, kind, x)
+    assert ran.any() and not ran.all(), "the batch must take both sides"
+    for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), case.probe, x):
+        assert set(res.ran) == set(ONE_SIDED)
+        assert_close(res.loss, loss)
+        for name in ONE_SIDED:
+            np.testing.assert_array_equal(res.ran[name], ran)
+            assert_close(res.activations[name], np.where(ran[:, None], values[name], 0))
+            assert_close(res.activation_grads[name], grads[name])
+            assert np.any(np.asarray(res.activation_grads[name]))
+            assert not np.any(np.asarray(res.activation_grads[name])[~ran])
+
+
+@pytest.mark.parametrize("at", ["inner", "t"])
+@pytest.mark.parametrize("kind", ["cond", "switch"])
+def test_linen_one_site_in_one_branch_along_jvp(kind, at):
+    """Selected alone (the module call, or the tap whose epsilon a run of
+    the lifted route looked for in bridge's collection), eager and jitted:
+    its gradient contracted with random offsets equals `jax.jvp` of the
+    hand-perturbed loss along them."""
+    case = _linen_one_sided(kind)
+    x = inputs()
+    direction = jax.random.normal(jax.random.key(7), (BATCH, WIDTH))
+    zeros = {name: jnp.zeros((BATCH, WIDTH)) for name in ONE_SIDED}
+    _, tangent = jax.jvp(
+        lambda o: hand_loss(case, kind, x, o),
+        (zeros,),
+        ({**zeros, at: direction},),
+    )
+    assert abs(float(tangent)) > 0
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(loss_fn, x, at=at), case.probe, x
+    ):
+        assert set(res.activations) == {at}
+        assert_close(jnp.vdot(res.activation_grads[at], direction), tangent, 1e-4)

@@ -415,18 +415,6 @@ def test_the_jitted_functions_inside_the_models_are_warm(library, native):
 #: standalone reproducer. The fuzzer draws no model that runs into one
 #: (`known_bug`); `test_reproduction` holds each as a strict xfail: when it
 #: passes, drop it from here.
-LINEN_SITE_IN_ONE_BRANCH = (
-    "a Linen nn.cond or nn.switch with a module call in some branches only "
-    "fails: 'branch outputs must have the same pytree structure' (bridge's "
-    "bridge_recordings collection is written by one branch); reproducer "
-    "tests/fuzz_findings/linen_cond_site_in_one_branch.py"
-)
-LINEN_TAP_IN_OWN_BRANCH = (
-    "a bridge.tap inside a branch of Linen's nn.cond or nn.switch fails: "
-    "'Perturbation collection bridge_epsilons present, but missing "
-    "perturbation variable bridge_epsilon:tap/t0#0'; reproducer "
-    "tests/fuzz_findings/linen_tap_in_nn_cond.py"
-)
 NNX_TAP_IN_OWN_FORI_LOOP = (
     "a bridge.tap inside NNX's nnx.fori_loop is listed twice, a phantom "
     "'t0#1' beside 't0'; reproducer tests/fuzz_findings/nnx_tap_in_nnx_fori_loop.py"
@@ -443,8 +431,6 @@ def known_bug(library, spec):
     """The open bridge bug a model of `spec` runs into, or `None`."""
     for layer in spec.layers:
         native = layer.native
-        if library == "linen" and native and layer.wrap in ("cond", "switch"):
-            return LINEN_TAP_IN_OWN_BRANCH if layer.tap else LINEN_SITE_IN_ONE_BRANCH
         if library == "nnx" and native and layer.wrap == "fori_loop" and layer.tap:
             return NNX_TAP_IN_OWN_FORI_LOOP
         retraced = layer.wrap == "scan" and layer.retrace
@@ -605,24 +591,22 @@ REPRODUCTIONS = [
         "linen-nn.jit-site-lost-before-an-nn.vmap",
         mode="eager",
     ),
-    # Open: a Linen module called in one branch of `nn.cond` or `nn.switch`
-    # (the others hold no site), a tap in one, a tap in `nnx.fori_loop`, one
-    # in an Equinox `lax.scan` traced twice.
+    # A Linen module called in one branch of `nn.cond` or `nn.switch` (the
+    # others hold no site), and a tap in one, ran Linen's lifted route in a
+    # run: its recordings left in one branch only, the tap's epsilon was
+    # looked for in bridge's collection. Both take the session's
+    # control-flow route, as in discovery.
     *(
-        _open_bug(
+        _case(
             "linen",
-            _one(**MODULE, wrap=branch, native=True),
-            f"linen-module-in-one-branch-of-nn.{branch}",
-            TypeError,
+            _one(**layer, wrap=branch, native=True),
+            f"linen-{what}-in-one-branch-of-nn.{branch}",
         )
+        for layer, what in ((MODULE, "module"), (TAP, "tap"))
         for branch in ("cond", "switch")
     ),
-    _open_bug(
-        "linen",
-        _one(**TAP, wrap="cond", native=True),
-        "linen-tap-in-nn.cond",
-        ValueError,
-    ),
+    # Open: a tap in `nnx.fori_loop`, one in an Equinox `lax.scan` traced
+    # twice.
     _open_bug(
         "nnx",
         _one(**TAP, wrap="fori_loop", native=True),

@@ -8,6 +8,9 @@ output, reading the epsilon from bridge's variables
 runs in a scope root of their own (`bridge.adapters.linen.transforms`); one
 inside the model's own JAX transforms, outside those, is handed out of its
 `jax.vmap`s or listed and refused (`bridge.adapters.linen.jax_transforms`).
+One inside branches and loops of static bounds only (`nn.cond`, `nn.switch`,
+JAX's own), in discovery and in a run alike, is a site of the session's
+control-flow route (`Session.call_in_control_flow`).
 An `apply` the model makes itself (a tied LM head's) is a scope root too,
 whose calls are named under the module that makes it.
 
@@ -27,7 +30,7 @@ import flax.linen as nn
 
 from bridge.adapter_api import BodyTraces, Session
 
-from ..shared import guests, jax_internals, lifting
+from ..shared import guests, jax_internals, lifting, unexpressible
 from . import transforms
 from .jax_transforms import JaxTransforms
 from .transforms import LiftedTransforms, body_of
@@ -176,9 +179,20 @@ class Interceptor:
         if not lifted:
             self.jax.scan_bodies.traced()
         in_params = not carried and self.in_params
-        if session.recorder.learns_sites():
-            transform = self.lifted.blocked(lifted, module, carried)
-            if transform is not None:
+        transform = self.lifted.blocked(lifted, module, carried)
+        if transform is not None:
+            # Inside branches and loops of static bounds only (`nn.cond`,
+            # `nn.switch`, JAX's own), a site of the session's control-flow
+            # route, in discovery and in a run alike: a run that took the
+            # lifted route instead would look for an epsilon bridge's
+            # collection does not hold, and write recordings in one branch
+            # only.
+            flow = unexpressible.control_flow(self.base)
+            if flow is not None:
+                return self.lifted.in_control_flow(
+                    run, call_args, module, method, path, tap, flow
+                )
+            if session.recorder.learns_sites():
                 return self.lifted.refused(
                     run, call_args, module, method, path, tap, transform
                 )

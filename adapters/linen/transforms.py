@@ -17,7 +17,8 @@ or patched (`LiftedTransforms.refused`, see
 `bridge.adapters.shared.unexpressible`): inside `nn.while_loop`, a branch
 inside another lifted transform, or an `nn.scan`/`nn.vmap` that broadcasts
 `params` (`nn.RNN`). `nn.cond` and `nn.switch` alone are sites of the
-session's control-flow route (`LiftedTransforms.refused` hands them over).
+session's control-flow route, in discovery and in a run alike
+(`LiftedTransforms.in_control_flow`).
 Such a transform is found by discovery: recording a call inside it among the
 parameters, Flax refuses a broadcast variable that depends on the loop
 (`broadcasting` reads which transform from its error), and discovery runs
@@ -289,8 +290,12 @@ class LiftedTransforms:
         """The transform that holds a call (of a module in a `lifted` scope)
         where bridge cannot express it (innermost first: a loop, a branch, a
         transform broadcasting `params`, one that carries neither bridge's
-        collections nor `params`), or `None`. Asked by discovery only: a run
-        never selects or patches such a call."""
+        collections nor `params`), or `None`. Asked by discovery and by a run
+        alike: inside branches and loops of static bounds only, both hand the
+        call to the session's control-flow route (`in_control_flow`);
+        elsewhere discovery lists it as refused (`refused`), and a run never
+        selects or patches it. A run knows no transform broadcasting
+        `params`, whose scan or vmap holds no call of that route anyway."""
 
         def broadcasting(trace: Any) -> str | None:
             found = self.broadcast_traces.get(id(trace))
@@ -308,24 +313,29 @@ class LiftedTransforms:
             return self.transform
         return None
 
+    def in_control_flow(self, run, call_args, module, method, path, tap, flow):
+        """A call (or a `bridge.tap` named `tap`) inside branches and loops of
+        static bounds only (`flow`: `nn.cond`, `nn.switch`, JAX's own and
+        `lax.fori_loop`), in discovery and in a run alike: a site of the
+        session's control-flow route, whose epsilon the branch closes over
+        and whose value leaves through the backward pass, not through
+        bridge's collections (which a branch that does not call it would
+        not write)."""
+        return self.session.call_in_control_flow(
+            "/".join(path if tap is None else (*path, tap)),
+            None if method == "__call__" else method,
+            module if tap is None else None,
+            call_args,
+            flow,
+            run,
+            Origin(path, tap=tap),
+        )
+
     def refused(self, run, call_args, module, method, path, tap, transform):
-        """A call bridge cannot express inside `transform`: listed with its
-        whole value, run as it is (see `bridge.adapters.shared.unexpressible`);
-        inside branches and loops of static bounds only (`nn.cond`,
-        `nn.switch`, JAX's own and `lax.fori_loop`), a site of the session's
-        control-flow route instead."""
+        """A call bridge cannot express inside `transform`, outside branches
+        and loops of static bounds (`in_control_flow`): listed with its whole
+        value, run as it is (see `bridge.adapters.shared.unexpressible`)."""
         session = self.session
-        flow = unexpressible.control_flow(self.base)
-        if flow is not None:
-            return session.call_in_control_flow(
-                "/".join(path if tap is None else (*path, tap)),
-                None if method == "__call__" else method,
-                module if tap is None else None,
-                call_args,
-                flow,
-                run,
-                Origin(path, tap=tap),
-            )
         call = session.enter(
             "/".join(path if tap is None else (*path, tap)),
             None if method == "__call__" else method,
