@@ -5,7 +5,7 @@
 
 For each model (`linen`, `nnx`, `equinox`, `haiku`: the pre-norm transformer
 of `models.py` at GPT-2 small's width and depth; `hf`: Hugging Face's Flax
-GPT-2), size and dtype, five jitted steps compiled once each and run
+GPT-2), size and dtype, six jitted steps compiled once each and run
 interleaved (the order rotated every repeat):
 
 - `plain`: `jax.value_and_grad` of the loss over the parameters;
@@ -13,7 +13,8 @@ interleaved (the order rotated every repeat):
   (`models.py`), returning the activations it perturbs and their gradients;
 - `one`: `probe.value_and_grad` at one site;
 - `all`: every site, activations and activation gradients returned;
-- `norms`: every site, reduced inside the step to two norms per site.
+- `norms`: every site, reduced inside the step to two norms per site;
+- `hand_norms`: the hand trick's arrays reduced the same way.
 
 Each row (appended to `DIR/rows.jsonl` as it is measured, so a run cut short
 keeps what it measured): median runtime, compile seconds (lower + compile,
@@ -68,6 +69,24 @@ def norms(res: bridge.ProbeResult) -> tuple:
     )
 
 
+def hand_norms(hand):
+    """The hand trick reduced as `norms` reduces a probe's result: what the
+    norms row costs when the epsilons are written by hand."""
+
+    def step(*args):
+        (loss, activations), (grads, activation_grads) = hand(*args)
+        return (
+            loss,
+            grads,
+            jax.tree.map(
+                lambda a: jnp.linalg.norm(a.astype(jnp.float32)),
+                (activations, activation_grads),
+            ),
+        )
+
+    return step
+
+
 def array_bytes(tree) -> int:
     return sum(
         int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
@@ -107,10 +126,12 @@ def library_steps(
         "one": lambda p, x: p.value_and_grad(loss, x, at=at),
         "all": lambda p, x: p.value_and_grad(loss, x),
         "norms": lambda p, x: norms(p.value_and_grad(loss, x)),
+        "hand_norms": hand_norms(workload.hand),
     }
     first = dict.fromkeys(steps, probe) | {
         "plain": workload.params,
         "hand": workload.hand_params,
+        "hand_norms": workload.hand_params,
     }
     sites = probe.sites(workload.x)
     return steps, first, (workload.x,), 2 * array_bytes(sites), len(sites)
@@ -151,6 +172,7 @@ def hf_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
         "all": probed(None),
         "norms": probed(None, norms),
     }
+    steps["hand_norms"] = hand_norms(steps["hand"])
     return (
         steps,
         dict.fromkeys(steps, params),
@@ -425,7 +447,7 @@ def main() -> None:
             archive.close()
 
 
-VARIANTS = ("plain", "hand", "one", "all", "norms")
+VARIANTS = ("plain", "hand", "one", "all", "norms", "hand_norms")
 
 #: Calls dispatched back to back for `step_s`.
 PIPELINE = 10

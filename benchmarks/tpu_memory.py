@@ -11,7 +11,8 @@ a TPU an array is stored in tiles of its last two dimensions (8 × 128 for
 float32), so a 16-channel activation takes 8× its logical bytes in HBM: the
 output column over the logical one shows it. Then the cold compile time of
 each library's scanned stack of 12 layers, probed over plain (`run.py`'s
-`scanned_rows`).
+`scanned_rows`), and the same again phase by phase (trace, lower, compile,
+discovery; the compiled program's size).
 """
 
 from __future__ import annotations
@@ -48,6 +49,42 @@ def cnn_rows(library: str) -> dict:
     return rows
 
 
+def phases(step, *args) -> dict:
+    """Seconds to trace, lower and compile `step`, and the size of what XLA
+    compiled: where a cold compile's time goes."""
+    seconds = {}
+    start = time.perf_counter()
+    traced = jax.jit(step).trace(*args)
+    seconds["trace"] = time.perf_counter() - start
+    start = time.perf_counter()
+    lowered = traced.lower()
+    seconds["lower"] = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds["compile"] = time.perf_counter() - start
+    text = compiled.as_text()
+    return seconds | {
+        "hlo_instructions": sum(" = " in line for line in text.splitlines()),
+        "while_loops": text.count(" while("),
+        "fusions": text.count(" fusion("),
+    }
+
+
+def scanned_phases(library: str, depth: int = 12) -> dict:
+    """Plain and probed (cold: discovery cache cleared; then warm), phase by
+    phase, for `run.py`'s scanned stack."""
+    probe, plain, params, x = run.SCANNED[library](depth, models.FULL)
+    rows = {"plain": phases(plain, params, x)}
+    run.DISCOVERIES.clear()
+    start = time.perf_counter()
+    probe.sites(x)
+    discovery = time.perf_counter() - start
+    for name in ("cold", "warm"):
+        rows[name] = phases(lambda p, x: p.value_and_grad(models.mse, x), probe, x)
+    rows["cold"]["discovery"] = discovery
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--libraries", default="linen,nnx,equinox,haiku")
@@ -72,6 +109,9 @@ def main() -> None:
                 f"cold {cold_s / plain_s:.2f}x, warm {warm_s / plain_s:.2f}x",
                 flush=True,
             )
+        breakdown = scanned_phases(library)
+        for name, row in breakdown.items():
+            print(f"{library} scanned 12 {name}: {row}", flush=True)
         record = {
             "library": library,
             "device": device.device_kind,
@@ -80,6 +120,7 @@ def main() -> None:
             "cnn": rows,
             "scanned": scanned,
             "scanned_s": time.perf_counter() - start,
+            "scanned_phases": breakdown,
         }
         if options.out:
             with open(options.out, "a") as f:

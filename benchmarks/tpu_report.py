@@ -87,10 +87,10 @@ def memory_cell(entry: dict, variant: str) -> str:
 
 def timing_table(table: dict, size: str, dtype: str) -> list[str]:
     lines = [
-        "| model | sites | plain ms (step / device) | one site | norms | all sites "
-        "| all floor | hand | hand floor | all / hand (device) | memory all (floor) "
-        "| memory hand (floor) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | sites | plain ms (step / device) | one site | norms | hand norms "
+        "| all sites | all floor | hand | hand floor | all / hand (device) "
+        "| memory all (floor) | memory hand (floor) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (model, row_size, row_dtype), entry in sorted(table.items()):
         if (row_size, row_dtype) != (size, dtype):
@@ -102,7 +102,8 @@ def timing_table(table: dict, size: str, dtype: str) -> list[str]:
         lines.append(
             f"| {model} | {entry['record']['sites']} "
             f"| {plain['step_s'] * 1e3:.2f} / {plain['device_s'] * 1e3:.2f} "
-            f"| {cell(entry, 'one')} | {cell(entry, 'norms')} | {cell(entry, 'all')} "
+            f"| {cell(entry, 'one')} | {cell(entry, 'norms')} "
+            f"| {cell(entry, 'hand_norms')} | {cell(entry, 'all')} "
             f"| {number(floor(entry, 'all'))} | {cell(entry, 'hand')} "
             f"| {number(floor(entry, 'hand'))} | {number(all_over_hand)} "
             f"| {memory_cell(entry, 'all')} | {memory_cell(entry, 'hand')} |"
@@ -177,7 +178,8 @@ def memory_table(runs: pathlib.Path) -> list[str]:
         "| outputs, XLA's layouts MiB | scanned stack of 12, cold compile |",
         "|---|---|---|---|---|---|",
     ]
-    for record in records:
+    latest = {record["library"]: record for record in records}
+    for record in latest.values():
         (depth, plain_s, cold_s, _), *_ = record["scanned"]
         for variant in ("plain", "one site", "all sites", "hand trick"):
             rows = record["cnn"]
@@ -192,6 +194,29 @@ def memory_table(runs: pathlib.Path) -> list[str]:
                 f"| {row['output'] / mib:.2f} ({row['output_logical'] / mib:.2f}) "
                 f"| {auto['output'] / mib:.2f} | {compile_cell} |"
             )
+    phases = [r for r in latest.values() if "scanned_phases" in r]
+    if phases:
+        lines += [
+            "",
+            "The scanned stack's compile phase by phase (seconds; `tpu_memory.py`'s "
+            "`scanned_phases`: cold is the first probed compile, discovery "
+            "included; XLA's while loops and HLO instructions of the compiled "
+            "program):",
+            "",
+            "| library | step | trace | lower | compile | discovery "
+            "| while loops | HLO instructions |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for record in phases:
+            for step in ("plain", "cold", "warm"):
+                row = record["scanned_phases"][step]
+                discovery = row.get("discovery")
+                lines.append(
+                    f"| {record['library']} | {step} | {row['trace']:.2f} "
+                    f"| {row['lower']:.2f} | {row['compile']:.2f} "
+                    f"| {'–' if discovery is None else f'{discovery:.2f}'} "
+                    f"| {row['while_loops']} | {row['hlo_instructions']} |"
+                )
     return lines
 
 
