@@ -492,14 +492,6 @@ def test_a_patch_that_does_not_fit_raises_naming_the_site(patch, wording):
     assert "(2, 3)" in str(raised.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BridgeValueError,
-    reason="RunRecorder._apply_patch checks the patch against "
-    "`arrays.abstract(value)`, where a non-array leaf (a Python int) is None, "
-    "so a patch that keeps that leaf as the model gave it never fits (while "
-    "the front's abstract check, on `site.struct`, lets it through)",
-)
 def test_a_patch_function_may_keep_a_non_array_leaf_of_the_value():
     def zeroed(value):
         return value[0] * 0, value[1]
@@ -510,19 +502,27 @@ def test_a_patch_function_may_keep_a_non_array_leaf_of_the_value():
     assert out[1] == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="the misfit message reads `(shape, dtype)` of every leaf the patch "
-    "returns (`Arrays.shapes_and_dtypes`): a str leaf raises a bare TypeError "
-    "('data type ... not understood') instead of the error naming the site",
-)
 def test_a_misfit_patch_with_a_string_leaf_raises_the_error_naming_the_site():
     def shortened(value):
         return value[0][:1], value[1]
 
     recorder = RunRecorder(Request(selected={}, patches={"s": shortened}))
     with pytest.raises(BridgeValueError, match="'s'"):
+        through(recorder, a_call("s"), (jnp.ones(2), "label"))
+
+
+def test_a_patch_that_turns_a_non_array_leaf_into_an_array_does_not_fit():
+    def arrayed(value):
+        return value[0], jnp.asarray(value[1])
+
+    recorder = RunRecorder(Request(selected={}, patches={"s": arrayed}))
+    with pytest.raises(BridgeValueError, match=r"'s'.*'int'\).*\(\(\), dtype"):
+        through(recorder, a_call("s"), (jnp.ones(2), 3))
+
+
+def test_a_misfit_names_a_non_array_leaf_by_its_type():
+    recorder = RunRecorder(Request(selected={}, patches={"s": lambda v: v[0][:1]}))
+    with pytest.raises(BridgeValueError, match="'str'"):
         through(recorder, a_call("s"), (jnp.ones(2), "label"))
 
 

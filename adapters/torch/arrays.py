@@ -86,15 +86,13 @@ class TorchArrays(Arrays):
             tree,
         )
 
+    def describe(self, leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return (tuple(leaf.shape), jax_dtype(leaf.dtype))
+        return super().describe(leaf)
+
     def shapes_and_dtypes(self, tree: Any) -> Any:
-        return tree_map(
-            lambda x: (
-                (tuple(x.shape), jax_dtype(x.dtype))
-                if isinstance(x, torch.Tensor)
-                else (tuple(np.shape(x)), jnp.result_type(x))
-            ),
-            tree,
-        )
+        return tree_map(self.describe, tree)
 
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
         raise BridgeAssertionError(

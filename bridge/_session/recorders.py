@@ -354,7 +354,7 @@ class RunRecorder(Recorder):
         if not self._arrays.fits(expected, new):
             raise patch_misfit(
                 name,
-                self._arrays.shapes_and_dtypes(expected),
+                self._arrays.shapes_and_dtypes(value),
                 self._arrays.shapes_and_dtypes(new),
                 function=callable(patch),
             )

@@ -249,9 +249,17 @@ def without_axis(struct: Any, axis: int) -> Any:
     )
 
 
+def describe(leaf: Any) -> Any:
+    """`(shape, dtype)` of an array or a `ShapeDtypeStruct`; the type's name of
+    any other leaf (a number, a string): what a misfit error shows."""
+    if isinstance(leaf, jax.ShapeDtypeStruct) or is_array(leaf):
+        return (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+    return type(leaf).__name__
+
+
 def shapes_and_dtypes(tree: Any) -> Any:
-    """`(shape, dtype)` of each leaf: arrays, scalars or `ShapeDtypeStruct`s."""
-    return jax.tree.map(lambda x: (tuple(jnp.shape(x)), jnp.result_type(x)), tree)
+    """`describe` of each leaf."""
+    return jax.tree.map(describe, tree)
 
 
 def split_arrays(tree: Any) -> tuple[list, Callable[[list], Any]]:
@@ -358,8 +366,12 @@ class Arrays:
         """`jax.ShapeDtypeStruct` of each array leaf, `None` elsewhere."""
         return abstract(tree)
 
+    def describe(self, leaf: Any) -> Any:
+        """`(shape, dtype)` of an array leaf; see `describe`."""
+        return describe(leaf)
+
     def shapes_and_dtypes(self, tree: Any) -> Any:
-        return shapes_and_dtypes(tree)
+        return jax.tree.map(self.describe, tree)
 
     def add_epsilon(self, value: Any, epsilon: Any) -> Any:
         return add_epsilon(value, epsilon)
@@ -374,13 +386,25 @@ class Arrays:
 
     def fits(self, expected: Any, got: Any) -> bool:
         """Whether the values `got` have the structure, shapes and dtypes of the
-        abstract `expected`: what a patch must keep."""
+        abstract `expected` (`abstract`: `None` where the value has a leaf
+        that is no array, which `got` must keep as no array): what a patch
+        must keep."""
+        is_none = lambda leaf: leaf is None  # noqa: E731
+        wanted, wanted_structure = jax.tree.flatten(expected, is_leaf=is_none)
+        given, given_structure = jax.tree.flatten(got, is_leaf=is_none)
+        if wanted_structure != given_structure:
+            return False
         # Leaves, not trees: `==` on a pytree node may be the library's own
         # elementwise operator (a Penzai NamedArray), not a comparison.
-        return jax.tree.structure(expected) == jax.tree.structure(got) and (
-            jax.tree.leaves(shapes_and_dtypes(expected))
-            == jax.tree.leaves(self.shapes_and_dtypes(got))
-        )
+        return all(map(self._leaf_fits, wanted, given))
+
+    def _leaf_fits(self, old: Any, new: Any) -> bool:
+        if old is None:
+            return not self.is_array(new)
+        if isinstance(new, bool | int | float | complex):
+            new = jnp.asarray(new)  # a number patches a scalar site
+        abstract_or_array = isinstance(new, jax.ShapeDtypeStruct) or self.is_array(new)
+        return abstract_or_array and describe(old) == self.describe(new)
 
     def eval_shape(self, function: Any, struct: Any) -> Any:
         """The abstract result of `function` on values shaped like `struct`."""
