@@ -414,28 +414,11 @@ def test_the_jitted_functions_inside_the_models_are_warm(library, native):
 #: Bridge bugs the fuzzer found and that are still open, each with a
 #: standalone reproducer. The fuzzer draws no model that runs into one
 #: (`known_bug`); `test_reproduction` holds each as a strict xfail: when it
-#: passes, drop it from here.
-NNX_TAP_IN_OWN_FORI_LOOP = (
-    "a bridge.tap inside NNX's nnx.fori_loop is listed twice, a phantom "
-    "'t0#1' beside 't0'; reproducer tests/fuzz_findings/nnx_tap_in_nnx_fori_loop.py"
-)
-EQUINOX_TAP_IN_RETRACED_SCAN = (
-    "a bridge.tap inside an Equinox model's lax.scan whose body JAX traces "
-    "twice (a carry that starts as a Python 0) is listed twice, a phantom "
-    "'t0#1' beside 't0'; reproducer "
-    "tests/fuzz_findings/equinox_tap_in_retraced_scan.py"
-)
+#: passes, drop it from here. None is open now.
 
 
 def known_bug(library, spec):
     """The open bridge bug a model of `spec` runs into, or `None`."""
-    for layer in spec.layers:
-        native = layer.native
-        if library == "nnx" and native and layer.wrap == "fori_loop" and layer.tap:
-            return NNX_TAP_IN_OWN_FORI_LOOP
-        retraced = layer.wrap == "scan" and layer.retrace
-        if library == "equinox" and retraced and layer.tap:
-            return EQUINOX_TAP_IN_RETRACED_SCAN
     return None
 
 
@@ -504,7 +487,17 @@ REPRODUCTIONS = [
         _case(lib, _one(**MODULE, wrap="scan"), f"{lib}-module-in-retraced-scan")
         for lib in ("linen", "nnx", "equinox", "haiku")
     ),
-    _case("haiku", _one(**TAP, wrap="scan"), "haiku-tap-in-retraced-scan"),
+    *(
+        _case(lib, _one(**TAP, wrap="scan"), f"{lib}-tap-in-retraced-scan")
+        for lib in ("haiku", "equinox")
+    ),
+    # A tap inside `nnx.fori_loop`, which traces its body once in a
+    # `jax.eval_shape` before the loop: listed once, not a phantom `#1`.
+    _case(
+        "nnx",
+        _one(**TAP, wrap="fori_loop", native=True),
+        "nnx-tap-in-nnx.fori_loop",
+    ),
     # A site inside a `lax.scan` (traced once) is listed with the shape of one
     # step, not with the steps stacked first (a module whose parameters every
     # step shares may be refused, but is listed with its true shape).
@@ -604,20 +597,6 @@ REPRODUCTIONS = [
         )
         for layer, what in ((MODULE, "module"), (TAP, "tap"))
         for branch in ("cond", "switch")
-    ),
-    # Open: a tap in `nnx.fori_loop`, one in an Equinox `lax.scan` traced
-    # twice.
-    _open_bug(
-        "nnx",
-        _one(**TAP, wrap="fori_loop", native=True),
-        "nnx-tap-in-nnx.fori_loop-listed-twice",
-        AssertionError,
-    ),
-    _open_bug(
-        "equinox",
-        _one(**TAP, wrap="scan"),
-        "equinox-tap-in-retraced-lax.scan-listed-twice",
-        AssertionError,
     ),
     # A relu (a custom_jvp) in a `fori_loop` meeting the zeros of its previous
     # iteration: its rule, not `maximum`'s derivative, where the loop's values

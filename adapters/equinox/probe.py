@@ -35,6 +35,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import guests, jax_internals
+from ..shared.scan_bodies import ScanBodies
 from . import run, surgery
 from .variables import Leaves, run_with_tree_leaves
 
@@ -146,7 +147,8 @@ class EquinoxProbe(ProbeBase):
         model = surgery.instrument(
             eqx.combine(trainable, self.model), (), self.vmap, leaves, surgery.Token()
         )
-        context = run.Context(session, jax_internals.current_trace(), sys._getframe())
+        base, stop = jax_internals.current_trace(), sys._getframe()
+        context = run.Context(session, base, stop, ScanBodies(session, base, stop))
         token = run.CONTEXT.set(context)
         # `bridge.tap` inside the model's own vmap must leave it the same way.
         tapping = session.taps.tapping(

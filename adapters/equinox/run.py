@@ -7,7 +7,9 @@ site. Inside the model's own `jax.vmap`s its value is handed out to the
 probe's trace whole (`bridge.adapters.equinox.jax_transforms.lift`); inside
 `lax.scan` or `jax.checkpoint` it goes through the tree
 (`bridge.adapters.equinox.transforms`). `bridge.tap` takes the same routes
-(`tap`).
+(`tap`). A trace is not a call: inside the model's own `jax.eval_shape` a
+call or a tap is no site, and a scan body JAX traces twice lists its sites
+once (`_a_call_of_the_model`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import jax_internals, unexpressible
+from ..shared.scan_bodies import ScanBodies
 from . import jax_transforms, transforms, variables
 
 
@@ -41,6 +44,8 @@ class Context:
     session: Session
     base_trace: Any  # the trace the probe runs the model in
     stop: Any = None  # the Python frame of the probe's call of the model
+    # The first trace of each `lax.scan`'s body, by the scan's frame.
+    scan_bodies: ScanBodies | None = None
 
 
 CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
@@ -78,9 +83,7 @@ def observed_call(
     if context is None or session is not context.session:
         return function(*args, **kwargs)
     depth = jax_transforms.mapped_depth(context.base_trace)
-    if depth is None and jax_internals.in_a_shape_pass(context.stop):
-        # The model's own `jax.eval_shape` (diffrax's of its vector field):
-        # no call of the model's, as JAX discards its values.
+    if depth is None and not _a_call_of_the_model(context):
         return function(*args, **kwargs)
     if depth is None:
         return transforms.call_in_transform(
@@ -108,6 +111,21 @@ def observed_call(
         # Nothing to list, record or change: bookkeeping only, and no cost.
         return session.exit(call, value)
     return jax_transforms.lift(value, depth, lambda full: _report(session, call, full))
+
+
+def _a_call_of_the_model(context: Context) -> bool:
+    """For a call or a tap inside a transform of the model's own code: whether
+    it is a call of the model's. Not inside the model's own `jax.eval_shape`
+    (diffrax's of its vector field), a pass that learns shapes and whose
+    values JAX discards. Inside a `lax.scan` body that JAX traces again (its
+    carry changes type), the calls of the body's first trace are forgotten
+    here (`ScanBodies`): a trace is not a call, so each is one site, never
+    a phantom `#1`."""
+    if jax_internals.in_a_shape_pass(context.stop):
+        return False
+    if context.scan_bodies is not None:
+        context.scan_bodies.traced()
+    return True
 
 
 #: The wrappers `jax.jit` and `eqx.filter_jit` return, told by the public
@@ -162,6 +180,8 @@ def tap(context: Context, name: str, value: Any) -> Any:
     session = context.session
     depth = jax_transforms.mapped_depth(context.base_trace)
     if depth is None:
+        if not _a_call_of_the_model(context):
+            return value
         return _unreachable_tap(context, name, value)
     if depth == 0:
         return session.tap_here(name, value)

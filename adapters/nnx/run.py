@@ -20,7 +20,7 @@ from typing import Any
 
 from flax import nnx
 
-from bridge.adapter_api import FORI_LOOP, Session, refusal
+from bridge.adapter_api import Session, refusal
 
 from ..shared import jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
@@ -109,6 +109,8 @@ class Run:
         patched: bridge does not carry taps out of NNX transforms yet. Inside
         the model's own `jax.vmap`s it is handed out whole; inside JAX's
         other transforms, listed and refused."""
+        if self.in_a_shape_pass():
+            return value  # no call of the model's: not a site
         self.scan_bodies.traced()
         flow = unexpressible.control_flow(self.base)
         if flow is not None:  # branches and loops of static bounds only
@@ -148,11 +150,9 @@ class Run:
         `bridge.adapters.shared.unexpressible`); inside branches and loops of
         static bounds only (`nnx.cond`, `nnx.switch`, `nnx.fori_loop`, JAX's
         own), a site of the session's control-flow route instead."""
-        flow = unexpressible.control_flow(self.base)
-        if flow is None and self._shape_pass_of_fori_loop():
-            # `jax.eval_shape` of nnx.fori_loop's body, which JAX discards:
-            # no call of the model's.
+        if self.in_a_shape_pass():  # no call of the model's: not a site
             return method(module, *args, **kwargs)
+        flow = unexpressible.control_flow(self.base)
         if flow is not None:
             return session.call_in_control_flow(
                 path,
@@ -168,13 +168,16 @@ class Run:
         )
         return self.refused(call, why, method, module, args, kwargs, session)
 
-    def _shape_pass_of_fori_loop(self) -> bool:
-        """Whether this runs in the pass nnx.fori_loop makes of its body
-        before the loop, to learn its shapes (NNX's tag is there, JAX's
-        loop is not)."""
-        traced = unexpressible.transform_names(self.base)
-        return "fori_loop" in self.transforms() and (
-            traced is not None and FORI_LOOP not in traced
+    def in_a_shape_pass(self) -> bool:
+        """Whether this runs in a `jax.eval_shape` of the model's own code,
+        whose values JAX discards: the pass nnx.fori_loop makes of its body
+        before the loop, to learn its shapes. A module call or a tap there
+        is no call of the model's, and no site (the loop's own trace of the
+        body lists it once); read from the Python call stack
+        (`jax_internals.in_a_shape_pass`), where the trace is not the
+        probe's own."""
+        return jax_internals.current_trace() is not self.base and (
+            jax_internals.in_a_shape_pass(self.stop)
         )
 
     def refused(self, call, why, method, module, args, kwargs, session):

@@ -6,8 +6,9 @@ The calls of the discarded trace are forgotten, so a site there is one,
 never a phantom `#1` (a refused site is listed whatever trace JAX keeps).
 The body's trace is the innermost scan's, told by the frame of the
 `lax.scan` running it (`jax_internals.scan_call`): a body JAX traces twice is
-traced both times from that frame. The Linen, NNX and Haiku adapters ask at
-each call (`ScanBodies.traced`).
+traced both times from that frame. The Linen, NNX, Equinox and Haiku
+adapters ask at each call and each tap that may run in a scan's body
+(`ScanBodies.traced`).
 """
 
 from __future__ import annotations
