@@ -968,3 +968,28 @@ def test_a_source_that_no_longer_compiles_is_refused(tmp_path, monkeypatch):
         bridge.probe(model, variables, inside=edited.scaled)
     assert isinstance(error.value, ValueError)
     assert edited.scaled(1.0) == 2.0  # left as it was
+
+
+def test_the_rewritten_code_imports_tap_from_the_module_that_defines_it():
+    from bridge._session import inside, inside_source
+
+    assert inside_source.TAP_MODULE == inside.__name__
+    assert callable(inside.tap)
+
+
+def test_a_rewrite_is_kept_only_while_its_function_lives():
+    import gc
+
+    from bridge._session import inside_functions
+
+    def scaled(x):
+        y = x * 2.0
+        return y
+
+    (rewrite,) = inside_functions.rewrites_of(scaled)
+    assert inside_functions.rewrites_of(scaled) == [rewrite]  # compiled once
+    key = rewrite.key
+    del scaled, rewrite
+    gc.collect()
+    assert key not in inside_functions.BY_KEY
+    assert not any(r.key == key for r in inside_functions._rewrites.values())

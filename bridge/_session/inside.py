@@ -55,20 +55,14 @@ by the core or by an adapter. An adapter knows nothing of it.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import contextvars
 import copy
 import dataclasses
-import functools
-import inspect
-import itertools
-import textwrap
 import threading
-import types
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -80,43 +74,12 @@ from .._errors import (
     BridgeValueError,
 )
 from .context import INSIDE, current, local_tap
+from .inside_functions import BY_KEY, Rewrite, rewrites_of
+from .inside_source import SiteSource
 from .sites import Site, SiteOrigin, site_name
 
-#: The name the rewritten code imports `tap` from.
-_HERE = __name__
-
-#: Packages whose own classes are the bases of models, not model code: a
-#: class's methods are rewritten along its MRO where its bases come from the
-#: class's own package, and never in these (the class given is always
-#: rewritten, wherever it comes from).
-_LIBRARY_PACKAGES = ("flax", "haiku", "equinox", "torch", "jax", "builtins", "abc")
-
+#: Guards `_SUBCLASSES`.
 _lock = threading.Lock()
-_keys = itertools.count(1)
-#: id(function) -> _Rewrite, for every function ever rewritten (compiled once).
-_rewrites: dict[int, _Rewrite] = {}
-#: key -> _Rewrite.
-_by_key: dict[int, _Rewrite] = {}
-
-
-class SiteSource(NamedTuple):
-    """Where a site of `bridge.probe(..., inside=...)` comes from: the
-    assignment whose value it is (`bridge.site_sources`).
-
-    Attributes:
-      file: the source file of the function assigning it.
-      line: the assignment's first line in that file.
-      code: the assignment, on one line (`attn_weights = jax.nn.softmax(...)`).
-      function: the qualified name of the function assigning it.
-    """
-
-    file: str
-    line: int
-    code: str
-    function: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line} in {self.function}: {self.code}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +117,7 @@ def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
         return _unreachable(session, key, name, value, where, refusal)
     traced = _TRACED.get()
     if traced is not None and session.recorder.learns_sites():
-        source = _by_key[key].sources[where]
+        source = BY_KEY[key].sources[where]
         for entered in _entered(session, before):
             traced[entered] = source
     return tapped
@@ -195,7 +158,7 @@ def _unreachable(
         raise BridgeNotImplementedError(f"site {call.name!r}: {blocked}")
     traced = _TRACED.get()
     if traced is not None and session.recorder.learns_sites():
-        traced[call.name] = _by_key[key].sources[where]
+        traced[call.name] = BY_KEY[key].sources[where]
     return session.exit(call, value, perturb=lambda v: v, record=False)
 
 
@@ -231,9 +194,9 @@ class Inside:
                 "`inside` is empty: give a module class, a plain function, or a "
                 "list of them, or leave `inside=None`."
             )
-        rewrites: list[_Rewrite] = []
+        rewrites: list[Rewrite] = []
         for entry in entries:
-            rewrites.extend(_rewrites_of(entry))
+            rewrites.extend(rewrites_of(entry))
         self.rewrites = tuple(dict.fromkeys(rewrites))
         self.keys = frozenset(r.key for r in self.rewrites)
 
@@ -244,11 +207,11 @@ class Inside:
         return hash(self.keys)
 
     def __repr__(self) -> str:
-        names = ", ".join(r.function.__qualname__ for r in self.rewrites)
+        names = ", ".join(r.name for r in self.rewrites)
         return f"Inside({names})"
 
     def __copy__(self) -> Inside:
-        return self  # one set of rewrites, counted once (`_Rewrite.acquire`)
+        return self  # one set of rewrites, counted once (`Rewrite.acquire`)
 
     def __deepcopy__(self, memo: dict) -> Inside:
         return self
@@ -477,347 +440,3 @@ def _register(made: type, base: type) -> None:
 def _one_level(tree: Any) -> tuple[list, Any]:
     """`tree`'s children and its one-level treedef."""
     return jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
-
-
-# -- which functions ---------------------------------------------------------------
-
-
-class _Rewrite:
-    """One function's rewritten code, and how many runs have it in place."""
-
-    def __init__(self, function: types.FunctionType, prefix: str):
-        self.function = function
-        self.original = function.__code__
-        self.key = next(_keys)
-        #: Where each tapped assignment is, indexed by its `tap` call's `where`.
-        self.sources: list[SiteSource] = []
-        self.code = _compiled(function, prefix, self.key, self.sources)
-        self.users = 0
-
-    def acquire(self) -> None:
-        with _lock:
-            if self.users == 0:
-                self.function.__code__ = self.code
-            self.users += 1
-
-    def release(self) -> None:
-        with _lock:
-            self.users -= 1
-            if self.users == 0:
-                self.function.__code__ = self.original
-
-
-def _rewrites_of(entry: Any) -> list[_Rewrite]:
-    if isinstance(entry, type):
-        functions = [(fn, "") for fn in _methods(entry)]
-        if not functions:
-            raise BridgeValueError(
-                f"`inside`: the class {entry.__qualname__} has no method with "
-                "Python source to rewrite (its methods are builtins or "
-                "generated). Name the functions that compute the values instead."
-            )
-    else:
-        function = _innermost(entry)
-        if callable(function) and not isinstance(function, types.FunctionType):
-            raise BridgeValueError(_no_source(entry))  # a builtin, C code
-        if not isinstance(function, types.FunctionType):
-            raise BridgeTypeError(
-                "`inside` takes module classes and plain functions (or a list of "
-                f"them); got {_describe(entry)}. Pass the class (e.g. "
-                "nn.MultiHeadDotProductAttention) or the function (e.g. "
-                "nn.dot_product_attention_weights)."
-            )
-        if function.__name__ == "<lambda>":
-            raise BridgeValueError(
-                f"`inside`: {_describe(entry)} is a lambda, which has no "
-                "assignments to tap. Name the function that calls it, or define "
-                "it with `def`."
-            )
-        if not _has_source(function):
-            raise BridgeValueError(_no_source(entry))
-        functions = [(function, f"{function.__name__}/")]
-    found = []
-    with _lock:
-        for function, prefix in functions:
-            rewrite = _rewrites.get(id(function))
-            if rewrite is None or rewrite.function is not function:
-                rewrite = _Rewrite(function, prefix)
-                _rewrites[id(function)] = rewrite
-                _by_key[rewrite.key] = rewrite
-            found.append(rewrite)
-    return found
-
-
-def _methods(cls: type) -> list[types.FunctionType]:
-    """The methods with source of `cls` and of its bases from the same
-    top-level package (a user's subclass of their own class, not a library's
-    base classes), each unwrapped from its decorators.
-
-    A method is a function defined in the class's body (its `__qualname__`
-    says so), or a property's accessor: never a class attribute holding a
-    function defined elsewhere (a field default such as `kernel_init`, an
-    initializer's closure), nor a dataclass field's default."""
-    found: dict[int, types.FunctionType] = {}
-    package = _package(cls)
-    for klass in cls.__mro__:
-        if klass is not cls and (
-            _package(klass) != package or package in _LIBRARY_PACKAGES
-        ):
-            continue
-        fields = _field_names(klass)
-        for name, attribute in vars(klass).items():
-            if name in fields:
-                continue
-            for candidate in _accessors(attribute):
-                function = _innermost(candidate)
-                if (
-                    isinstance(function, types.FunctionType)
-                    and _defined_in(function, klass)
-                    and _has_source(function)
-                ):
-                    found.setdefault(id(function), function)
-    return list(found.values())
-
-
-def _package(klass: type) -> str:
-    return (getattr(klass, "__module__", None) or "").split(".")[0]
-
-
-def _field_names(klass: type) -> set[str]:
-    """The names of `klass`'s fields: dataclass fields, annotated attributes."""
-    own = vars(klass)
-    return {*own.get("__dataclass_fields__", {}), *own.get("__annotations__", {})}
-
-
-def _accessors(attribute: Any) -> list[Any]:
-    """The functions a class attribute runs as methods."""
-    if isinstance(attribute, staticmethod | classmethod):
-        return [attribute.__func__]
-    if isinstance(attribute, property):
-        return [f for f in (attribute.fget, attribute.fset, attribute.fdel) if f]
-    return [attribute]
-
-
-def _defined_in(function: types.FunctionType, klass: type) -> bool:
-    """Whether `function`'s `def` is in `klass`'s body."""
-    owner, _, name = function.__qualname__.rpartition(".")
-    return owner == klass.__qualname__ and name != "<lambda>"
-
-
-def _innermost(value: Any) -> Any:
-    """A function without its decorators' wrappers (`__wrapped__`) and
-    `functools.partial`s."""
-    seen = set()
-    while id(value) not in seen:
-        seen.add(id(value))
-        if isinstance(value, functools.partial):
-            value = value.func
-        elif hasattr(value, "__wrapped__"):
-            value = value.__wrapped__
-    return value
-
-
-def _has_source(function: types.FunctionType) -> bool:
-    filename = function.__code__.co_filename
-    if filename.startswith("<"):  # generated (dataclasses) or typed in a REPL
-        return False
-    try:
-        inspect.getsource(function)
-    except (OSError, TypeError):
-        return False
-    return True
-
-
-def _describe(entry: Any) -> str:
-    return f"{type(entry).__qualname__} {getattr(entry, '__qualname__', entry)!r}"
-
-
-def _no_source(entry: Any) -> str:
-    return (
-        f"`inside`: no Python source for {_describe(entry)} (a builtin, a C "
-        "extension, or code typed in a REPL): bridge rewrites a function from its "
-        "source. Define it in a file, or mark its values with bridge.tap."
-    )
-
-
-# -- the rewrite --------------------------------------------------------------------
-
-
-class _Tapper(ast.NodeTransformer):
-    """`name = expr` -> `name = tap(key, "prefix" "name", expr, where)`, in the
-    function's own body (not in the functions or classes it defines)."""
-
-    def __init__(self, key: int, prefix: str, source: str, where: _Where):
-        self.key, self.prefix, self.source, self.where = key, prefix, source, where
-        self.depth = 0
-
-    def _tapped(self, name: str, node: ast.stmt, value: ast.expr) -> ast.expr:
-        imported = ast.Call(
-            ast.Name("__import__", ast.Load()),
-            [ast.Constant(_HERE), ast.Constant(None), ast.Constant(None)],
-            [ast.keyword("fromlist", ast.Constant(("tap",)))],
-        )
-        function = ast.Attribute(imported, "tap", ast.Load())
-        arguments = [
-            ast.Constant(self.key),
-            ast.Constant(self.prefix + name),
-            value,
-            ast.Constant(self.where.add(node, self.source)),
-        ]
-        return ast.copy_location(ast.Call(function, arguments, []), value)
-
-    def visit_FunctionDef(self, node):
-        if self.depth:  # a function the body defines: its own code
-            return node
-        self.depth += 1
-        # Decorators, defaults and annotations live on the function object,
-        # not in its code: left out, they are never evaluated again.
-        node.decorator_list = []
-        node.returns = None
-        arguments = node.args
-        arguments.defaults = []
-        arguments.kw_defaults = [None] * len(arguments.kwonlyargs)
-        for argument in (
-            *arguments.posonlyargs,
-            *arguments.args,
-            *arguments.kwonlyargs,
-            arguments.vararg,
-            arguments.kwarg,
-        ):
-            if argument is not None:
-                argument.annotation = None
-        self.generic_visit(node)
-        return node
-
-    visit_AsyncFunctionDef = visit_FunctionDef
-
-    def visit_Lambda(self, node):
-        return node
-
-    def visit_ClassDef(self, node):
-        return node
-
-    def visit_Assign(self, node):
-        target = node.targets[0]
-        if len(node.targets) == 1 and isinstance(target, ast.Name):
-            if not _own_submodule_output(target.id, node.value):
-                node.value = self._tapped(target.id, node, node.value)
-        return node
-
-    def visit_AnnAssign(self, node):
-        if node.value is not None and isinstance(node.target, ast.Name):
-            if not _own_submodule_output(node.target.id, node.value):
-                node.value = self._tapped(node.target.id, node, node.value)
-        return node
-
-
-class _Where:
-    """The `SiteSource` of each tapped assignment of one function, as the
-    rewrite meets them (its lines still those of the dedented source)."""
-
-    def __init__(self, function: types.FunctionType, sources: list[SiteSource]):
-        self.file = function.__code__.co_filename
-        self.first = function.__code__.co_firstlineno
-        self.function = function.__qualname__
-        self.sources = sources
-
-    def add(self, node: ast.stmt, source: str) -> int:
-        code = " ".join((ast.get_source_segment(source, node) or "").split())
-        line = self.first + node.lineno - 1
-        self.sources.append(SiteSource(self.file, line, code, self.function))
-        return len(self.sources) - 1
-
-
-def _own_submodule_output(name: str, value: ast.expr) -> bool:
-    """Whether `name = value` gives a submodule's output the submodule's own
-    name, its site already: `name = self.name(...)`, or a module made with
-    `name="name"` and called, `name = Dense(..., name="name")(x)`."""
-    if not isinstance(value, ast.Call):
-        return False
-    called = value.func
-    if isinstance(called, ast.Attribute):
-        return (
-            called.attr == name
-            and isinstance(called.value, ast.Name)
-            and called.value.id == "self"
-        )
-    return isinstance(called, ast.Call) and any(
-        keyword.arg == "name"
-        and isinstance(keyword.value, ast.Constant)
-        and keyword.value.value == name
-        for keyword in called.keywords
-    )
-
-
-def _compiled(
-    function: types.FunctionType, prefix: str, key: int, sources: list[SiteSource]
-) -> types.CodeType:
-    """The function's code with its assignments tapped, compiled with the
-    original's free variables in the original's order."""
-    try:
-        return _compile(function, prefix, key, sources)
-    except BridgeError:
-        raise
-    except Exception as error:  # a source that does not compile on its own
-        raise BridgeValueError(
-            f"`inside`: bridge cannot rewrite {function.__qualname__} "
-            f"({function.__code__.co_filename}:{function.__code__.co_firstlineno}): "
-            f"{type(error).__name__}: {error}. Leave it out of `inside` (name the "
-            "functions it calls instead), or mark its values with bridge.tap."
-        ) from error
-
-
-def _compile(
-    function: types.FunctionType, prefix: str, key: int, sources: list[SiteSource]
-) -> types.CodeType:
-    original = function.__code__
-    source = textwrap.dedent(inspect.getsource(function))
-    tree = ast.parse(source)
-    definition = tree.body[0] if tree.body else None
-    if not isinstance(definition, ast.FunctionDef | ast.AsyncFunctionDef) or (
-        definition.name != original.co_name
-    ):
-        raise BridgeValueError(
-            f"`inside`: the source of {function.__qualname__} does not define it "
-            "with `def` (it is made by another function or a decorator), so "
-            "bridge cannot rewrite it. Name the function it wraps instead."
-        )
-    _Tapper(key, prefix, source, _Where(function, sources)).visit(definition)
-    free = [name for name in original.co_freevars if name != "__class__"]
-    # A method is compiled inside a class of its owner's name: `super()`'s
-    # `__class__` cell and `__private` name mangling are the original's.
-    owner = function.__qualname__.rsplit(".", 2)
-    in_class = "." in function.__qualname__ and owner[-2] != "<locals>"
-    body: list[ast.stmt] = [definition]
-    result: ast.expr = ast.Name(definition.name, ast.Load())
-    if in_class:
-        body = [ast.ClassDef(owner[-2], [], [], [definition], [])]
-        result = ast.Subscript(
-            ast.Attribute(ast.Name(owner[-2], ast.Load()), "__dict__", ast.Load()),
-            ast.Constant(definition.name),
-            ast.Load(),
-        )
-    outer = ast.FunctionDef(
-        "__bridge_outer__",
-        ast.arguments([], [ast.arg(name) for name in free], None, [], [], None, []),
-        [*body, ast.Return(result)],
-        [],
-    )
-    module = ast.Module([outer], [])
-    ast.fix_missing_locations(module)
-    ast.increment_lineno(module, original.co_firstlineno - 1)
-    namespace: dict[str, Any] = {}
-    # Executed with the function's globals, but the `def` binds in `namespace`:
-    # the user's module is not written to.
-    exec(compile(module, original.co_filename, "exec"), function.__globals__, namespace)
-    made = namespace["__bridge_outer__"](*[None] * len(free))
-    code = getattr(made, "__func__", made).__code__
-    if code.co_freevars != original.co_freevars:
-        raise BridgeValueError(
-            f"`inside`: the rewritten {function.__qualname__} does not close over "
-            f"the same variables ({code.co_freevars} vs {original.co_freevars}), so "
-            "bridge cannot swap its code. Name the functions it calls instead."
-        )
-    if hasattr(code, "co_qualname"):
-        code = code.replace(co_qualname=original.co_qualname, co_name=original.co_name)
-    return code
