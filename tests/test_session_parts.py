@@ -1119,3 +1119,39 @@ def test_a_session_is_freed_without_the_garbage_collector(kind):
     gc.collect()
     assert cyclic_ref() is None
     assert parts  # the parts outlive the session without reviving it
+
+
+@pytest.mark.skipif(not inlining_supported(), reason="JAX internals not found")
+def test_jaxs_jit_internals_are_bridges_only_while_a_probe_runs():
+    import threading
+
+    from jax._src import pjit
+
+    from bridge._session import jit as inline
+
+    names = list(inline._wrappers())
+    jaxs = {name: getattr(pjit, name) for name in names}
+    seen = {}
+    other_thread = {}
+
+    def beside():  # another thread's jitted call meanwhile: JAX's own result
+        other_thread["value"] = jax.jit(lambda x: x + 1)(jnp.ones(2))
+
+    @jax.jit
+    def block(x):
+        seen.update({name: getattr(pjit, name) for name in names})
+        worker = threading.Thread(target=beside)
+        worker.start()
+        worker.join()
+        return bridge.tap("h", x * 2)
+
+    session = Session()
+    with session.active():
+        block(jnp.ones(2))
+    assert all(seen[name] is not jaxs[name] for name in names)  # bridge's, inside
+    assert {name: getattr(pjit, name) for name in names} == jaxs  # JAX's, after
+    close(other_thread["value"], [2.0, 2.0])
+    with pytest.raises(KeyError), Session().active():
+        block(jnp.ones(2))
+        raise KeyError("the model raised")
+    assert {name: getattr(pjit, name) for name in names} == jaxs

@@ -22,8 +22,12 @@ JAX has no public hook for this. `jax.disable_jit` itself would unroll
 every `lax.scan` into Python and so change the sites of scanned stacks, so
 this module wraps what a jitted function's cache miss calls in
 `jax._src.pjit` (`_infer_params` and `_run_python_pjit` from jax 0.8,
-`_python_pjit_helper` before) so that, while a probe runs, it returns the
-function's own outputs, computed in the caller's trace. A jitted function
+`_python_pjit_helper` before) so that, in a probe's run, it returns the
+function's own outputs, computed in the caller's trace. The wrappers are
+in `jax._src.pjit` only while a probe runs (in any thread; in the others
+they pass every call on to JAX's function) and JAX's own functions are put
+back when the last run ends: code that runs beside bridge, before or after
+a probe, meets JAX as it is. `TESTED_ON` names the releases checked. A jitted function
 that JAX serves from its C++ cache never reaches them: a probe entered
 eagerly therefore runs under an XLA metadata context of its own, which
 JAX's caches key on, so every call misses.
@@ -40,11 +44,23 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+#: The JAX releases this interception was tested on: both ends of the
+#: supported range and the floor of Flax NNX (the floors job and the main
+#: job run its tests). The `_python_pjit_helper` layout runs from 0.4.36 to
+#: 0.7, the `_infer_params` / `_run_python_pjit` layout from 0.8. A release outside them is used only
+#: where `_wrappers` finds one of these layouts in its `jax._src.pjit`.
+TESTED_ON = ("0.4.36", "0.7.1", "0.10.2")
+
 #: How many probe runs are active now, per thread: jitted calls are inlined
 #: only there.
 _ACTIVE = threading.local()
-_INSTALL_LOCK = threading.Lock()
-_installed: bool | None = None  # None: not tried yet; False: not possible
+_LOCK = threading.Lock()
+#: `{name in jax._src.pjit: (JAX's function, bridge's wrapper)}`, made once;
+#: empty where this JAX's layout is not known. None: not made yet.
+_made: dict[str, tuple[Callable, Callable]] | None = None
+#: Probe runs active now, in all threads: the wrappers are in `jax._src.pjit`
+#: only while there is one, and JAX's own functions are put back after.
+_runs = 0
 
 
 class _Inlined:
@@ -73,7 +89,7 @@ def _inlines(fun: Callable) -> bool:
 
 def _inline_result(outputs: Any) -> tuple:
     """What `cache_miss` unpacks from a call bridge ran inline, in every
-    layout `_install` knows: the outputs, then no fast path."""
+    layout `_wrappers` knows: the outputs, then no fast path."""
     import jax
 
     return outputs, [], jax.tree.structure(()), [], _NoJaxpr(), None, None, None
@@ -89,50 +105,81 @@ def _calls(names: set[str]) -> bool:
     )
 
 
-def _install() -> bool:
-    """Wrap what `jax.jit`'s cache miss calls, once; whether it could.
+def _wrappers() -> dict[str, tuple[Callable, Callable]]:
+    """bridge's wrappers of what `jax.jit`'s cache miss calls, beside JAX's
+    functions, made once (call with `_LOCK` held).
 
     Two layouts: jax >= 0.8 calls `_infer_params` then `_run_python_pjit`;
     jax 0.4.36 to 0.7 calls `_python_pjit_helper`. Both unpack an 8-tuple
     whose first item is the outputs and whose executable and profiler,
     `None` here, mean "no fast path"."""
-    global _installed
-    with _INSTALL_LOCK:
-        if _installed is not None:
-            return _installed
-        _installed = False
-        try:
-            from jax._src import pjit
-        except ImportError:  # pragma: no cover - another JAX's layout
+    global _made
+    if _made is not None:
+        return _made
+    _made = {}
+    try:
+        from jax._src import pjit
+    except ImportError:  # pragma: no cover - another JAX's layout
+        return _made
+    if _calls({"_infer_params", "_run_python_pjit"}):
+        infer_params = pjit._infer_params
+        run_python_pjit = pjit._run_python_pjit
+
+        def bridge_infer_params(fun, jit_info, args, kwargs):
+            if sys._getframe(1).f_code.co_name == "cache_miss" and _inlines(fun):
+                return _Inlined(fun), []
+            return infer_params(fun, jit_info, args, kwargs)
+
+        def bridge_run_python_pjit(p, args_flat, fun, args, kwargs):
+            if isinstance(p, _Inlined):
+                return _inline_result(p.fun(*args, **kwargs))
+            return run_python_pjit(p, args_flat, fun, args, kwargs)
+
+        _made = {
+            "_infer_params": (infer_params, bridge_infer_params),
+            "_run_python_pjit": (run_python_pjit, bridge_run_python_pjit),
+        }
+    elif _calls({"_python_pjit_helper"}):
+        python_pjit_helper = pjit._python_pjit_helper
+
+        def bridge_python_pjit_helper(fun, jit_info, *args, **kwargs):
+            if sys._getframe(1).f_code.co_name == "cache_miss" and _inlines(fun):
+                return _inline_result(fun(*args, **kwargs))
+            return python_pjit_helper(fun, jit_info, *args, **kwargs)
+
+        _made = {"_python_pjit_helper": (python_pjit_helper, bridge_python_pjit_helper)}
+    return _made
+
+
+def _acquire() -> bool:
+    """One more probe run: bridge's wrappers in place; whether they could be."""
+    global _runs
+    with _LOCK:
+        made = _wrappers()
+        if not made:
             return False
-        if _calls({"_infer_params", "_run_python_pjit"}):
-            infer_params = pjit._infer_params
-            run_python_pjit = pjit._run_python_pjit
+        if _runs == 0:
+            from jax._src import pjit
 
-            def bridge_infer_params(fun, jit_info, args, kwargs):
-                if sys._getframe(1).f_code.co_name == "cache_miss" and _inlines(fun):
-                    return _Inlined(fun), []
-                return infer_params(fun, jit_info, args, kwargs)
+            for name, (_, wrapper) in made.items():
+                setattr(pjit, name, wrapper)
+        _runs += 1
+        return True
 
-            def bridge_run_python_pjit(p, args_flat, fun, args, kwargs):
-                if isinstance(p, _Inlined):
-                    return _inline_result(p.fun(*args, **kwargs))
-                return run_python_pjit(p, args_flat, fun, args, kwargs)
 
-            pjit._infer_params = bridge_infer_params
-            pjit._run_python_pjit = bridge_run_python_pjit
-            _installed = True
-        elif _calls({"_python_pjit_helper"}):
-            python_pjit_helper = pjit._python_pjit_helper
+def _release() -> None:
+    """One probe run fewer: after the last, JAX's own functions back (unless
+    something else replaced bridge's wrapper meanwhile: that stays)."""
+    global _runs
+    with _LOCK:
+        _runs -= 1
+        if _runs:
+            return
+        from jax._src import pjit
 
-            def bridge_python_pjit_helper(fun, jit_info, *args, **kwargs):
-                if sys._getframe(1).f_code.co_name == "cache_miss" and _inlines(fun):
-                    return _inline_result(fun(*args, **kwargs))
-                return python_pjit_helper(fun, jit_info, *args, **kwargs)
-
-            pjit._python_pjit_helper = bridge_python_pjit_helper
-            _installed = True
-        return _installed
+        for name, (original, wrapper) in _wrappers().items():
+            if getattr(pjit, name) is wrapper:
+                setattr(pjit, name, original)
 
 
 def _eager() -> bool:
@@ -146,7 +193,7 @@ def traced_through() -> Iterator[bool]:
     """Within it, the model's jitted functions run inline (see the module's
     docstring). Yields whether they do: `False` on a JAX whose internals are
     not the ones read here."""
-    if not _install():
+    if not _acquire():
         yield False
         return
     depth = getattr(_ACTIVE, "depth", 0)
@@ -163,8 +210,10 @@ def traced_through() -> Iterator[bool]:
             yield True
     finally:
         _ACTIVE.depth = depth
+        _release()
 
 
 def inlining_supported() -> bool:
     """Whether this JAX lets bridge run the model's `jax.jit`s inline."""
-    return _install()
+    with _LOCK:
+        return bool(_wrappers())
