@@ -47,8 +47,9 @@ from typing import Any
 #: The JAX releases this interception was tested on: both ends of the
 #: supported range and the floor of Flax NNX (the floors job and the main
 #: job run its tests). The `_python_pjit_helper` layout runs from 0.4.36 to
-#: 0.7, the `_infer_params` / `_run_python_pjit` layout from 0.8. A release outside them is used only
-#: where `_wrappers` finds one of these layouts in its `jax._src.pjit`.
+#: 0.7, the `_infer_params` / `_run_python_pjit` layout from 0.8. A release
+#: outside them is used only where `_wrappers` finds one of these layouts in
+#: its `jax._src.pjit`.
 TESTED_ON = ("0.4.36", "0.7.1", "0.10.2")
 
 #: How many probe runs are active now, per thread: jitted calls are inlined
