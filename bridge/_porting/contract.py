@@ -19,7 +19,7 @@ from .._probe.protocol import ActivationProbe
 
 if TYPE_CHECKING:
     from .._session.sites import Site
-    from .transfer import Layer
+    from .layer import Layer
 
 
 class PortingSide(Protocol):

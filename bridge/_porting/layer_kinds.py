@@ -25,7 +25,8 @@ import numpy as np
 
 from .._session.sites import Site
 from .hyperparameters import norm_hyperparameters
-from .transfer import Layer, flattened
+from .layer import Layer
+from .layout import flattened
 
 
 def _unchanged(value: Any) -> Any:

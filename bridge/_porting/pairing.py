@@ -1,8 +1,13 @@
-"""Pairing within a parent module's calls where the two libraries' call order
-differs.
+"""Pairing two models' parameterised calls, for `transfer` and `compare`.
 
-`bridge._porting.transfer.pair` pairs two equally long lists of layers in call order.
-Real ports do not always call the children of one module in the same order:
+Layers pair in call order (`pair`; `pair_calls` where one side repeats a
+module's call), once the layers not paired by their weights are set aside:
+tied heads (`untied`) and optional buffers without a counterpart
+(`with_counterparts`). Counts that differ raise, naming the first pair that
+does not match.
+
+Within a parent module's calls, the order itself may differ: real ports do
+not always call the children of one module in the same order:
 PyTorch's BERT embeddings call the token-type table before the position
 table, Flax's the other way round. Pairing those by position either raises
 (`(2, 32)` vs `(16, 32)`) or, where both tables have one shape, silently
@@ -22,6 +27,138 @@ from typing import Any
 import numpy as np
 
 from .._errors import BridgeValueError
+from .layer import Layer, label
+
+
+def untied(layers: Sequence[Layer]) -> tuple[list[Layer], list[Layer]]:
+    """`(layers owning their weights, tied layers)`: a tied head is not paired
+    (the other library's may be no layer at all), only reported."""
+    return [la for la in layers if not la.tied], [la for la in layers if la.tied]
+
+
+def with_counterparts(
+    layers_a: Sequence[Layer], layers_b: Sequence[Layer]
+) -> tuple[list[Layer], list[Layer]]:
+    """Both lists without the optional layers (a PyTorch buffer) that have no
+    layer of the same kind and weight shapes on the other side: a buffer
+    the other library holds as a parameter (a logits bias) pairs with it by
+    its name; one the other library computes (a table of sinusoids) is left
+    out."""
+
+    def signature(layer: Layer) -> tuple:
+        shapes = {
+            name: None if value is None else tuple(np.shape(value))
+            for name, value in layer.weights.items()
+        }
+        return layer.kind, tuple(sorted(shapes.items()))
+
+    def kept(layers: Sequence[Layer], others: Sequence[Layer]) -> list[Layer]:
+        present = {signature(layer) for layer in others}
+        return [la for la in layers if not la.optional or signature(la) in present]
+
+    return kept(layers_a, layers_b), kept(layers_b, layers_a)
+
+
+def first_calls(layers: Sequence[Layer]) -> list[Layer]:
+    """Each module once, at its first call: a shared module moves once."""
+    seen, first = set(), []
+    for layer in layers:
+        if layer.path not in seen:
+            seen.add(layer.path)
+            first.append(layer)
+    return first
+
+
+def pair(
+    layers_a: Sequence[Layer],
+    layers_b: Sequence[Layer],
+    names: tuple[str, str],
+    left_out: Sequence[str] = (),
+) -> list[tuple[Layer, Layer]]:
+    """Pair two lists of layers in order (within a parent module's calls by
+    kind, shapes and names where the two orders differ: `bridge._porting.pairing`);
+    raise when the counts differ, naming the first pair whose kinds differ or
+    else the first layer left over, and the layers `left_out` of the count
+    (tied heads; for `compare`, calls that never reach the loss)."""
+    if len(layers_a) != len(layers_b):
+        mismatch = next(
+            (
+                f"The first pair that does not match is {label(a)} ({a.kind}) of "
+                f"{names[0]} and {label(b)} ({b.kind}) of {names[1]}."
+                for a, b in zip(layers_a, layers_b, strict=False)
+                if a.kind != b.kind
+            ),
+            None,
+        )
+        if mismatch is None:
+            more, fewer = (1, 0) if len(layers_a) < len(layers_b) else (0, 1)
+            extra = (layers_a, layers_b)[more][len((layers_a, layers_b)[fewer])]
+            mismatch = (
+                f"The first without a partner is {label(extra)} "
+                f"({extra.described}) of {names[more]}."
+            )
+        raise BridgeValueError(
+            f"The models do not have the same number of parameterised modules: "
+            f"{names[0]} has {len(layers_a)} ({_listed(layers_a)}), {names[1]} has "
+            f"{len(layers_b)} ({_listed(layers_b)}). {mismatch} Check that both "
+            "models have the same layers, called in the same order on these inputs."
+            + (f" Not counted: {'; '.join(left_out)}." if left_out else "")
+        )
+    return paired_in_groups(layers_a, layers_b, names)
+
+
+def pair_calls(
+    layers_a: Sequence[Layer],
+    layers_b: Sequence[Layer],
+    names: tuple[str, str],
+    left_out: Sequence[str] = (),
+) -> tuple[list[tuple[Layer, Layer]], list[tuple[str, Layer]]]:
+    """`(pairs, [(name, layer) of each call left unpaired])`: `pair`, but where
+    the counts differ only by repeated calls of a module on one side (a Flax
+    module whose `__call__` calls its base class's), those calls are left
+    unpaired rather than refused. Equal counts pair in order, as `pair` does."""
+    if len(layers_a) != len(layers_b):
+        aligned = _aligned(layers_a, layers_b, names)
+        if aligned is not None:
+            return aligned
+    return pair(layers_a, layers_b, names, left_out), []
+
+
+def _aligned(layers_a, layers_b, names):
+    """Pairs in order, skipping a side's repeated call (of a module it called
+    already) where the other side's next call is a first one; `None` when a
+    first call is left without a partner, for `pair` to explain."""
+    seen: tuple[set, set] = (set(), set())
+    pairs, unpaired, i, j = [], [], 0, 0
+    while i < len(layers_a) or j < len(layers_b):
+        a = layers_a[i] if i < len(layers_a) else None
+        b = layers_b[j] if j < len(layers_b) else None
+        again_a = a is not None and a.path in seen[0]
+        again_b = b is not None and b.path in seen[1]
+        if a is not None and b is not None and again_a == again_b:
+            pairs.append((a, b))
+            seen[0].add(a.path), seen[1].add(b.path)
+            i, j = i + 1, j + 1
+        elif again_a and not again_b:
+            unpaired.append((names[0], a))
+            i += 1
+        elif again_b and not again_a:
+            unpaired.append((names[1], b))
+            j += 1
+        else:  # a first call without a partner
+            return None
+    return pairs, unpaired
+
+
+def _listed(layers: Sequence[Layer]) -> str:
+    names = [
+        f"{layer.site or layer.path or '(root)'}: {layer.kind}" for layer in layers[:6]
+    ]
+    return ", ".join(names) + (", ..." if len(layers) > 6 else "")
+
+
+# -- where the two libraries' call order differs ------------------------------
+
 
 # Both separators: PyTorch and Equinox paths use ".", the Flax libraries and
 # Haiku "/"; the two sides of a port need not share either.

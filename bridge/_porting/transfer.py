@@ -1,4 +1,4 @@
-"""Porting a model between libraries: pairing layers, and `transfer`.
+"""Porting a model between libraries: `transfer`, and the canonical layout.
 
 Both pair the *parameterised modules* of two models — the modules that own
 parameters themselves (Dense, Conv, LayerNorm, BatchNorm, Embed, the
@@ -29,251 +29,33 @@ embeddings module's own `cls_token` and position table, a model's own RMSNorm
 class) is of kind `weights:<names>`: it pairs with a module whose weights have
 the same names and shapes, and they move unchanged, by name, as Hugging Face's
 converter moves them.
+
+The parts live apart, each imported by `transfer` and `compare` alike:
+`Layer` (`bridge._porting.layer`), each model's inputs and layers
+(`bridge._porting.sides`), the pairing (`bridge._porting.pairing`) and the
+layout helpers adapters convert with (`bridge._porting.layout`). This module
+moves the weights: `transfer`, and `check_fits` for each pair. It re-exports
+the names `bridge.adapter_api` takes from it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .._errors import BridgeAssertionError, BridgeTypeError, BridgeValueError
-from .contract import PortingSide, porting_side
-from .pairing import paired_in_groups
-
-
-@dataclasses.dataclass(frozen=True)
-class Layer:
-    """One call of a parameterised module, as a library's porting module sees it.
-
-    Attributes:
-      site: the site name of the call (`path`, `path#1`, ...).
-      path: the module's path.
-      kind: `dense`, `conv`, `layernorm`, `rmsnorm`, `groupnorm`, `batchnorm`,
-        `embed`, or `weights:<names>` (`bridge._porting.layer_kinds.weights_kind`).
-      described: the module's class as its library names it (`nn.Dense`).
-      weights: `{name: array or None}` in the canonical layout.
-      to_common: maps one activation leaf to the common layout (channel-last,
-        head axes flattened).
-      select: picks the activation leaves to compare from the site's value
-        (an Equinox stateful layer returns `(output, state)`).
-      locations: where each canonical weight goes back, and how, for the
-        library's `with_weights` (`LayerKinds` writes `{name: (where, back)}`).
-      hyperparameters: `{name: value}` of what `transfer` does not move, in
-        canonical names and conventions (`epsilon`, `momentum` as the weight
-        of the running average kept, a convolution's explicit per-side
-        `padding`, ...), for `compare` to list where a pair differs.
-      tied: the path of the module whose weights these are, `""` when they
-        are the layer's own (a tied LM head holds the embedding's tensor; the
-        other library's tied head may own nothing, or be a call of the
-        embedding's `attend`): such a layer is not paired by its weights;
-        `compare` compares it with the other side's tied layer, if any, and
-        reports it.
-      optional: weights one library keeps where the other may have none (a
-        PyTorch module's buffers, `final_logits_bias`): the layer pairs only
-        with a layer of the same kind and shapes (the same names) on the
-        other side, and is left out where there is none.
-    """
-
-    site: str
-    path: str
-    kind: str
-    described: str
-    weights: dict[str, Any]
-    to_common: Callable[[Any], Any] = lambda value: value
-    select: Callable[[Any], list] = lambda value: jax.tree.leaves(value)
-    locations: Any = None
-    hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tied: str = ""
-    optional: bool = False
-
-
-def parameterised_layers(
-    probe: Any, argument: str, args: tuple, kwargs: dict
-) -> tuple[PortingSide, list[Layer]]:
-    """`(porting side, [Layer per call of a parameterised module])`, in call
-    order, found by abstract evaluation."""
-    side = porting_side(probe, argument)
-    args, kwargs = inputs_for(probe, args, kwargs)
-    discovered = probe.discovered_sites(*args, **kwargs)
-    return side, side.layers(probe, discovered)
-
-
-def untied(layers: Sequence[Layer]) -> tuple[list[Layer], list[Layer]]:
-    """`(layers owning their weights, tied layers)`: a tied head is not paired
-    (the other library's may be no layer at all), only reported."""
-    return [la for la in layers if not la.tied], [la for la in layers if la.tied]
-
-
-def with_counterparts(
-    layers_a: Sequence[Layer], layers_b: Sequence[Layer]
-) -> tuple[list[Layer], list[Layer]]:
-    """Both lists without the optional layers (a PyTorch buffer) that have no
-    layer of the same kind and weight shapes on the other side: a buffer
-    the other library holds as a parameter (a logits bias) pairs with it by
-    its name; one the other library computes (a table of sinusoids) is left
-    out."""
-
-    def signature(layer: Layer) -> tuple:
-        shapes = {
-            name: None if value is None else tuple(np.shape(value))
-            for name, value in layer.weights.items()
-        }
-        return layer.kind, tuple(sorted(shapes.items()))
-
-    def kept(layers: Sequence[Layer], others: Sequence[Layer]) -> list[Layer]:
-        present = {signature(layer) for layer in others}
-        return [la for la in layers if not la.optional or signature(la) in present]
-
-    return kept(layers_a, layers_b), kept(layers_b, layers_a)
-
-
-def described_tie(layer: Layer, name: str) -> str:
-    return f"{label(layer)} ({layer.described}) of {name}, tied to {layer.tied!r}"
-
-
-def first_calls(layers: Sequence[Layer]) -> list[Layer]:
-    """Each module once, at its first call: a shared module moves once."""
-    seen, first = set(), []
-    for layer in layers:
-        if layer.path not in seen:
-            seen.add(layer.path)
-            first.append(layer)
-    return first
-
-
-def pair(
-    layers_a: Sequence[Layer],
-    layers_b: Sequence[Layer],
-    names: tuple[str, str],
-    left_out: Sequence[str] = (),
-) -> list[tuple[Layer, Layer]]:
-    """Pair two lists of layers in order (within a parent module's calls by
-    kind, shapes and names where the two orders differ: `bridge._porting.pairing`);
-    raise when the counts differ, naming the first pair whose kinds differ or
-    else the first layer left over, and the layers `left_out` of the count
-    (tied heads; for `compare`, calls that never reach the loss)."""
-    if len(layers_a) != len(layers_b):
-        mismatch = next(
-            (
-                f"The first pair that does not match is {label(a)} ({a.kind}) of "
-                f"{names[0]} and {label(b)} ({b.kind}) of {names[1]}."
-                for a, b in zip(layers_a, layers_b, strict=False)
-                if a.kind != b.kind
-            ),
-            None,
-        )
-        if mismatch is None:
-            more, fewer = (1, 0) if len(layers_a) < len(layers_b) else (0, 1)
-            extra = (layers_a, layers_b)[more][len((layers_a, layers_b)[fewer])]
-            mismatch = (
-                f"The first without a partner is {label(extra)} "
-                f"({extra.described}) of {names[more]}."
-            )
-        raise BridgeValueError(
-            f"The models do not have the same number of parameterised modules: "
-            f"{names[0]} has {len(layers_a)} ({_listed(layers_a)}), {names[1]} has "
-            f"{len(layers_b)} ({_listed(layers_b)}). {mismatch} Check that both "
-            "models have the same layers, called in the same order on these inputs."
-            + (f" Not counted: {'; '.join(left_out)}." if left_out else "")
-        )
-    return paired_in_groups(layers_a, layers_b, names)
-
-
-def pair_calls(
-    layers_a: Sequence[Layer],
-    layers_b: Sequence[Layer],
-    names: tuple[str, str],
-    left_out: Sequence[str] = (),
-) -> tuple[list[tuple[Layer, Layer]], list[tuple[str, Layer]]]:
-    """`(pairs, [(name, layer) of each call left unpaired])`: `pair`, but where
-    the counts differ only by repeated calls of a module on one side (a Flax
-    module whose `__call__` calls its base class's), those calls are left
-    unpaired rather than refused. Equal counts pair in order, as `pair` does."""
-    if len(layers_a) != len(layers_b):
-        aligned = _aligned(layers_a, layers_b, names)
-        if aligned is not None:
-            return aligned
-    return pair(layers_a, layers_b, names, left_out), []
-
-
-def _aligned(layers_a, layers_b, names):
-    """Pairs in order, skipping a side's repeated call (of a module it called
-    already) where the other side's next call is a first one; `None` when a
-    first call is left without a partner, for `pair` to explain."""
-    seen: tuple[set, set] = (set(), set())
-    pairs, unpaired, i, j = [], [], 0, 0
-    while i < len(layers_a) or j < len(layers_b):
-        a = layers_a[i] if i < len(layers_a) else None
-        b = layers_b[j] if j < len(layers_b) else None
-        again_a = a is not None and a.path in seen[0]
-        again_b = b is not None and b.path in seen[1]
-        if a is not None and b is not None and again_a == again_b:
-            pairs.append((a, b))
-            seen[0].add(a.path), seen[1].add(b.path)
-            i, j = i + 1, j + 1
-        elif again_a and not again_b:
-            unpaired.append((names[0], a))
-            i += 1
-        elif again_b and not again_a:
-            unpaired.append((names[1], b))
-            j += 1
-        else:  # a first call without a partner
-            return None
-    return pairs, unpaired
-
-
-def label(layer: Layer) -> str:
-    return (
-        f"site {layer.site!r}"
-        if layer.site
-        else repr(layer.path)
-        if layer.path
-        else "the root module"
-    )
-
-
-def _listed(layers: Sequence[Layer]) -> str:
-    names = [
-        f"{layer.site or layer.path or '(root)'}: {layer.kind}" for layer in layers[:6]
-    ]
-    return ", ".join(names) + (", ..." if len(layers) > 6 else "")
-
-
-def check_fits(source: Layer, target: Layer) -> None:
-    """Raise `ValueError` naming both sites when `source`'s weights cannot
-    replace `target`'s."""
-    where = (
-        f"{label(source)} ({source.described}) of the source and "
-        f"{label(target)} ({target.described}) of the destination"
-    )
-    if source.kind != target.kind:
-        raise BridgeValueError(
-            f"Cannot pair {where}: their kinds differ ({source.kind} vs "
-            f"{target.kind}). transfer pairs parameterised modules in call order: "
-            "check that both models call the same layers in the same order."
-        )
-    for name in dict.fromkeys([*source.weights, *target.weights]):
-        have, want = source.weights.get(name), target.weights.get(name)
-        if (have is None) != (want is None):
-            missing = "the source" if have is None else "the destination"
-            raise BridgeValueError(
-                f"Cannot pair {where}: {missing} has no {name!r} (a {source.kind} "
-                f"with and one without {name}). Build both with the same options "
-                "(use_bias, use_scale, create_offset, ...)."
-            )
-        if have is not None and np.shape(have) != np.shape(want):
-            raise BridgeValueError(
-                f"Cannot pair {where}: their {source.kind} {name!r} shapes do not "
-                f"fit, {tuple(np.shape(have))} vs {tuple(np.shape(want))} in the "
-                "canonical layout (kernels (in, out), windows first, channels "
-                "last). Check the layers' sizes."
-            )
+from .._errors import BridgeValueError
+from .contract import porting_side
+from .layer import Layer as Layer
+from .layer import described_tie, label
+from .layout import channel_first_kernel_axes as channel_first_kernel_axes
+from .layout import dense_kernel as dense_kernel
+from .layout import flatten_trailing as flatten_trailing
+from .layout import flattened as flattened
+from .layout import replace_leaves as replace_leaves
+from .pairing import first_calls, pair, untied, with_counterparts
+from .sides import parameterised_layers as parameterised_layers
+from .sides import second_inputs
 
 
 def transfer(
@@ -357,109 +139,32 @@ def transfer(
     return target.with_weights(dst_probe, updates)
 
 
-# -- compare --------------------------------------------------------------------
-
-
-def inputs_for(probe: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The inputs as `probe` takes them: a JAX model gets a PyTorch tensor
-    given for both models (a porter's `x`) as a NumPy array."""
-    if not getattr(probe, "runs_in_jax", False):
-        return args, kwargs
-    return jax.tree.map(_host_if_torch, (tuple(args), dict(kwargs)))
-
-
-def _host_if_torch(leaf: Any) -> Any:
-    if type(leaf).__module__.split(".")[0] != "torch" or not hasattr(leaf, "detach"):
-        return leaf
-    leaf = leaf.detach().cpu()
-    if leaf.is_floating_point() and str(leaf.dtype) == "torch.bfloat16":
-        return jnp.asarray(leaf.float().numpy(), jnp.bfloat16)
-    return leaf.numpy()
-
-
-def second_inputs(args, kwargs, args_b, kwargs_b) -> tuple[tuple, dict]:
-    """The second model's inputs: its own where given, else the first's."""
-    if args_b is not None and not isinstance(args_b, tuple | list):
-        raise BridgeTypeError(
-            "`args_b` must be a tuple of the second model's positional inputs, "
-            f"e.g. args_b=(x_nhwc,); got {type(args_b).__name__}."
-        )
-    if kwargs_b is not None and not isinstance(kwargs_b, Mapping):
-        raise BridgeTypeError(
-            "`kwargs_b` must be a dict of the second model's keyword inputs; got "
-            f"{type(kwargs_b).__name__}."
-        )
-    if args_b is None and kwargs_b is None:
-        return args, kwargs
-    return tuple(args if args_b is None else args_b), dict(kwargs_b or {})
-
-
-def flat_size(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-def dense_kernel(kernel: Any, inputs: int, stacked: int = 0) -> Any:
-    """A kernel `(*stack, *in_axes, *out_axes)` as `(*stack, in, out)`,
-    flattened row-major; `stack` are the iteration axes of a scanned layer."""
-    shape = np.shape(kernel)
-    lead, rest = shape[:stacked], shape[stacked:]
-    return jnp.reshape(
-        kernel, (*lead, flat_size(rest[:inputs]), flat_size(rest[inputs:]))
+def check_fits(source: Layer, target: Layer) -> None:
+    """Raise `ValueError` naming both sites when `source`'s weights cannot
+    replace `target`'s."""
+    where = (
+        f"{label(source)} ({source.described}) of the source and "
+        f"{label(target)} ({target.described}) of the destination"
     )
-
-
-def channel_first_kernel_axes(
-    spatial: int, stacked: int = 0
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`(to_hwio, to_oihw)`: the axis orders taking a channel-first kernel
-    `(*stack, out, in, *window)` (OIHW, PyTorch's and Equinox's) to the
-    canonical `(*stack, *window, in, out)`, and back."""
-    stack = tuple(range(stacked))
-    window = tuple(range(stacked + 2, stacked + spatial + 2))
-    to_hwio = (*stack, *window, stacked + 1, stacked)
-    back = (stacked + spatial + 1, stacked + spatial)
-    to_oihw = (*stack, *back, *range(stacked, stacked + spatial))
-    return to_hwio, to_oihw
-
-
-def flattened(value: Any, stacked: int = 0) -> Any:
-    """A vector parameter (a bias, a scale) as `(*stack, size)`."""
-    if value is None:
-        return None
-    return jnp.reshape(value, (*np.shape(value)[:stacked], -1))
-
-
-def flatten_trailing(count: int) -> Callable[[Any], Any]:
-    """Activation layout: the last `count` axes (attention heads) flattened."""
-    if count <= 1:
-        return lambda value: value
-    return lambda value: jnp.reshape(
-        value, (*np.shape(value)[:-count], flat_size(np.shape(value)[-count:]))
-    )
-
-
-def replace_leaves(
-    tree: Any, updates: dict[tuple[str, ...], Any], named: Callable[[tuple], tuple]
-) -> Any:
-    """A copy of `tree` whose leaves at the named paths are replaced.
-
-    `named(key_path)` gives a leaf's path as strings. Each replacement is
-    cast to the leaf's dtype; its shape is the caller's to have checked.
-    """
-    used = set()
-
-    def replace(key_path, leaf):
-        path = named(key_path)
-        if path not in updates:
-            return leaf
-        used.add(path)
-        new = updates[path]
-        return jnp.reshape(
-            jnp.asarray(new, dtype=jnp.result_type(leaf)), jnp.shape(leaf)
+    if source.kind != target.kind:
+        raise BridgeValueError(
+            f"Cannot pair {where}: their kinds differ ({source.kind} vs "
+            f"{target.kind}). transfer pairs parameterised modules in call order: "
+            "check that both models call the same layers in the same order."
         )
-
-    new_tree = jax.tree_util.tree_map_with_path(replace, tree)
-    missing = set(updates) - used
-    if missing:
-        raise BridgeAssertionError(f"bridge bug: no weight at {sorted(missing)}")
-    return new_tree
+    for name in dict.fromkeys([*source.weights, *target.weights]):
+        have, want = source.weights.get(name), target.weights.get(name)
+        if (have is None) != (want is None):
+            missing = "the source" if have is None else "the destination"
+            raise BridgeValueError(
+                f"Cannot pair {where}: {missing} has no {name!r} (a {source.kind} "
+                f"with and one without {name}). Build both with the same options "
+                "(use_bias, use_scale, create_offset, ...)."
+            )
+        if have is not None and np.shape(have) != np.shape(want):
+            raise BridgeValueError(
+                f"Cannot pair {where}: their {source.kind} {name!r} shapes do not "
+                f"fit, {tuple(np.shape(have))} vs {tuple(np.shape(want))} in the "
+                "canonical layout (kernels (in, out), windows first, channels "
+                "last). Check the layers' sizes."
+            )
