@@ -32,15 +32,18 @@ callables too, reached by tree surgery on an Equinox model only: one called
 inside another library's model is not a site, and selecting a path inside
 one that an NNX module holds raises saying so (`check_not_inside`).
 
-This module is the framework and knows libraries only by name: the host
-(`hosting`), the report of a guest call (`observe`, `Guest`), the checks of
-the trace it runs in. Each library's guest side lives in its own package,
-registered in `_LIBRARIES` by `"module:attribute"` strings imported on first
-use, once the library is in `sys.modules`, as adapters are: Linen's
-interceptor in `bridge.adapters.linen.guest`, Haiku's in
-`bridge.adapters.haiku.guest`, NNX's side of `ToLinen` and `ToNNX` in
-`bridge.adapters.nnx.guest`. Library packages import this module, never the
-reverse.
+This module is the host's side of the framework and knows libraries only by
+name: the host (`hosting`, `hosted`), the wrappers (`call_module`), the
+Equinox modules another library's model holds (`check_not_inside`). The
+report of a guest call (`observe`, `Guest`, `Frame`, `Host`) and the checks
+of the trace it runs in are `guest_calls`; the table of libraries is
+`guest_libraries`. Each library's guest side lives in its own package,
+registered in `guest_libraries` by `"module:attribute"` strings that this
+module imports on first use, once the library is in `sys.modules`, as
+adapters are: Linen's interceptor in `bridge.adapters.linen.guest`,
+Haiku's in `bridge.adapters.haiku.guest`, NNX's side of `ToLinen` and `ToNNX`
+in `bridge.adapters.nnx.guest`. Library packages import this module alone
+(it re-exports what they build on from `guest_calls`), never the reverse.
 
 A host adapter opts in with `@hosted("library")` on the method that calls its
 model (or `with hosting(...)`): the trace that method runs in is the host's.
@@ -50,71 +53,25 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import importlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bridge.adapter_api import BodyTraces, BridgeValueError, Session, current_session
+from bridge.adapter_api import BridgeValueError, current_session
 
-# Telling whether a guest call runs in the host's trace needs JAX's trace
-# stack. Where this JAX lacks it, no guest is installed (`hosting`): their
-# calls are not sites, never wrong ones.
 from . import jax_internals
+from .guest_calls import Frame as Frame
+from .guest_calls import Guest as Guest
+from .guest_calls import Host as Host
+from .guest_calls import depth as depth
+from .guest_calls import enclosing_path as enclosing_path
+from .guest_calls import joined as joined
+from .guest_calls import observe as observe
+from .guest_libraries import LIBRARIES, imported, title, wrapped_by
 
-# -- the libraries, by name --------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class GuestLibrary:
-    """A library as guests know it. Its guest side is named by
-    `"module:attribute"` strings, imported on first use: this module imports
-    no library package."""
-
-    #: The library's name in error messages.
-    title: str
-    #: The module every model using the library has imported: until it is in
-    #: `sys.modules`, nothing of the library's guest side is imported.
-    imported_as: str
-    #: `intercepting(host)`: a context manager that reports the library's
-    #: module calls made anywhere inside it.
-    intercepting: str | None = None
-    #: The library whose modules may wrap this library's: build a module of
-    #: it on each call and call it (`"linen"` for NNX's `nnx.bridge.ToLinen`).
-    wrapped_in: str | None = None
-    #: The wrapper class, looked up in `sys.modules` and never imported (a
-    #: model using it has imported it): telling a wrapper costs no import.
-    wrapper: str | None = None
-    #: `call_wrapper(host, wrapper, next_fun, call_args, call_kwargs)`: the
-    #: wrapper's call, with the modules it builds reporting their calls.
-    call_wrapper: str | None = None
-
-
-_LIBRARIES = {
-    "linen": GuestLibrary(
-        "Flax Linen",
-        "flax.linen",
-        intercepting="bridge.adapters.linen.guest:intercepting",
-    ),
-    "haiku": GuestLibrary(
-        "Haiku", "haiku", intercepting="bridge.adapters.haiku.guest:intercepting"
-    ),
-    "nnx": GuestLibrary(
-        "Flax NNX",
-        "flax.nnx",
-        wrapped_in="linen",
-        wrapper="flax.nnx.bridge.wrappers:ToLinen",
-        call_wrapper="bridge.adapters.nnx.guest:call_to_linen",
-    ),
-    # A host only: Equinox modules are plain callables, which nothing catches.
-    "equinox": GuestLibrary("Equinox", "equinox"),
-}
-
-
-def _imported(library: GuestLibrary) -> bool:
-    return sys.modules.get(library.imported_as) is not None
+# -- loading a library's guest side ------------------------------------------------
 
 
 @functools.cache
@@ -134,27 +91,7 @@ def _guest_side(where: str) -> Any:
         return None
 
 
-def _title(library: str) -> str:
-    return _LIBRARIES[library].title
-
-
-@dataclasses.dataclass
-class Host:
-    """The adapter running the model now, and the trace it runs it in."""
-
-    session: Session
-    library: str
-    trace: Any
-    describe: Callable[[], str | None]
-
-    def transform_around(self, trace: Any) -> str | None:
-        """The host's transform that a call in `trace` is inside, or `None`."""
-        if trace is self.trace:
-            return None
-        named = self.describe()
-        where = f"{named} in" if named else f"{_trace_name(trace)} in"
-        return f"{where} the {_title(self.library)} model's own code"
-
+# -- the host ----------------------------------------------------------------------
 
 _HOST: contextvars.ContextVar[Host | None] = contextvars.ContextVar(
     "bridge_guest_host", default=None
@@ -181,8 +118,8 @@ def hosting(
     token = _HOST.set(host)
     try:
         with contextlib.ExitStack() as stack:
-            for name, guest in _LIBRARIES.items():
-                if name != library and guest.intercepting and _imported(guest):
+            for name, guest in LIBRARIES.items():
+                if name != library and guest.intercepting and imported(guest):
                     intercepting = _guest_side(guest.intercepting)
                     if intercepting is not None:
                         stack.enter_context(intercepting(host))
@@ -206,184 +143,13 @@ def hosted(library: str) -> Callable[[Callable], Callable]:
     return decorate
 
 
-# -- reporting a guest call -------------------------------------------------------
-
-
-def enclosing_path(session: Session) -> str:
-    """The path of the innermost site being called now (`""` at the root)."""
-    enclosing = session.enclosing
-    return enclosing[-1] if enclosing else ""
-
-
-def depth(session: Session) -> int:
-    """How many sites are being called now: a guest call made at another depth
-    than its library's last call is inside a site of another library."""
-    return len(session.enclosing)
-
-
-def joined(prefix: str, name: str) -> str:
-    return f"{prefix}/{name}" if prefix else name
-
-
-def observe(
-    session: Session,
-    library: str,
-    path: str,
-    method: str | None,
-    module: Any,
-    args: tuple,
-    call: Callable[[], Any],
-    blocked: str | None,
-) -> Any:
-    """Report one guest call to the session: its epsilon is the session's.
-
-    A call inside a transform (`blocked` names it) is listed by discovery and
-    otherwise only counted; selecting or patching it raises.
-    """
-    entered = session.enter(path, method, module, args, record=blocked is None)
-    if blocked is not None and (
-        entered.name in session.selected or entered.name in session.patches
-    ):
-        raise BridgeValueError(
-            f"Site {entered.name!r}, a {_title(library)} module called "
-            f"inside another library's model, is inside {blocked}: bridge "
-            "cannot see through it there. Its value there belongs to the "
-            "transform's own trace (one iteration's inside a scan, one "
-            "example's inside a vmap): a recording cannot leave it, and an "
-            "epsilon from outside would serve every iteration and sum their "
-            "gradients. Select sites outside the transform with `at=`, or "
-            f"probe the {_title(library)} module on its own."
-        )
-    return session.exit(entered, call(), record=blocked is None)
-
-
-@dataclasses.dataclass
-class Frame:
-    """One active guest call, as its library's guest interceptor sees it.
-
-    `prefix` is the path of the other library's site the guest model was called
-    in, `inner_depth` the session's depth inside this call: a call at that
-    depth is nested in this one. `trace` is the trace the guest model's apply
-    started in. Linen: `apply_root` is the scope root of that apply, `root`
-    this call's (another inside a lifted transform), `transform` the lifted
-    transform entered last and `bodies` the checkpoints of the lifted bodies
-    traced from this call. Haiku: `lift` is the name of the `LiftingModule`
-    (`hk.experimental.layer_stack`, `hk.lift`) this call is inside.
-    """
-
-    prefix: str
-    inner_depth: int
-    trace: Any
-    apply_root: Any = None
-    root: Any = None
-    transform: str | None = None
-    bodies: BodyTraces | None = None
-    lift: str | None = None
-
-
-class Guest:
-    """A guest interceptor: the frames of its library's active calls.
-
-    A library's subclass (in its package's `guest` module) sets `library` and
-    reports each of its calls with `_observe`, or passes one that is no site
-    with `_pass`.
-    """
-
-    library = ""
-    #: Whether a guest model's first call is its root, made where its apply is
-    #: (Linen); Haiku has no root module.
-    starts_at_apply = True
-
-    def __init__(self, host: Host):
-        self.host = host
-        self.frames: list[Frame] = []
-
-    def _frame(self, session: Session, root: Any = None) -> tuple[Frame, bool]:
-        """The frame of a new call, and whether it starts a guest model's apply
-        (its library's first call inside another library's site)."""
-        top = self.frames[-1] if self.frames else None
-        if top is None or top.inner_depth != depth(session):
-            trace = jax_internals.current_trace()
-            return (
-                Frame(
-                    enclosing_path(session),
-                    depth(session),
-                    trace,
-                    root,
-                    root,
-                    bodies=BodyTraces(session),
-                ),
-                True,
-            )
-        return dataclasses.replace(top, root=root, bodies=BodyTraces(session)), False
-
-    def _blocked(self, frame: Frame, own_transform: str | None) -> str | None:
-        """The transform a guest call is inside, if any: the host's around the
-        guest model's apply, or the guest model's own inside it."""
-        guest = _title(self.library)
-        trace = jax_internals.current_trace()
-        around = frame.trace is not self.host.trace
-        if around and (self.starts_at_apply or self.host.describe() is not None):
-            return self.host.transform_around(frame.trace)
-        if own_transform is not None:
-            return f"{own_transform} in the {guest} module's own code"
-        if around:
-            # Haiku has no root module: the first call seen may already be
-            # inside a transform of the Haiku function.
-            host = _title(self.host.library)
-            return (
-                f"{_trace_name(trace)} in the {host} model's own code or the "
-                f"{guest} function's"
-            )
-        if trace is frame.trace:
-            return None
-        return f"{_trace_name(trace)} in the {guest} module's own code"
-
-    def _observe(self, frame, path, method, module, args, run, own_transform=None):
-        self.frames.append(frame)
-        try:
-            return observe(
-                self.host.session,
-                self.library,
-                path,
-                method,
-                module,
-                args,
-                run,
-                self._blocked(frame, own_transform),
-            )
-        finally:
-            self.frames.pop()
-
-    def _pass(self, frame: Frame, run: Callable[[], Any]) -> Any:
-        """A call that is no site, whose nested calls may be."""
-        self.frames.append(frame)
-        try:
-            return run()
-        finally:
-            self.frames.pop()
-
-
 # -- wrappers: a module of one library that builds and calls another's ------------
-
-
-def _wrapped_by(library: str, module: Any) -> GuestLibrary | None:
-    """Where `module`, a module of `library`, is a wrapper: the library of the
-    module it builds and calls on each call (NNX for an `nnx.bridge.ToLinen`)."""
-    for guest in _LIBRARIES.values():
-        if guest.wrapped_in != library or not _imported(guest):
-            continue
-        module_name, _, attribute = guest.wrapper.partition(":")
-        wrapper = getattr(sys.modules.get(module_name), attribute, None)
-        if wrapper is not None and isinstance(module, wrapper):
-            return guest
-    return None
 
 
 def wraps_guest(library: str, module: Any) -> bool:
     """Whether `module`, a module of `library`, builds a module of another
     library and calls it (`nnx.bridge.ToLinen`)."""
-    return _wrapped_by(library, module) is not None
+    return wrapped_by(library, module) is not None
 
 
 def call_module(
@@ -397,7 +163,7 @@ def call_module(
     """
     host = _HOST.get()
     if host is not None and current_session() is host.session:
-        guest = _wrapped_by(library, module)
+        guest = wrapped_by(library, module)
         if guest is not None:
             call_wrapper = _load(guest.call_wrapper)
             return call_wrapper(host, module, next_fun, call_args, call_kwargs)
@@ -429,7 +195,7 @@ def check_not_inside(
             if pattern == path or pattern.startswith((f"{path}/", f"{path}.")):
                 raise BridgeValueError(
                     f"{pattern!r} names {path!r}, an Equinox module held by this "
-                    f"{_title(host)} model, or a path inside it: bridge "
+                    f"{title(host)} model, or a path inside it: bridge "
                     "cannot see the calls of an Equinox module called from "
                     "another library's model. Equinox modules are plain "
                     "callables that no interceptor catches, and bridge reaches "
@@ -438,18 +204,3 @@ def check_not_inside(
                     "values inside it with bridge.tap(name, value): a site named "
                     "'name' under the path of the module that calls it."
                 )
-
-
-# -- naming transforms --------------------------------------------------------------
-
-
-def _trace_name(trace: Any) -> str:
-    """What JAX calls the transform `trace` traces, for an error message."""
-    if jax_internals.is_vmap(trace):
-        return "a jax.vmap"
-    traced_for = jax_internals.traced_for(trace)
-    if traced_for == "scan":
-        return "a lax.scan"
-    if "checkpoint" in traced_for or "remat" in traced_for:
-        return "a jax.checkpoint"
-    return f"a JAX transform ({traced_for})"
