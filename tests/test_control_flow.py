@@ -1078,3 +1078,65 @@ def test_linen_one_site_in_one_branch_along_jvp(kind, at):
     ):
         assert set(res.activations) == {at}
         assert_close(jnp.vdot(res.activation_grads[at], direction), tangent, 1e-4)
+
+
+# -- a site whose value reaches an output but not the loss -----------------------
+
+
+@pytest.mark.parametrize(("library", "kind"), LOOP_CASES)
+def test_a_loop_site_the_loss_does_not_reach_is_recorded_all_the_same(library, kind):
+    """The values leave through the step's own backward pass: one that the
+    loss does not reach must still bring them (as `apply` does), with zero
+    gradients, not zeros for values."""
+    case = LOOP_BUILDERS[library](kind)
+    x = inputs()
+
+    def recorded(x):
+        with offsets_added({}) as values:
+            case.forward("unrolled", x, {})
+        return jnp.stack([values[f"cell@{i}"] for i in range(STEPS)])
+
+    values = jnp.moveaxis(jax.vmap(recorded)(x), 0, 1)
+    assert float(jnp.abs(values).max()) > 0
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(lambda y: jnp.float32(2.0), x), case.probe, x
+    ):
+        assert_close(res.loss, 2.0)
+        assert_close(res.activations["cell"], values)
+        assert not np.any(np.asarray(res.activation_grads["cell"]))
+
+
+@pytest.mark.parametrize(("library", "kind"), CASES)
+def test_a_branch_site_the_loss_does_not_reach_says_where_it_ran(library, kind):
+    case = BUILDERS[library](kind)
+    x = inputs()
+    left = takes_left(case, x)
+    values = branch_values(case, x)
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(lambda y: jnp.float32(2.0), x), case.probe, x
+    ):
+        np.testing.assert_array_equal(res.ran["left"], left)
+        np.testing.assert_array_equal(res.ran["right"], ~left)
+        for name, where in (("left", left), ("right", ~left)):
+            expected = np.where(where[:, None], values[name], 0.0)
+            assert_close(res.activations[name], expected)
+            assert not np.any(np.asarray(res.activation_grads[name]))
+
+
+class _WithInfinity(eqx.Module):
+    model: EqxLoop
+
+    def __call__(self, x):
+        return self.model(x), jnp.full((2,), jnp.inf)
+
+
+def test_an_infinite_output_the_loss_ignores_leaves_the_loss_finite():
+    model = _WithInfinity(EqxLoop("lax", jax.random.key(0)))
+    probe = bridge.probe(model, vmap=True)
+    x = inputs()
+    plain = jnp.sum(jax.vmap(model)(x)[0] ** 2)
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(lambda y: jnp.sum(y[0] ** 2), x), probe, x
+    ):
+        assert np.isfinite(float(res.loss))
+        assert_close(res.loss, plain)

@@ -160,8 +160,19 @@ class ProbeBase(ProbeFront):
         """The gradients with respect to the trainable leaves and to a zero
         epsilon added at each chosen site, by one `jax.value_and_grad`."""
         epsilons = _zero_epsilons(plan.chosen)
+        # The sites inside branches and loops record through the step's own
+        # backward pass: their recorders are differentiated beside the
+        # epsilons, and their gradients are the values (`backward.record`).
+        in_control_flow = [
+            site
+            for site in plan.chosen
+            if isinstance(site.origin, backward.InControlFlow)
+        ]
+        if records_apart(plan.chosen):
+            in_control_flow = []  # the run recording apart records them
+        recorders = backward.recorders(in_control_flow, with_inputs, self.vmap)
 
-        def objective(trainable, epsilons):
+        def objective(trainable, epsilons, recorders):
             outputs, state, activations, inputs, ran = call_model(
                 self,
                 trainable,
@@ -173,16 +184,23 @@ class ProbeBase(ProbeFront):
                 with_inputs=with_inputs,
                 discovered=plan.discovered,
                 differentiated=True,
+                recorders=recorders or None,
             )
             loss_out = loss_fn(outputs)
             loss, aux = loss_out if has_aux else (loss_out, None)
+            if recorders:
+                # A site whose value reaches an output but not the loss is
+                # recorded all the same, as `apply` records it.
+                loss = backward.reaching_every_output(loss, (outputs, state))
             return loss, (aux, activations, inputs, state, ran)
 
-        (loss, (aux, activations, inputs, state, ran)), (grads, activation_grads) = (
-            jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(
-                self._trainable(), epsilons
-            )
+        (
+            (loss, (aux, activations, inputs, state, ran)),
+            (grads, activation_grads, recorded),
+        ) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+            self._trainable(), epsilons, recorders
         )
+        backward.adopt(recorded, in_control_flow, with_inputs, activations, inputs, ran)
         return ProbeResult(
             loss=loss,
             aux=aux,
@@ -245,6 +263,7 @@ def call_model(
     discovered: Sequence[Site] = (),
     sessions: list[Session] | None = None,
     differentiated: bool = False,
+    recorders: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any, dict, dict, dict]:
     """Run `probe`'s model under a session: `(outputs, state, activations,
     inputs, ran)`.
@@ -257,9 +276,17 @@ def call_model(
     (`per_example_keys`).
 
     `differentiated`: the caller differentiates the outputs (with respect to
-    `trainable` and `epsilons`). A site inside a loop is then recorded by a
-    second run of the model that nothing differentiates (see
-    `recorded_apart` below; `bridge._session.backward`).
+    `trainable` and `epsilons`). A site that the adapter records through a
+    backward pass of its own inside a loop (Equinox's scanned stacks) is
+    then recorded by a second run of the model that nothing differentiates
+    (see `recorded_apart` below; `bridge._session.backward`).
+
+    `recorders`: the sites inside branches and loops
+    (`backward.InControlFlow`), recorded through the caller's backward pass:
+    `{name: recorders}` as `backward.recorders` makes them, which the caller
+    differentiates; their gradients are the values (`backward.adopt`). Else
+    such sites are recorded through a `jax.vjp` of the model of their own
+    (`backward.run_recording`).
     """
     patches = patches or {}
     request = Request(
@@ -278,18 +305,7 @@ def call_model(
         if isinstance(site.origin, backward.InControlFlow)
     }
 
-    # Where the caller differentiates, a site whose value leaves a loop
-    # through the backward pass is recorded by a second run of the model
-    # that nothing differentiates: differentiating the first run's backward
-    # pass again would drop the `custom_jvp` rules inside a scan (JAX
-    # differentiates their primal functions instead: relu's derivative at 0
-    # becomes 1/2), and Equinox's checkpointed loop has a custom backward
-    # pass (a `while_loop`) JAX cannot differentiate at all.
-    recorded_apart = differentiated and any(
-        # A third-party adapter's origin may be any value.
-        getattr(site.origin, "recorded_in_a_loop", False)
-        for site in chosen or ()
-    )
+    recorded_apart = differentiated and records_apart(chosen or ())
 
     def run(
         trainable,
@@ -328,8 +344,10 @@ def call_model(
             ),
         )
 
-    def single(dynamic_args, call_kwargs, epsilons, patch_values):
+    def single(dynamic_args, call_kwargs, epsilons, patch_values, given):
         arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
+        if given is not None:
+            return run(*arguments, given)
         if not recorded_apart:
             return recorded(*arguments)
         outputs, state, *_ = run(*arguments, None, records=False)
@@ -342,7 +360,7 @@ def call_model(
     dynamic_args, rebuild_args = split_arrays(args)
     patch_values = request.patch_values()
     if not probe.vmap:
-        return single(dynamic_args, kwargs, request.epsilons, patch_values)
+        return single(dynamic_args, kwargs, request.epsilons, patch_values, recorders)
     # Each example draws its own randomness, as in a batched model.
     keys, rebuild_kwargs = per_example_keys(kwargs, batch_size(args))
     stacked = {site.name: site.stacked for site in discovered}
@@ -353,16 +371,35 @@ def call_model(
             0,
             {name: stacked[name] for name in request.epsilons},
             {name: stacked[name] for name in patch_values},
+            None if recorders is None else {name: stacked[name] for name in recorders},
         ),
         out_axes=(0, None, 0, 0, 0),
         axis_name=BATCH_AXIS,
-    )(dynamic_args, keys, request.epsilons, patch_values)
+    )(dynamic_args, keys, request.epsilons, patch_values, recorders)
     return (
         outputs,
         state,
         batch_axis_to(activations, stacked),
         batch_axis_to(inputs, stacked),
         batch_axis_to(ran, stacked),
+    )
+
+
+def records_apart(chosen: Sequence[Site]) -> bool:
+    """Whether a differentiated step records its sites in a run of the model
+    of its own: where an adapter records a site through a backward pass of
+    its own inside a loop (Equinox's scanned stacks). Differentiating that
+    backward pass again would drop the `custom_jvp` rules inside a scan (JAX
+    differentiates their primal functions instead: relu's derivative at 0
+    becomes 1/2), and Equinox's checkpointed loop has a custom backward pass
+    (a `while_loop`) JAX cannot differentiate at all. The sites inside
+    branches and loops the core routes (`backward.InControlFlow`) record
+    through the step's own backward pass instead."""
+    return any(
+        # A third-party adapter's origin may be any value.
+        getattr(site.origin, "recorded_in_a_loop", False)
+        and not isinstance(site.origin, backward.InControlFlow)
+        for site in chosen
     )
 
 

@@ -8,29 +8,35 @@ takes its iteration's row by the loop's counter), and JAX gives it a zero
 gradient where a branch did not run. The value leaves as a gradient: it
 passes through `record`, an identity whose backward pass returns the value
 itself (and the call's inputs, and ones) as the cotangents of zero-valued
-recorders the body closes over (a loop's row of them), and one `jax.vjp` of
-the model (`run_recording`) pulls them out. Where a branch did not run, its
-backward pass never reaches `record`: the value, the inputs and the ones
-stay zeros, so the ones say where it ran (`ProbeResult.ran`). Under a `vmap`
-whose predicate varies, JAX runs every branch and selects each operand's
-gradient by the predicate, so this holds per example. Equinox's
-checkpointed while loop is such a loop too (`CHECKPOINTED_WHILE`): its
-steps take their rows by its counter, and a step an example did not run
-records zeros (`record`'s `runs`).
+recorders the body closes over (a loop's row of them). In a differentiated
+step the recorders are differentiated beside the epsilons, so the step's
+own backward pass brings the values out as their gradients (`recorders`,
+`adopt`), and reaches every output for it (`reaching_every_output`); in a
+forward-only run (`apply`) one `jax.vjp` of the model (`run_recording`)
+pulls them out. Where a branch did not run, its backward pass never
+reaches `record`: the value, the inputs and the ones stay zeros, so the
+ones say where it ran (`ProbeResult.ran`). Under a `vmap` whose predicate
+varies, JAX runs every branch and selects each operand's gradient by the
+predicate, so this holds per example. Equinox's checkpointed while loop is
+such a loop too (`CHECKPOINTED_WHILE`): its steps take their rows by its
+counter, and a step an example did not run records zeros (`record`'s
+`runs`).
 
-Where the step is differentiated, the backward pass that records a loop's
-sites must not be differentiated again: JAX then drops the `custom_jvp`
-rules inside a scan, and Equinox's loop has a custom backward pass JAX
-cannot differentiate. The core records those in a run of their own
-(`SiteOrigin.recorded_in_a_loop`, `bridge._probe.jax_backend.call_model`).
+One backward pass, never a backward pass differentiated again: JAX drops
+the `custom_jvp` rules inside a scan when it differentiates a `jax.vjp` of
+it (relu's derivative at 0 becomes 1/2), and Equinox's checkpointed loop
+has a custom backward pass JAX cannot differentiate. An adapter that
+records through a backward pass of its own inside a loop (Equinox's
+scanned stacks: `SiteOrigin.recorded_in_a_loop`) has the core record its
+sites in a run of the model of their own
+(`bridge._probe.jax_backend.records_apart`).
 
 The adapter reads where a call runs (`ControlFlow`, from JAX's trace stack)
-and hands the call to `Session.call_in_control_flow`; the core runs the
-model inside `run_recording` where a selected site's origin is an
-`InControlFlow`. An adapter with a route of its own (the Equinox tree,
-which a scan over stacked layers slices) uses `record` directly. Inputs
-that are not floating-point travel as float32 numbers a cotangent carries
-exactly (`as_floats`).
+and hands the call to `Session.call_in_control_flow`; the core records a
+selected site whose origin is an `InControlFlow` as above. An adapter
+with a route of its own (the Equinox tree, which a scan over stacked
+layers slices) uses `record` directly. Inputs that are not floating-point
+travel as float32 numbers a cotangent carries exactly (`as_floats`).
 """
 
 from __future__ import annotations
@@ -229,6 +235,75 @@ def run_recording(
         if site_ran is not None:
             ran[name] = site_ran > 0
     return outputs, state, activations, inputs, ran
+
+
+def recorders(sites: list, with_inputs: bool, batched: bool) -> dict[str, Any]:
+    """`{name: (value recorder, inputs recorder, ran recorder)}` of `sites`
+    (each an `InControlFlow`), zeros as the result holds them: the loops'
+    iterations first, then (`batched`: under the probe's `jax.vmap`) the
+    batch axis, which a site's `value_struct` has already. A caller that
+    differentiates them gets the values, inputs and where-they-ran of the
+    sites as their gradients (`adopt`)."""
+
+    def stacked(site: Any, shape: tuple) -> tuple:
+        iterations = site.origin.iterations
+        if not batched:
+            return (*iterations, *shape)
+        batch = jax.tree.leaves(site.value_struct)[0].shape[site.stacked]
+        return (*iterations, batch, *shape)
+
+    return {
+        site.name: (
+            zeros_like_struct(site.value_struct),
+            jax.tree.map(
+                lambda s, site=site: jnp.zeros(stacked(site, s.shape), s.dtype),
+                site.origin.inputs_recorder,
+            )
+            if with_inputs
+            else None,
+            jnp.zeros(stacked(site, ()), jnp.float32)
+            if site.origin.in_branch
+            else None,
+        )
+        for site in sites
+    }
+
+
+def adopt(
+    recorded: Mapping[str, Any],
+    sites: list,
+    with_inputs: bool,
+    activations: dict,
+    inputs: dict,
+    ran: dict,
+) -> None:
+    """Into `activations`, `inputs` and `ran`: what the gradients of
+    `recorders` hold for `sites`."""
+    for site in sites:
+        value, site_inputs, site_ran = recorded[site.name]
+        activations[site.name] = value
+        if with_inputs:
+            inputs[site.name] = jax.tree.map(
+                from_floats, site.origin.inputs, site_inputs
+            )
+        if site_ran is not None:
+            ran[site.name] = site_ran > 0
+
+
+def reaching_every_output(loss: Any, outputs: Any) -> Any:
+    """`loss`, whose backward pass also reaches every floating output (with
+    zero cotangents): a site recorded through the backward pass whose value
+    reaches an output but not the loss would otherwise come out as zeros.
+    A `select` of nothing, so that an infinite or NaN output leaves the loss
+    as it is."""
+    for leaf in jax.tree.leaves(differentiable_part(outputs)):
+        if leaf is None or not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            continue
+        nothing = jax.lax.select(
+            jnp.zeros(leaf.shape, bool), leaf, jnp.zeros_like(leaf)
+        )
+        loss = loss + jnp.sum(nothing).astype(loss.dtype)
+    return loss
 
 
 def pulled_out(
