@@ -114,6 +114,34 @@ def test_equinox_loop_sites_keep_a_custom_jvp_rule(make, site, jit):
     assert_close(res.activation_grads[site], jnp.swapaxes(by_hand, 0, 1))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    ("make", "site"), [(EqxScanned, "layers"), (EqxLoop, "cell")], ids=["scan", "fori"]
+)
+def test_equinox_loop_sites_the_loss_does_not_reach_hold_their_values(make, site, jit):
+    """The values leave through the step's own backward pass, which reaches
+    every output: a loss that ignores the outputs still gets every
+    iteration's value (each layer's output, computed by hand), with zero
+    gradients."""
+    model = make(jax.random.key(0))
+
+    def step(probe, x):
+        return probe.value_and_grad(lambda y: jnp.float32(1.0), x)
+
+    res = (jax.jit(step) if jit else step)(bridge.probe(model, vmap=True), X)
+    by_hand, h = [], X
+    for i in range(ITERATIONS):
+        layer = (
+            jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, model.layers)
+            if make is EqxScanned
+            else model.cell
+        )
+        h = jax.vmap(layer)(h)
+        by_hand.append(h)
+    assert_close(res.activations[site], jnp.stack(by_hand))
+    assert not np.any(np.asarray(res.activation_grads[site]))
+
+
 class LinenLoop(nn.Module):
     @nn.compact
     def __call__(self, x):

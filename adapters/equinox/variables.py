@@ -111,14 +111,12 @@ def run_with_tree_leaves(
             struct = jax.tree.map(lambda s: without_axis(s, site.stacked), struct)
         return zeros_like_struct(struct)
 
-    def tree_leaves(recorders: dict | None) -> dict[str, Leaves]:
-        """Each site's epsilon and patch value, and its recorders unless
-        `recorders` is `None`; the other patched calls' patch values."""
+    def tree_leaves(recorders: dict) -> dict[str, Leaves]:
+        """Each site's epsilon, patch value and recorders; the other patched
+        calls' patch values."""
         leaves = {name: Leaves(patch=p) for name, p in patches.items()}
         for name, site in sites.items():
-            value_recorder, inputs_recorder, ran_recorder = (
-                (None, None, None) if recorders is None else recorders[name]
-            )
+            value_recorder, inputs_recorder, ran_recorder = recorders[name]
             epsilon = session.epsilons.get(name)
             leaves[name] = Leaves(
                 shaped(site) if epsilon is None else epsilon,
@@ -129,9 +127,12 @@ def run_with_tree_leaves(
             )
         return leaves
 
-    if not session.recording:
-        # Another run records them (`Request.recording`).
-        return call_model(tree_leaves(None))
+    given = session.request.control_flow_recorders
+    if all(name in given for name in sites):
+        # The step's own backward pass records them: their values leave as
+        # the gradients of the recorders it differentiates
+        # (`bridge._session.backward.recorders`, `InTransform.backward_recorders`).
+        return call_model(tree_leaves({name: given[name] for name in sites}))
 
     def shaped_inputs(site: Any) -> Any:
         if not session.with_inputs:
@@ -197,9 +198,17 @@ class InTransform(SiteOrigin):
         result says where it ran (`ProbeResult.ran`)."""
         return in_a_branch(self.transforms)
 
-    @property
-    def recorded_in_a_loop(self) -> bool:
-        return self.iterations is not None
+    def backward_recorders(self, site: Any, with_inputs: bool) -> tuple:
+        """One example's zeros (see `SiteOrigin.backward_recorders`): the
+        inputs recorder was shaped at discovery, where the probe's vmap had
+        already taken the batch axis away; where it ran, one number per call
+        (the value's stacked axes: a scan's iterations)."""
+        inputs = zeros_like_struct(self.inputs_recorder) if with_inputs else None
+        ran = None
+        if self.in_branch:
+            first = jax.tree.leaves(site.value_struct)[0]
+            ran = jnp.zeros(first.shape[: site.stacked], jnp.float32)
+        return inputs, ran
 
 
 def through_tree(value: Any, inputs: Any, leaves: Leaves) -> Any:

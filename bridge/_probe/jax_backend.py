@@ -12,7 +12,6 @@ where `vmap=True`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -23,7 +22,6 @@ from .._session.naming import renames_of
 from .._session.session import Request, Session
 from .._session.sites import (
     Site,
-    is_array,
     split_arrays,
     without_axis,
     zeros_like_struct,
@@ -160,17 +158,12 @@ class ProbeBase(ProbeFront):
         """The gradients with respect to the trainable leaves and to a zero
         epsilon added at each chosen site, by one `jax.value_and_grad`."""
         epsilons = _zero_epsilons(plan.chosen)
-        # The sites inside branches and loops record through the step's own
-        # backward pass: their recorders are differentiated beside the
-        # epsilons, and their gradients are the values (`backward.record`).
-        in_control_flow = [
-            site
-            for site in plan.chosen
-            if isinstance(site.origin, backward.InControlFlow)
-        ]
-        if records_apart(plan.chosen):
-            in_control_flow = []  # the run recording apart records them
-        recorders = backward.recorders(in_control_flow, with_inputs, self.vmap)
+        # The sites inside branches and loops (and Equinox's scanned stacks)
+        # record through the step's own backward pass: their recorders are
+        # differentiated beside the epsilons, and their gradients are the
+        # values (`backward.record`).
+        recorded = backward.recorded_backward(plan.chosen)
+        recorders = backward.recorders(recorded, with_inputs, self.vmap)
 
         def objective(trainable, epsilons, recorders):
             outputs, state, activations, inputs, ran = call_model(
@@ -183,7 +176,6 @@ class ProbeBase(ProbeFront):
                 patches=plan.patches,
                 with_inputs=with_inputs,
                 discovered=plan.discovered,
-                differentiated=True,
                 recorders=recorders or None,
             )
             loss_out = loss_fn(outputs)
@@ -196,11 +188,11 @@ class ProbeBase(ProbeFront):
 
         (
             (loss, (aux, activations, inputs, state, ran)),
-            (grads, activation_grads, recorded),
+            (grads, activation_grads, values),
         ) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
             self._trainable(), epsilons, recorders
         )
-        backward.adopt(recorded, in_control_flow, with_inputs, activations, inputs, ran)
+        backward.adopt(values, recorded, with_inputs, activations, inputs, ran)
         return ProbeResult(
             loss=loss,
             aux=aux,
@@ -262,7 +254,6 @@ def call_model(
     with_inputs: bool = False,
     discovered: Sequence[Site] = (),
     sessions: list[Session] | None = None,
-    differentiated: bool = False,
     recorders: Mapping[str, Any] | None = None,
 ) -> tuple[Any, Any, dict, dict, dict]:
     """Run `probe`'s model under a session: `(outputs, state, activations,
@@ -275,18 +266,13 @@ def call_model(
     the random keys among the keywords, one per example
     (`per_example_keys`).
 
-    `differentiated`: the caller differentiates the outputs (with respect to
-    `trainable` and `epsilons`). A site that the adapter records through a
-    backward pass of its own inside a loop (Equinox's scanned stacks) is
-    then recorded by a second run of the model that nothing differentiates
-    (see `recorded_apart` below; `bridge._session.backward`).
-
-    `recorders`: the sites inside branches and loops
-    (`backward.InControlFlow`), recorded through the caller's backward pass:
-    `{name: recorders}` as `backward.recorders` makes them, which the caller
-    differentiates; their gradients are the values (`backward.adopt`). Else
-    such sites are recorded through a `jax.vjp` of the model of their own
-    (`backward.run_recording`).
+    `recorders`: the sites recorded through the caller's backward pass
+    (`backward.recorded_backward`: inside branches and loops, and the
+    adapters' own routes through their transforms), `{name: recorders}` as
+    `backward.recorders` makes them, which the caller differentiates; their
+    gradients are the values (`backward.adopt`). Else such sites are
+    recorded through a `jax.vjp` of the model of their own
+    (`backward.run_recording`, or the adapter's).
     """
     patches = patches or {}
     request = Request(
@@ -305,8 +291,6 @@ def call_model(
         if isinstance(site.origin, backward.InControlFlow)
     }
 
-    recorded_apart = differentiated and records_apart(chosen or ())
-
     def run(
         trainable,
         dynamic_args,
@@ -314,10 +298,8 @@ def call_model(
         epsilons,
         patch_values,
         recorders,
-        records=True,
     ):
-        varied = request.varied(epsilons, patch_values, recorders)
-        session = Session(dataclasses.replace(varied, recording=records))
+        session = Session(request.varied(epsilons, patch_values, recorders))
         if sessions is not None:
             sessions.append(session)
         with session.active():
@@ -348,14 +330,7 @@ def call_model(
         arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
         if given is not None:
             return run(*arguments, given)
-        if not recorded_apart:
-            return recorded(*arguments)
-        outputs, state, *_ = run(*arguments, None, records=False)
-        constants = jax.tree.map(
-            lambda a: jax.lax.stop_gradient(a) if is_array(a) else a, arguments
-        )
-        _, _, activations, inputs, ran = recorded(*constants)
-        return outputs, state, activations, inputs, ran
+        return recorded(*arguments)
 
     dynamic_args, rebuild_args = split_arrays(args)
     patch_values = request.patch_values()
@@ -382,24 +357,6 @@ def call_model(
         batch_axis_to(activations, stacked),
         batch_axis_to(inputs, stacked),
         batch_axis_to(ran, stacked),
-    )
-
-
-def records_apart(chosen: Sequence[Site]) -> bool:
-    """Whether a differentiated step records its sites in a run of the model
-    of its own: where an adapter records a site through a backward pass of
-    its own inside a loop (Equinox's scanned stacks). Differentiating that
-    backward pass again would drop the `custom_jvp` rules inside a scan (JAX
-    differentiates their primal functions instead: relu's derivative at 0
-    becomes 1/2), and Equinox's checkpointed loop has a custom backward pass
-    (a `while_loop`) JAX cannot differentiate at all. The sites inside
-    branches and loops the core routes (`backward.InControlFlow`) record
-    through the step's own backward pass instead."""
-    return any(
-        # A third-party adapter's origin may be any value.
-        getattr(site.origin, "recorded_in_a_loop", False)
-        and not isinstance(site.origin, backward.InControlFlow)
-        for site in chosen
     )
 
 

@@ -25,11 +25,10 @@ counter, and a step an example did not run records zeros (`record`'s
 One backward pass, never a backward pass differentiated again: JAX drops
 the `custom_jvp` rules inside a scan when it differentiates a `jax.vjp` of
 it (relu's derivative at 0 becomes 1/2), and Equinox's checkpointed loop
-has a custom backward pass JAX cannot differentiate. An adapter that
-records through a backward pass of its own inside a loop (Equinox's
-scanned stacks: `SiteOrigin.recorded_in_a_loop`) has the core record its
-sites in a run of the model of their own
-(`bridge._probe.jax_backend.records_apart`).
+has a custom backward pass JAX cannot differentiate. An adapter with a
+route of its own that records the same way (Equinox's scanned stacks)
+gives its sites' recorders (`SiteOrigin.backward_recorders`) and takes
+them from the step (`Request.control_flow_recorders`).
 
 The adapter reads where a call runs (`ControlFlow`, from JAX's trace stack)
 and hands the call to `Session.call_in_control_flow`; the core records a
@@ -42,7 +41,7 @@ travel as float32 numbers a cotangent carries exactly (`as_floats`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -160,10 +159,6 @@ class InControlFlow(SiteOrigin):
     inputs_recorder: Any = None
     inner: SiteOrigin | None = None
 
-    @property
-    def recorded_in_a_loop(self) -> bool:
-        return any(t in LOOPS for t in self.transforms)
-
     @classmethod
     def of(
         cls, flow: ControlFlow, args: tuple, inner: SiteOrigin | None = None
@@ -182,6 +177,16 @@ class InControlFlow(SiteOrigin):
     def in_branch(self) -> bool:
         """Inside a `cond` or `switch`: where it ran is part of the result."""
         return in_a_branch(self.transforms)
+
+    def backward_recorders(self, site: Any, with_inputs: bool) -> tuple:
+        inputs = None
+        if with_inputs:
+            inputs = jax.tree.map(
+                lambda s: jnp.zeros((*self.iterations, *s.shape), s.dtype),
+                self.inputs_recorder,
+            )
+        ran = jnp.zeros(self.iterations, jnp.float32) if self.in_branch else None
+        return inputs, ran
 
     def __getattr__(self, name: str) -> Any:
         # What the adapter's own origin says of the call (its bundle, its
@@ -237,41 +242,52 @@ def run_recording(
     return outputs, state, activations, inputs, ran
 
 
-def recorders(sites: list, with_inputs: bool, batched: bool) -> dict[str, Any]:
+def recorded_backward(sites: Sequence[Any]) -> list:
+    """The sites of `sites` that the step's own backward pass records
+    (`SiteOrigin.backward_recorders`)."""
+    return [
+        site
+        for site in sites
+        # A third-party adapter's origin may be any value.
+        if callable(getattr(site.origin, "backward_recorders", None))
+        and site.origin.backward_recorders(site, False) is not None
+    ]
+
+
+def recorders(sites: Sequence[Any], with_inputs: bool, batched: bool) -> dict:
     """`{name: (value recorder, inputs recorder, ran recorder)}` of `sites`
-    (each an `InControlFlow`), zeros as the result holds them: the loops'
+    (`recorded_backward`), zeros as the result holds them: the loops'
     iterations first, then (`batched`: under the probe's `jax.vmap`) the
     batch axis, which a site's `value_struct` has already. A caller that
     differentiates them gets the values, inputs and where-they-ran of the
     sites as their gradients (`adopt`)."""
 
-    def stacked(site: Any, shape: tuple) -> tuple:
-        iterations = site.origin.iterations
+    def with_batch(site: Any, tree: Any) -> Any:
         if not batched:
-            return (*iterations, *shape)
+            return tree
         batch = jax.tree.leaves(site.value_struct)[0].shape[site.stacked]
-        return (*iterations, batch, *shape)
-
-    return {
-        site.name: (
-            zeros_like_struct(site.value_struct),
-            jax.tree.map(
-                lambda s, site=site: jnp.zeros(stacked(site, s.shape), s.dtype),
-                site.origin.inputs_recorder,
-            )
-            if with_inputs
-            else None,
-            jnp.zeros(stacked(site, ()), jnp.float32)
-            if site.origin.in_branch
-            else None,
+        return jax.tree.map(
+            lambda leaf: jnp.zeros(
+                (*leaf.shape[: site.stacked], batch, *leaf.shape[site.stacked :]),
+                leaf.dtype,
+            ),
+            tree,
         )
-        for site in sites
-    }
+
+    made = {}
+    for site in sites:
+        inputs, ran = site.origin.backward_recorders(site, with_inputs)
+        made[site.name] = (
+            zeros_like_struct(site.value_struct),
+            with_batch(site, inputs),
+            with_batch(site, ran),
+        )
+    return made
 
 
 def adopt(
     recorded: Mapping[str, Any],
-    sites: list,
+    sites: Sequence[Any],
     with_inputs: bool,
     activations: dict,
     inputs: dict,

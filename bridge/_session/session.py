@@ -86,11 +86,9 @@ class Request:
         the core set in this context (`bridge._session.context.INSIDE`), for
         a request made by any adapter.
       control_flow_recorders: `{name: recorders}` of the selected sites
-        inside branches and loops, whose values leave through the backward
-        pass (`bridge._session.backward`).
-      recording: `False` where another run of the model records the sites
-        whose values leave through the backward pass, and this one only
-        adds their epsilons and patches (`SiteOrigin.recorded_in_a_loop`).
+        whose values leave through the backward pass: inside branches and
+        loops, and an adapter's own route (`SiteOrigin.backward_recorders`;
+        `bridge._session.backward`).
     """
 
     selected: Mapping[str, Site] | None = None
@@ -103,7 +101,6 @@ class Request:
     renames: Mapping[str, tuple[str, int]] | None = None
     inside: Inside | None = dataclasses.field(default_factory=context.INSIDE.get)
     control_flow_recorders: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    recording: bool = True
 
     def __post_init__(self):
         if self.selected is None:  # a discovery lists the sites: nothing is asked
@@ -184,12 +181,6 @@ class Session:
     @property
     def with_inputs(self) -> bool:
         return self.request.with_inputs
-
-    @property
-    def recording(self) -> bool:
-        """Whether this run records the sites whose values leave through the
-        backward pass (`Request.recording`)."""
-        return self.request.recording
 
     @property
     def batch_axis(self) -> str | None:

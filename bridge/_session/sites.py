@@ -88,14 +88,22 @@ class SiteOrigin:
     tap: str | None = None
     blocked: str | None = None
 
-    @property
-    def recorded_in_a_loop(self) -> bool:
-        """Whether the call's value leaves a loop (a scan) through the
-        backward pass of the model: differentiating that pass again drops
-        the `custom_jvp` rules inside the scan (JAX differentiates their
-        primal functions instead), so where the caller differentiates, the
-        core records it in a run of its own (`call_model`)."""
-        return False
+    def backward_recorders(self, site: Site, with_inputs: bool) -> tuple | None:
+        """`(inputs recorder, ran recorder)`: one example's zeros (iterations
+        first) through which a differentiated step's own backward pass
+        records the site's inputs and where it ran
+        (`bridge._session.backward.record`), each `None` where there is none;
+        `None` where the site is not recorded through the backward pass.
+
+        An adapter whose route records a site through the backward pass
+        (the values as the cotangents of recorders, as inside a loop or a
+        branch) says so here, and uses the recorders the step gives it
+        (`Request.control_flow_recorders`) where it has them: recording
+        through a `jax.vjp` of its own inside a differentiated step would
+        have JAX differentiate that backward pass again, which drops the
+        `custom_jvp` rules inside a scan (their primal functions are
+        differentiated instead: relu's derivative at 0 becomes 1/2)."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
