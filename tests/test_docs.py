@@ -126,3 +126,26 @@ def test_python_blocks_run(page, tmp_path):
     assert completed.returncode == 0, (
         f"{_page_id(page)}: {completed.stderr[-6000:]}\n{completed.stdout[-2000:]}"
     )
+
+
+README_BLOCKS = python_blocks(ROOT / "README.md")
+
+
+@pytest.mark.parametrize(
+    "line, source", README_BLOCKS, ids=[f"line-{line}" for line, _ in README_BLOCKS]
+)
+def test_every_readme_block_runs_on_its_own(line, source):
+    """A reader copies one library's snippet: its imports, data and loss are
+    in it (the page's test runs them in order, sharing names)."""
+    needed = re.findall(r"^(?:import|from) (\w+)", source, flags=re.MULTILINE)
+    for module in needed:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    result = subprocess.run(
+        [sys.executable, "-c", source],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, f"README.md:{line}\n{result.stderr[-3000:]}"
