@@ -168,6 +168,95 @@ def test_a_site_outside_the_loop_has_no_ran_entry(relax):
     assert set(res.ran) == {"cell"}
 
 
+# -- loops and solves bridge refuses, naming them -------------------------------
+
+
+class Looped(Relax):
+    """`Relax` run by another kind of Equinox's loop (`loop`: its keywords)."""
+
+    loop: dict = eqx.field(static=True)
+
+    def __init__(self, key, loop):
+        super().__init__(key)
+        self.loop = loop
+
+    def __call__(self, x):
+        def body(carry):
+            return self.step(carry)[0]
+
+        return self.head(eqxi.while_loop(self.going_on, body, x, **self.loop))
+
+
+@pytest.mark.parametrize(
+    ("loop", "named", "way_out"),
+    [
+        (
+            {"kind": "checkpointed", "checkpoints": 3},
+            r"equinox\.internal\.while_loop \(checkpointed, no max_steps\) "
+            "around site 'cell': without `max_steps`",
+            r"Select other sites with `at=`.* or give the loop `max_steps=`",
+        ),
+        (
+            {"kind": "bounded", "max_steps": MAX_STEPS},
+            r'equinox\.internal\.while_loop \(kind="bounded"\) around site '
+            "'cell': it runs its body in nested lax.scan and lax.cond",
+            r'Select other sites with `at=`.* or use kind="checkpointed" with the '
+            "same `max_steps`",
+        ),
+    ],
+    ids=["checkpointed-without-max-steps", "bounded"],
+)
+def test_a_loop_bridge_cannot_route_is_named_with_the_way_out(
+    relax, loop, named, way_out
+):
+    base, x = relax
+    model = Looped(jax.random.key(0), loop=loop)
+    model = eqx.tree_at(lambda m: (m.cell, m.head), model, (base.cell, base.head))
+    probe = bridge.probe(model, vmap=True)
+    # Listed without a steps axis: the loop's steps are not the site's.
+    assert probe.sites(x)["cell"].shape == (5, WIDTH)
+    with pytest.raises(bridge.BridgeError, match=named) as raised:
+        probe.value_and_grad(loss_fn, x, at=["cell"])
+    assert raised.match(way_out)
+    # The site after the loop probes as usual.
+    res = probe.value_and_grad(loss_fn, x, at=["head"])
+    expected = jax.vmap(model)(x)
+    assert_close(res.activations["head"], expected)
+    grad = jax.grad(lambda o: loss_fn(o))(expected)
+    assert_close(res.activation_grads["head"], grad)
+
+
+class Solved(eqx.Module):
+    """`head` of the root of `y - 0.5 tanh(cell(y)) = x`, found by
+    optimistix's Newton solve, differentiated implicitly."""
+
+    cell: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        optx = pytest.importorskip("optimistix")
+
+        def fn(y, args):
+            return y - 0.5 * jnp.tanh(self.cell(y)) - x
+
+        solver = optx.Newton(rtol=1e-6, atol=1e-6)
+        root = optx.root_find(fn, solver, x, adjoint=optx.ImplicitAdjoint())
+        return self.head(root.value)
+
+
+def test_a_site_in_an_optimistix_solve_is_refused_naming_the_solve(relax):
+    pytest.importorskip("optimistix")
+    base, x = relax
+    probe = bridge.probe(Solved(base.cell, base.head), vmap=True)
+    with pytest.raises(
+        bridge.BridgeError,
+        match=r"cannot see through optimistix\.root_find around site 'cell'.*"
+        "or call the layer outside the solve",
+    ):
+        probe.value_and_grad(loss_fn, x, at=["cell"])
+    assert set(probe.value_and_grad(loss_fn, x, at=["head"]).activations) == {"head"}
+
+
 # -- diffrax: a neural ODE's vector field, one entry per solver step ------------------
 
 diffrax = pytest.importorskip("diffrax")
@@ -185,8 +274,10 @@ class VectorField(eqx.Module):
 
 class NeuralODE(eqx.Module):
     field: VectorField
+    adjoint: object = eqx.field(static=True)
 
-    def __init__(self, key):
+    def __init__(self, key, adjoint=None):
+        self.adjoint = adjoint or diffrax.RecursiveCheckpointAdjoint()
         self.field = VectorField(
             eqx.nn.MLP(WIDTH, WIDTH, 8, 1, activation=jnp.tanh, key=key)
         )
@@ -200,7 +291,7 @@ class NeuralODE(eqx.Module):
             dt0=DT,
             y0=y0,
             max_steps=ODE_STEPS,
-            adjoint=diffrax.RecursiveCheckpointAdjoint(),
+            adjoint=self.adjoint,
         )
         return solution.ys[-1]
 
@@ -235,3 +326,17 @@ def test_a_neural_odes_vector_field_site_holds_every_solver_step():
     assert_close(res.loss, expected_loss)
     assert_close(res.activations[site], steps_first(values))
     assert_close(res.activation_grads[site], steps_first(grads))
+
+
+def test_a_diffrax_solve_with_an_implicit_adjoint_is_refused_naming_it():
+    model = NeuralODE(jax.random.key(3), diffrax.ImplicitAdjoint())
+    y0 = jax.random.normal(jax.random.key(4), (4, WIDTH))
+    with pytest.raises(
+        bridge.BridgeError,
+        match=r"cannot see through diffrax\.diffeqsolve \(adjoint=ImplicitAdjoint\)"
+        r" around site 'field/mlp/layers/1'.*"
+        r"adjoint=diffrax\.RecursiveCheckpointAdjoint",
+    ):
+        bridge.probe(model, vmap=True).value_and_grad(
+            loss_fn, y0, at=["field/mlp/layers/1"]
+        )

@@ -64,7 +64,7 @@ from bridge.adapter_api import (
     refusal,
 )
 
-from ..shared import jax_internals, unexpressible
+from ..shared import equinox_loops, jax_internals, unexpressible
 from ..shared.lifting import mapped_depth as mapped_depth
 
 # -- inside the model's own jax.vmap: handing the whole value out ----------------
@@ -113,18 +113,25 @@ def transforms(base_trace: Any) -> tuple[str, ...]:
     """The transforms between here and the probe's trace, innermost first:
     `vmap` for a `jax.vmap`, otherwise JAX's own name (`scan`, `cond`, ...)."""
     trace = jax_internals.current_trace()
-    found = []
+    found, traces = [], []
     while trace is not base_trace:
         if trace is None:
             # jax < 0.6.2: a jaxpr trace (of scan, checkpoint, cond, ...) does
             # not record the trace it runs in; nothing beyond it can be seen.
             found.append(_PARENT_UNKNOWN)
+            traces.append(None)
             break
         found.append(
             "vmap" if jax_internals.is_vmap(trace) else jax_internals.traced_for(trace)
         )
+        traces.append(trace)
         trace = jax_internals.parent(trace)
-    return tuple(found)
+    # An Equinox loop or a solve that holds the call with no route is named
+    # after itself, not after the traces JAX opens for it.
+    named = equinox_loops.blocking(traces, found)
+    return tuple(
+        named.get(id(trace), name) for trace, name in zip(traces, found, strict=True)
+    )
 
 
 #: What `transforms` names past a jaxpr trace of jax < 0.6.2.
@@ -136,7 +143,9 @@ _PARENT_UNKNOWN = (
 
 def describe(transforms: tuple[str, ...]) -> str:
     names = jax_internals.TRANSFORM_NAMES
-    return " inside ".join(names.get(t, t) for t in transforms)
+    # A loop JAX runs in several traces (the bounded kind's nest) is one.
+    distinct = [t for i, t in enumerate(transforms) if i == 0 or t != transforms[i - 1]]
+    return " inside ".join(names.get(t, t) for t in distinct)
 
 
 def lift(tree: Any, depth: int, observe: Callable[..., Any], extra: Any = None) -> Any:
@@ -301,13 +310,14 @@ def _named(origin: SiteOrigin, name: str) -> SiteOrigin:
     blocker = next((t for t in enclosing if t not in _NOT_NAMED), None)
     if blocker is None or not dataclasses.is_dataclass(origin):
         return origin
-    why, fix = _REFUSALS.get(
-        blocker,
-        (
+    why, fix = (
+        _REFUSALS.get(blocker)
+        or equinox_loops.refusal(blocker)
+        or (
             "bridge sees through jax.lax.scan over stacked layers, "
             "jax.checkpoint and the model's own jax.vmap only",
             "move the call out of it, or unroll it",
-        ),
+        )
     )
     why += f" (it is called inside {describe(enclosing)})"
     return dataclasses.replace(

@@ -18,6 +18,13 @@ carry, 0, 1, 2, ... and not mapped by a `vmap`) and the `max_steps` local of
 `checkpointed_while_loop` (`equinox/internal/_loop/checkpointed.py`) that
 called it. Checked against Equinox 0.11.5 and 0.13.8; where they cannot be
 read, a call there is refused as what JAX names it, never probed wrongly.
+
+A call bridge cannot route there is named after what holds it, not after the
+trace JAX opens (`blocking`): a checkpointed loop without `max_steps` (its
+body's trace is a `jit`), the `bounded` kind (the nest of `lax.scan`,
+`lax.cond` and `jax.checkpoint` it runs its body in), an optimistix solve (it
+traces the function it solves once, in `equinox.filter_closure_convert`'s
+`jit`), and a diffrax solve whose adjoint runs it in a plain `while_loop`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+from . import jax_internals
 
 _BODY = ("new_body_fun", os.path.join("equinox", "internal", "_loop", "common.py"))
 _CHECKPOINTED = (
@@ -37,6 +46,63 @@ _OTHER_KINDS = (
     ("while_loop", os.path.join("equinox", "internal", "_loop", "loop.py")),
     ("bounded_while_loop", os.path.join("equinox", "internal", "_loop", "bounded.py")),
 )
+
+
+#: `bounded_while_loop`'s nest: each level with `max_steps > 1` is a scan of
+#: `base` steps whose body is a `lax.cond`, checkpointed but at the lowest.
+_BOUNDED_LEVEL = (
+    "_while_loop",
+    os.path.join("equinox", "internal", "_loop", "bounded.py"),
+)
+_LAX_KIND = _OTHER_KINDS[0]
+_CLOSURE_CONVERT = ("filter_closure_convert", os.path.join("equinox", "_ad.py"))
+_OPTIMISTIX = tuple(
+    (name, os.path.join("optimistix", f"_{name}.py"))
+    for name in ("root_find", "minimise", "least_squares", "fixed_point")
+)
+_DIFFRAX = ("diffeqsolve", os.path.join("diffrax", "_integrate.py"))
+
+#: The names `blocking` gives (`jax_transforms.describe` shows them as they
+#: are), each with why a call there has no route and the way out.
+UNBOUNDED = "equinox.internal.while_loop (checkpointed, no max_steps)"
+BOUNDED = 'equinox.internal.while_loop (kind="bounded")'
+_SOLVE_WHY = (
+    "optimistix traces the function it solves once (in "
+    "equinox.filter_closure_convert) and its solver's loop runs that trace, "
+    "so no call of a step reaches bridge"
+)
+REFUSALS = {
+    UNBOUNDED: (
+        "without `max_steps` how many steps run is known only when the model "
+        "runs, so no epsilon or recording can be shaped for them",
+        "give the loop `max_steps=` (a Python int: a site there then holds "
+        "every step, `(max_steps, ...)`)",
+    ),
+    BOUNDED: (
+        "it runs its body in nested lax.scan and lax.cond (the rounds of "
+        "`base` steps), which bridge does not read as the loop's steps",
+        'use kind="checkpointed" with the same `max_steps` (in diffrax, '
+        "adjoint=diffrax.RecursiveCheckpointAdjoint(), the default): a site "
+        "there holds every step, `(max_steps, ...)`",
+    ),
+}
+
+
+def refusal(name: str) -> tuple[str, str] | None:
+    """`(why, fix)` of a name `blocking` gives, `None` for another."""
+    if name in REFUSALS:
+        return REFUSALS[name]
+    if name.startswith("optimistix."):
+        return _SOLVE_WHY, "call the layer outside the solve"
+    if name.startswith("diffrax.diffeqsolve"):
+        return (
+            "that adjoint runs the solve in a plain jax.lax.while_loop, whose "
+            "steps are known only when the model runs (and which JAX cannot "
+            "reverse-differentiate)",
+            "use adjoint=diffrax.RecursiveCheckpointAdjoint() (the default), "
+            "whose steps bridge probes one by one",
+        )
+    return None
 
 
 def _is(frame: Any, where: tuple[str, str]) -> bool:
@@ -66,3 +132,87 @@ def running() -> list[tuple[Any, int | None, Any]]:
             step = None
         frame = frame.f_back
     return found
+
+
+def blocking(traces: list[Any], names: list[str]) -> dict[int, str]:
+    """The names (`refusal`'s) of the traces among `traces` (those between
+    here and the probe's call of the model, innermost first, JAX naming them
+    `names`) that an Equinox loop or a solve built on one runs a call in
+    with no route: `id(trace)` to its name. Read from the Python call stack;
+    what cannot be read keeps JAX's name."""
+    index = {id(trace): i for i, trace in enumerate(traces)}
+    found: dict[int, str] = {}
+    step = None
+    levels: list[tuple[Any, Any]] = []  # the bounded nest's, innermost first
+    unsolved: list[Any] = []  # lax-kind bodies and closure conversions
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _is(frame, _BODY):
+            step, levels = frame.f_locals.get("step"), []
+        elif step is not None and _is(frame, _BOUNDED_LEVEL):
+            levels.append((frame.f_locals.get("max_steps"), frame.f_locals.get("base")))
+        elif step is not None and _is(frame, _CHECKPOINTED):
+            if not isinstance(frame.f_locals.get("max_steps"), int):
+                _name(found, index, traces, step, 1, UNBOUNDED)
+            step = None
+        elif step is not None and _is(frame, _OTHER_KINDS[1]):
+            count = sum(
+                2 + (steps != base)
+                for steps, base in levels
+                if isinstance(steps, int) and steps > 1
+            )
+            nest = _name(found, index, traces, step, count, BOUNDED)
+            expected = {"cond", "scan", "checkpoint / remat"}
+            if nest and not all(names[i] in expected for i in nest):
+                for i in nest:  # not the nest this Equinox builds
+                    del found[id(traces[i])]
+            step = None
+        elif step is not None and _is(frame, _LAX_KIND):
+            unsolved.append(jax_internals.trace_of(step))
+            step = None
+        elif step is None and _is(frame, _CLOSURE_CONVERT):
+            unsolved.append(_innermost_jit(traces, names, found))
+        elif any(_is(frame, solve) for solve in _OPTIMISTIX):
+            for trace in unsolved:
+                if id(trace) in index:
+                    found[id(trace)] = f"optimistix.{frame.f_code.co_name}"
+            unsolved = []
+        elif _is(frame, _DIFFRAX):
+            adjoint = type(frame.f_locals.get("adjoint")).__name__
+            for trace in unsolved:
+                if id(trace) in index and names[index[id(trace)]] == "while_body":
+                    found[id(trace)] = f"diffrax.diffeqsolve (adjoint={adjoint})"
+            unsolved = []
+        frame = frame.f_back
+    return found
+
+
+def _name(
+    found: dict[int, str],
+    index: dict[int, int],
+    traces: list[Any],
+    step: Any,
+    count: int,
+    name: str,
+) -> list[int]:
+    """Name the `count` traces from the one `step` belongs to outwards;
+    their positions (none where it is not among `traces`)."""
+    start = index.get(id(jax_internals.trace_of(step)))
+    if start is None or start + count > len(traces):
+        return []
+    for trace in traces[start : start + count]:
+        found[id(trace)] = name
+    return list(range(start, start + count))
+
+
+def _innermost_jit(traces: list[Any], names: list[str], found: dict) -> Any:
+    """The trace `equinox.filter_closure_convert` traces in: the innermost
+    `jit` not already named."""
+    return next(
+        (
+            trace
+            for trace, name in zip(traces, names, strict=True)
+            if name in ("jit", "pjit") and id(trace) not in found
+        ),
+        None,
+    )
