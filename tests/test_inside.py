@@ -993,3 +993,153 @@ def test_a_rewrite_is_kept_only_while_its_function_lives():
     gc.collect()
     assert key not in inside_functions.BY_KEY
     assert not any(r.key == key for r in inside_functions._rewrites.values())
+
+
+# -- `inside` survives a new probe of the same model: with_weights, jit --------------
+
+
+from bridge._porting import compare_runs  # noqa: E402
+
+
+def _gate(hidden):
+    """The function each library's model below calls on its layer's output."""
+    gated = jnp.tanh(hidden)
+    return gated * 2.0
+
+
+def _torch_gate(hidden):
+    torch = pytest.importorskip("torch")
+    gated = torch.tanh(hidden)
+    return gated * 2.0
+
+
+X2 = np.asarray(X[:, 0])  # (batch, width)
+WEIGHTS2 = np.asarray(WEIGHTS[:, 0])
+
+
+def _gate_loss(outputs):
+    return (outputs * WEIGHTS2).sum()
+
+
+def _linen_gated(seed):
+    class Gated(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return _gate(nn.Dense(WIDTH, name="dense")(x))
+
+    model = Gated()
+    variables = model.init(jax.random.key(seed), X2)
+    dense = variables["params"]["dense"]
+    return bridge.probe(model, variables, inside=_gate), (
+        dense["kernel"],
+        dense["bias"],
+    )
+
+
+def _nnx_gated(seed):
+    if not nnx_supported():
+        pytest.skip("flax.nnx not supported here")
+    from flax import nnx
+
+    class Gated(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        def __call__(self, x):
+            return _gate(self.dense(x))
+
+    model = Gated(nnx.Rngs(seed))
+    weights = (model.dense.kernel[...], model.dense.bias[...])
+    return bridge.probe(model, inside=_gate), weights
+
+
+def _equinox_gated(seed):
+    eqx = pytest.importorskip("equinox")
+
+    class Gated(eqx.Module):
+        dense: eqx.nn.Linear
+
+        def __call__(self, x):
+            return _gate(self.dense(x))
+
+    model = Gated(eqx.nn.Linear(WIDTH, WIDTH, key=jax.random.key(seed)))
+    weights = (model.dense.weight.T, model.dense.bias)
+    return bridge.probe(model, vmap=True, inside=_gate), weights
+
+
+def _haiku_gated(seed):
+    hk = pytest.importorskip("haiku")
+    model = hk.without_apply_rng(
+        hk.transform(lambda x: _gate(hk.Linear(WIDTH, name="dense")(x)))
+    )
+    params = model.init(jax.random.key(seed), X2)
+    weights = (params["dense"]["w"], params["dense"]["b"])
+    return bridge.probe(model, params, inside=_gate), weights
+
+
+def _torch_gated(seed):
+    torch = pytest.importorskip("torch")
+
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = torch.nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            return _torch_gate(self.dense(x))
+
+    torch.manual_seed(seed)
+    model = Gated()
+    weight, bias = (p.detach().numpy() for p in (model.dense.weight, model.dense.bias))
+    return bridge.probe(model, inside=_torch_gate), (weight.T, bias)
+
+
+_GATED = {
+    "linen": _linen_gated,
+    "nnx": _nnx_gated,
+    "equinox": _equinox_gated,
+    "haiku": _haiku_gated,
+    "torch": _torch_gated,
+}
+
+
+def _torch_loss(outputs):
+    import torch
+
+    return (outputs * torch.tensor(WEIGHTS2)).sum()
+
+
+@pytest.mark.parametrize("library", list(_GATED))
+def test_inside_survives_with_weights_and_rebuilds(library):
+    """`bridge.transfer` (the adapter's `with_weights`) makes a new probe of
+    the destination's model: it looks inside as the destination did, and so
+    does that probe rebuilt from its leaves and run under `jax.jit`; its
+    local's value and gradient are those of the source's weights, by hand."""
+    source, (kernel, bias) = _GATED[library](0)
+    destination, _ = _GATED[library](1)
+    gate = "_torch_gate" if library == "torch" else "_gate"
+    (site,) = [name for name in destination.sites(X2) if name.endswith("/gated")]
+    assert site.endswith(f"{gate}/gated")
+    ported = bridge.transfer(source, destination, X2)
+    assert site in ported.sites(X2)
+    with compare_runs.x64():  # compare's float64 copy, too
+        double = compare_runs.in_float64(ported, "probe")
+        assert site in double.sites(X2.astype(np.float64))
+    hidden = X2 @ np.asarray(kernel) + np.asarray(bias)
+    grad = jax.grad(lambda d: _gate_loss(2.0 * (jnp.tanh(hidden) + d)))(
+        jnp.zeros_like(hidden)
+    )
+    if library == "torch":
+        result = ported.value_and_grad(_torch_loss, X2, at=site)
+        _close(result.activations[site], np.tanh(hidden), rtol=1e-4)
+        _close(result.activation_grads[site], grad)
+        return
+    leaves, treedef = jax.tree.flatten(ported)
+    rebuilt = jax.tree.unflatten(treedef, leaves)
+    assert site in rebuilt.sites(X2)
+    for probe in (ported, rebuilt):
+        result = jax.jit(lambda probe, x: probe.value_and_grad(_gate_loss, x, at=site))(
+            probe, X2
+        )
+        _close(result.activations[site], np.tanh(hidden), rtol=1e-4)
+        _close(result.activation_grads[site], grad)

@@ -288,7 +288,7 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
         replacements,
         lambda key_path: tuple(key_name(key) for key in key_path),
     )
-    return type(probe)(model, state, probe.vmap)
+    return type(probe)(model, state, probe.vmap)._looking_inside(probe._inside)
 
 
 def _set_statistics(state: Any, module: Any, statistics: dict, layer: Layer) -> Any:

@@ -103,14 +103,14 @@ class EquinoxProbe(ProbeBase):
         if parts is None:
             parts = self._parts = eqx.partition(self.model, eqx.is_array)
         arrays, static = parts
-        return (arrays, self.state), (static, self.vmap, self._inside)
+        return (arrays, self.state), (static, self.vmap)
 
     @classmethod
     def tree_unflatten(cls, static, children):
         arrays, state = children
         probe = cls(eqx.combine(arrays, static[0]), state, static[1])
         probe._parts = (arrays, static[0])
-        return probe._looking_inside(static[2])
+        return probe
 
     def __repr__(self) -> str:
         with_state = ", state" if self.state is not None else ""

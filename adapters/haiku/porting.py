@@ -189,4 +189,5 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
     state = probe.state
     if replacements["state"]:
         state = replace_leaves(state, replacements["state"], named)
-    return type(probe)(probe.transformed, params, state, probe.takes_rng, probe.vmap)
+    new = type(probe)(probe.transformed, params, state, probe.takes_rng, probe.vmap)
+    return new._looking_inside(probe._inside)

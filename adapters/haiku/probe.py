@@ -155,15 +155,14 @@ class HaikuProbe(ProbeBase):
         return self.state is not None
 
     def tree_flatten(self):
-        static = (self.transformed, self.takes_rng, self.vmap, self._inside)
+        static = (self.transformed, self.takes_rng, self.vmap)
         return (self.params, self.state), static
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        transformed, takes_rng, vmap, inside = static
+        transformed, takes_rng, vmap = static
         params, state = children
-        probe = cls(transformed, params, state, takes_rng, vmap)
-        return probe._looking_inside(inside)
+        return cls(transformed, params, state, takes_rng, vmap)
 
     def __repr__(self) -> str:
         kind = "transform_with_state" if self.with_state else "transform"

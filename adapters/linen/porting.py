@@ -227,7 +227,8 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
         {where: value for _, where, value in placed(updates)},
         lambda key_path: tuple(key_name(key) for key in key_path),
     )
-    return type(probe)(probe.module, variables, probe.vmap)
+    new = type(probe)(probe.module, variables, probe.vmap)
+    return new._looking_inside(probe._inside)
 
 
 # -- for compare ----------------------------------------------------------------

@@ -107,11 +107,11 @@ class LinenProbe(ProbeBase):
         self.vmap = vmap
 
     def tree_flatten(self):
-        return (self.variables,), (self.module, self.vmap, self._inside)
+        return (self.variables,), (self.module, self.vmap)
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        return cls(static[0], children[0], static[1])._looking_inside(static[2])
+        return cls(static[0], children[0], static[1])
 
     def __repr__(self) -> str:
         return f"LinenProbe({type(self.module).__name__}, vmap={self.vmap})"

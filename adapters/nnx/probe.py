@@ -118,14 +118,12 @@ class NnxProbe(ProbeBase):
             self.graphdef,
             self.vmap,
             self.equinox_attributes,
-            self._inside,
         )
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        graphdef, vmap, equinox_attributes, inside = static
-        probe = cls(graphdef, *children, vmap, equinox_attributes)
-        return probe._looking_inside(inside)
+        graphdef, vmap, equinox_attributes = static
+        return cls(graphdef, *children, vmap, equinox_attributes)
 
     def __repr__(self) -> str:
         return f"NnxProbe({self.graphdef.nodes[0].type.__name__}, vmap={self.vmap})"

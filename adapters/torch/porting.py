@@ -139,7 +139,7 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
             target = tensor[rows[0]] if rows else tensor
             new = _to_torch(_as_numpy(value))
             target.copy_(new.reshape(target.shape).to(target.dtype))
-    return type(probe)(module)
+    return type(probe)(module)._looking_inside(probe._inside)
 
 
 def deep_copy(module: nn.Module) -> nn.Module:
@@ -194,4 +194,5 @@ def _to_torch(value: np.ndarray) -> torch.Tensor:
 def in_float64(probe: Any) -> Any:
     """A probe of a float64 deep copy of the module (`.double()`): the
     user's module is unchanged."""
-    return type(probe)(deep_copy(probe.module).double())
+    new = type(probe)(deep_copy(probe.module).double())
+    return new._looking_inside(probe._inside)

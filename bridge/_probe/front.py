@@ -85,10 +85,12 @@ class ProbeFront:
     _inside: Inside | None = None
 
     def _looking_inside(self, inside: Inside | None) -> ProbeFront:
-        """This probe, its assignments' sites those of `inside` (set once, by
+        """This probe, its assignments' sites those of `inside` (set by
         `bridge.probe`). The core carries `inside` through the probe's pytree
-        and hands it to every session (`bridge._session.inside`): an adapter
-        need not know of it."""
+        and hands it to every session (`bridge._session.inside`): an
+        adapter's flattening need not know of it. A new probe made from this
+        one's parts (a porting side's `with_weights`) is given it like its
+        other parts: `new._looking_inside(probe._inside)`."""
         return looking_inside(self, inside)
 
     # -- the protocol ------------------------------------------------------------

@@ -47,10 +47,14 @@ How, and why this way:
 `inside` is the core's, whatever the adapter: `looking_inside` gives the
 probe a subclass of its own class (made once per class) whose pytree
 flattening carries the `Inside` beside what the adapter's flattening gives,
-so a probe rebuilt from its leaves (under `jax.jit`, or by discovery's
-`jax.eval_shape`) still looks inside, and whose discovery and runs make it
-the `Inside` of every session made meanwhile (`bridge._session.context.INSIDE`),
-by the core or by an adapter. An adapter knows nothing of it.
+so a probe rebuilt from its leaves (under `jax.jit`, by discovery's
+`jax.eval_shape`, by a `jax.tree.map` over it) still looks inside, and whose
+discovery and runs make it the `Inside` of every session made meanwhile
+(`bridge._session.context.INSIDE`), by the core or by an adapter. This is
+the one place `inside` is carried: an adapter's pytree knows nothing of it.
+A new probe an adapter makes from parts (a porting side's `with_weights` and
+`in_float64`) is given it as its other constructor arguments are, by
+`new._looking_inside(probe._inside)`.
 """
 
 from __future__ import annotations
@@ -346,7 +350,9 @@ def looking_inside(probe: Any, inside: Inside | None) -> Any:
     the adapter's class does and carries `inside` beside it. Raises a
     `BridgeTypeError` where the adapter's class cannot be given one, or its
     probes rebuilt from their leaves would not look inside."""
-    if inside is not None and not isinstance(probe, _LooksInside):
+    if inside is None and not isinstance(probe, _LooksInside):
+        return probe  # as the adapter made it
+    if not isinstance(probe, _LooksInside):
         base = type(probe)
         made = _subclass(base, probe)
         try:
