@@ -42,7 +42,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import guests, unexpressible
-from . import transforms
+from . import internals, transforms
 from .run import Interceptor
 from .variables import (
     EPSILON_COLLECTION,
@@ -191,7 +191,7 @@ class LinenProbe(ProbeBase):
                     variables, *args, mutable=mutable, **apply_kwargs, **model_kwargs
                 )
         except ValueError as error:
-            transform = transforms.broadcasting(error) if in_params else None
+            transform = internals.broadcasting(error) if in_params else None
             if transform is not None:
                 # Discovery lists the calls inside as refused sites; a run
                 # records in `params` only the sites discovery did not refuse.

@@ -31,7 +31,7 @@ import flax.linen as nn
 from bridge.adapter_api import BodyTraces, Session
 
 from ..shared import guests, jax_internals, lifting, unexpressible
-from . import transforms
+from . import internals, transforms
 from .jax_transforms import JaxTransforms
 from .transforms import LiftedTransforms, body_of
 from .variables import (
@@ -125,7 +125,7 @@ class Interceptor:
         except ValueError as error:
             # Flax refuses, after tracing a lifted body, a recording in
             # broadcast `params`: the transform this call entered last.
-            transform = transforms.broadcasting(error) if self.in_params else None
+            transform = internals.broadcasting(error) if self.in_params else None
             if transform is None or not frame.entered:
                 raise
             raise transforms.Broadcasts(frame.entered[-1], transform) from error

@@ -21,22 +21,18 @@ session's control-flow route, in discovery and in a run alike
 (`LiftedTransforms.in_control_flow`).
 Such a transform is found by discovery: recording a call inside it among the
 parameters, Flax refuses a broadcast variable that depends on the loop
-(`broadcasting` reads which transform from its error), and discovery runs
-again with that transform's calls refused (`Broadcasts`).
+(`internals.broadcasting` reads which transform from its error), and
+discovery runs again with that transform's calls refused (`Broadcasts`).
 
 Which lifted transform's call a trace belongs to is read off the Python call
-stack: the frames of the `wrapped_fn`s `flax.linen.transforms` makes
-(`transform_call`).
+stack (`internals.transform_call`). What this reads of Flax's internals is in
+`internals.py`.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 import weakref
 from typing import Any
-
-import flax.linen as nn
 
 from bridge.adapter_api import (
     BRANCH,
@@ -48,6 +44,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import jax_internals, unexpressible
+from .internals import transform_call
 from .variables import Origin
 
 
@@ -138,22 +135,6 @@ class Broadcasts(Exception):
         self.transform = transform
 
 
-#: Flax's errors where a transform broadcasts `params` that a recording made
-#: inside depends on, and the transform each names.
-_BROADCAST_ERRORS = {
-    "broadcasted variable has a data dependency": "nn.scan",
-    "got axis spec None but output was batched": "nn.vmap",
-}
-
-
-def broadcasting(error: ValueError) -> str | None:
-    message = str(error)
-    for text, transform in _BROADCAST_ERRORS.items():
-        if text in message:
-            return transform
-    return None
-
-
 #: Why a site inside each transform cannot be expressed, and what to do.
 REFUSALS = {
     "nn.scan": (
@@ -186,49 +167,6 @@ REFUSALS = {
 #: JAX's names of the loops and branches (`unexpressible.LOOPS_AND_BRANCHES`)
 #: as Linen's lifted transforms.
 LINEN_NAMES = {"while_loop": "nn.while_loop", "cond": "nn.cond", "switch": "nn.switch"}
-
-
-def _wrappers() -> frozenset[Any]:
-    """The code of the functions a Linen lifted transform's call runs in, for
-    the whole call (every trace of its body): the `wrapped_fn`s that
-    `flax.linen.transforms` makes of a function or a module class."""
-    found = set()
-
-    def walk(code: Any) -> None:
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                if const.co_name == "wrapped_fn":
-                    found.add(const)
-                walk(const)
-
-    for maker in (
-        "decorator_lift_transform",
-        "decorator_lift_transform_cached",
-        "module_class_lift_transform",
-        "module_class_lift_transform_cached",
-    ):
-        function = getattr(nn.transforms, maker, None)
-        if function is not None:
-            walk(function.__code__)
-    return frozenset(found)
-
-
-_WRAPPERS = _wrappers()
-
-
-def transform_call() -> Any:
-    """The Python frame of the innermost Linen lifted transform's call running
-    now, or `None`. Flax traces a body more than once in one call
-    (`nn.scan`: to create its broadcast variables, then once per type of
-    carry `lax.scan` meets); a functional transform's body (`nn.scan(fn)`)
-    starts each trace with a call of its module at path `()`, which is a new
-    trace of the same call, not a new call, while this frame is the same."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _WRAPPERS:
-            return frame
-        frame = frame.f_back
-    return None
 
 
 class LiftedTransforms:
