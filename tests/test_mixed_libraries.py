@@ -887,6 +887,15 @@ def test_an_equinox_module_inside_nnx_is_no_site_and_selecting_inside_raises():
         probe.apply(X, patch={"head/layers/1": jnp.zeros_like})
 
 
+def test_an_nnx_probe_with_new_weights_still_knows_its_equinox_modules():
+    from bridge.adapters.nnx import porting
+
+    probe = porting.with_weights(bridge.probe(NnxWithEquinox(nnx.Rngs(0))), [])
+    assert list(probe.sites(X)) == ["pre", "features"]
+    with pytest.raises(ValueError, match=r"'head', an Equinox module held by"):
+        probe.value_and_grad(loss_fn, X, at="head/layers/0")
+
+
 def _haiku_stacked(x):
     @hk.experimental.layer_stack(2)
     def layer(x):

@@ -99,7 +99,9 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
         replacements[collection][tuple(path)] = value
     params = replace_leaves(probe.params, replacements["params"], _leaf_path)
     rest = replace_leaves(probe.rest, replacements["rest"], _leaf_path)
-    new = type(probe)(probe.graphdef, params, rest, probe.vmap)
+    new = type(probe)(
+        probe.graphdef, params, rest, probe.vmap, probe.equinox_attributes
+    )
     return new._looking_inside(probe._inside)
 
 
