@@ -35,27 +35,7 @@ import jax
 
 from bridge.adapter_api import BRANCH, UNBOUNDED_LOOP, Session, SiteOrigin, is_array
 
-from ..shared import jax_internals
 from ..shared.lifting import lift
-
-
-def around(base: Any) -> tuple[int, str | None]:
-    """JAX's transforms between here and `base` (the trace of the probe's
-    `apply`): `(depth, None)` where only `depth` `jax.vmap`s stand between
-    (`0`: none), else `(0, name)` of the innermost other one, as a refusal
-    names it."""
-    trace = jax_internals.current_trace()
-    depth = 0
-    while trace is not base:
-        if trace is None:  # jax < 0.6.2: a jaxpr trace records no parent
-            return 0, "a transform whose enclosing trace this jax does not record"
-        if not jax_internals.is_vmap(trace):
-            traced = jax_internals.traced_for(trace)
-            return 0, jax_internals.TRANSFORM_NAMES.get(traced, f"jax's {traced}")
-        trace = jax_internals.parent(trace)
-        depth += 1
-    return depth, None
-
 
 #: Why a site inside each JAX transform cannot be expressed, and what to do.
 REFUSALS = {

@@ -129,7 +129,7 @@ class Interceptor:
             )
         if where.blocked is None and not where.lifted:
             # JAX's own transforms in the model's code (Haiku's name none).
-            depth, blocker = jax_transforms.around(self.base)
+            depth, blocker = unexpressible.vmaps_or_blocker(self.base)
             if blocker is not None:
                 where = dataclasses.replace(where, blocked=blocker)
                 self.scan_bodies.traced()

@@ -34,6 +34,7 @@ from bridge.adapter_api import (
     refusal,
 )
 
+from ..shared import unexpressible
 from . import internals, jax_transforms
 from .variables import Origin, patch_from_state
 
@@ -151,7 +152,7 @@ def tap_handler(session: Session, stop: Any, base: Any, in_transform: Any) -> An
         if (
             where.lifted
             or where.blocked is not None
-            or jax_transforms.around(base) != (0, None)
+            or unexpressible.vmaps_or_blocker(base) != (0, None)
         ):
             return in_transform(name, value, where)
         return session.tap_here(name, value)

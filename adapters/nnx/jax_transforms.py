@@ -33,8 +33,6 @@ The trace stack is read through `bridge.adapters.shared.jax_internals`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from bridge.adapter_api import (
     BRANCH,
     TRACED_BOUNDS,
@@ -43,7 +41,7 @@ from bridge.adapter_api import (
     Session,
 )
 
-from ..shared import jax_internals, lifting
+from ..shared import jax_internals, lifting, unexpressible
 from . import internals
 from .transforms import TREE_MODE
 from .variables import PATH_ATTRIBUTE, Origin
@@ -80,26 +78,6 @@ REFUSALS = {
     ),
 }
 
-_UNKNOWN = "a transform whose enclosing trace this jax does not record"
-
-
-def around(base: Any) -> tuple[int, str | None]:
-    """JAX's transforms between here and `base` (the trace of the probe's call
-    of the model): `(depth, None)` where only `depth` `jax.vmap`s stand
-    between (`0`: none), else `(0, name)` of the innermost other one, as a
-    refusal names it."""
-    trace = jax_internals.current_trace()
-    depth = 0
-    while trace is not base:
-        if trace is None:  # jax < 0.6.2: a jaxpr trace records no parent
-            return 0, _UNKNOWN
-        if not jax_internals.is_vmap(trace):
-            traced = jax_internals.traced_for(trace)
-            return 0, jax_internals.TRANSFORM_NAMES.get(traced, f"jax's {traced}")
-        trace = jax_internals.parent(trace)
-        depth += 1
-    return depth, None
-
 
 def why(transform: str) -> tuple[str, str, str]:
     """`(transform, reason, fix)` of a call refused inside `transform`."""
@@ -119,7 +97,7 @@ def plain_call(run, module, site_method, method, args, kwargs, session: Session,
     a site of the session's own where it runs in the probe's trace, handed
     out whole from inside the model's own `jax.vmap`s, listed and refused
     inside JAX's other transforms."""
-    depth, blocker = around(run.base)
+    depth, blocker = unexpressible.vmaps_or_blocker(run.base)
     if blocker is not None:
         # Where no NNX transform has pushed its update context, code of one
         # running now runs in tree mode (`graph=False`, `graph_updates=False`),

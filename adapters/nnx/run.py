@@ -128,7 +128,7 @@ class Run:
                 "module that computes it",
             )
         else:
-            depth, blocker = jax_transforms.around(self.base)
+            depth, blocker = unexpressible.vmaps_or_blocker(self.base)
             if blocker is None:
                 if depth == 0:
                     return session.tap_here(name, value)

@@ -83,6 +83,28 @@ def transform_names(base: Any) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+#: What a refusal names where the trace stack cannot be read (jax < 0.6.2).
+UNKNOWN_TRANSFORM = "a transform whose enclosing trace this jax does not record"
+
+
+def vmaps_or_blocker(base: Any) -> tuple[int, str | None]:
+    """JAX's transforms between here and `base` (the trace of the probe's
+    call of the model): `(depth, None)` where only `depth` `jax.vmap`s stand
+    between (`0`: none), else `(0, name)` of the innermost other one, as a
+    refusal names it."""
+    trace = jax_internals.current_trace()
+    depth = 0
+    while trace is not base:
+        if trace is None:  # jax < 0.6.2: a jaxpr trace records no parent
+            return 0, UNKNOWN_TRANSFORM
+        if not jax_internals.is_vmap(trace):
+            traced = jax_internals.traced_for(trace)
+            return 0, jax_internals.TRANSFORM_NAMES.get(traced, f"jax's {traced}")
+        trace = jax_internals.parent(trace)
+        depth += 1
+    return depth, None
+
+
 def control_flow(base: Any) -> ControlFlow | None:
     """Where a call runs, where that is inside branches (`cond`, `switch`)
     and loops of known bounds (a `fori_loop` of static bounds, Equinox's
