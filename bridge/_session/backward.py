@@ -52,8 +52,10 @@ from .sites import (
     JAX_ARRAYS,
     SiteOrigin,
     abstract,
+    add_epsilon,
     differentiable_part,
     is_array,
+    merge_differentiable,
     zeros_like_struct,
 )
 
@@ -194,6 +196,68 @@ class InControlFlow(SiteOrigin):
         if name.startswith("__") or name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def call_in_control_flow(
+    session: Any,
+    path: str,
+    method: str | None,
+    module: Any,
+    args: tuple,
+    flow: ControlFlow,
+    run: Callable[[], Any],
+    origin: SiteOrigin | None = None,
+) -> Any:
+    """`Session.call_in_control_flow`: at discovery a site holding every
+    iteration of the loops around it, whose origin is an `InControlFlow`; in
+    a run, the epsilon added (this iteration's row), the patch applied, and
+    the value recorded through the backward pass (`record`) where the
+    session holds its recorders."""
+    if session.recorder.learns_sites():
+        call = session.enter(
+            path,
+            method,
+            module,
+            args,
+            InControlFlow.of(flow, args, origin),
+        )
+        value = session.exit(call, run(), perturb=lambda v: v, record=False)
+        if flow.lengths:  # the site holds every iteration, loops first
+            session.carrier.carried_out(
+                call.name,
+                jax.tree.map(
+                    lambda v: (
+                        jnp.broadcast_to(v, (*flow.lengths, *jnp.shape(v)))
+                        if is_array(v)
+                        else v
+                    ),
+                    value,
+                ),
+            )
+        return value
+    call = session.enter(path, method, module, args, origin, record=False)
+    value = run()
+    if not session.recorder.needs_value(call.name):
+        return session.exit(call, value, record=False)
+    name = call.name
+    patch = session.patches.get(name)
+    value = session.exit(
+        call,
+        value,
+        # Applied only where the site has an epsilon.
+        perturb=lambda v: add_epsilon(v, flow.row(session.epsilons[name])),
+        record=False,
+        # A patch function applies to this iteration's value as it is.
+        patch=None if patch is None or callable(patch) else flow.row(patch),
+    )
+    recorders = session.request.control_flow_recorders.get(name)
+    if name not in session.selected or recorders is None:
+        return value
+    inputs = None
+    if session.with_inputs:
+        inputs = jax.tree.map(as_floats, JAX_ARRAYS.positional(args))
+    floats = record(differentiable_part(value), inputs, flow.row(recorders), flow.runs)
+    return merge_differentiable(value, floats)
 
 
 def run_recording(

@@ -32,9 +32,6 @@ import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
-
 from .._errors import BridgeTypeError
 from . import backward, context
 from .carrier import Carrier
@@ -48,10 +45,6 @@ from .sites import (
     Arrays,
     Site,
     SiteOrigin,
-    add_epsilon,
-    differentiable_part,
-    is_array,
-    merge_differentiable,
 )
 from .taps import Taps
 
@@ -242,56 +235,12 @@ class Session:
         (`flow`, read by the adapter), as a site: its epsilon and patch
         value are closed over (a loop's iteration takes its row), its value
         and inputs leave through the backward pass, with where it ran
-        (`bridge._session.backward`). It holds every iteration of the loops
-        around it. `origin`: the adapter's own, kept as the
-        `InControlFlow`'s `inner`."""
-        if self.recorder.learns_sites():
-            call = self.enter(
-                path,
-                method,
-                module,
-                args,
-                backward.InControlFlow.of(flow, args, origin),
-            )
-            value = self.exit(call, run(), perturb=lambda v: v, record=False)
-            if flow.lengths:  # the site holds every iteration, loops first
-                self.carrier.carried_out(
-                    call.name,
-                    jax.tree.map(
-                        lambda v: (
-                            jnp.broadcast_to(v, (*flow.lengths, *jnp.shape(v)))
-                            if is_array(v)
-                            else v
-                        ),
-                        value,
-                    ),
-                )
-            return value
-        call = self.enter(path, method, module, args, origin, record=False)
-        value = run()
-        if not self.recorder.needs_value(call.name):
-            return self.exit(call, value, record=False)
-        name = call.name
-        patch = self.patches.get(name)
-        value = self.exit(
-            call,
-            value,
-            # Applied only where the site has an epsilon.
-            perturb=lambda v: add_epsilon(v, flow.row(self.epsilons[name])),
-            record=False,
-            # A patch function applies to this iteration's value as it is.
-            patch=None if patch is None or callable(patch) else flow.row(patch),
+        (`bridge._session.backward.call_in_control_flow`). It holds every
+        iteration of the loops around it. `origin`: the adapter's own, kept
+        as the `InControlFlow`'s `inner`."""
+        return backward.call_in_control_flow(
+            self, path, method, module, args, flow, run, origin
         )
-        recorders = self.request.control_flow_recorders.get(name)
-        if name not in self.selected or recorders is None:
-            return value
-        inputs = None
-        if self.with_inputs:
-            inputs = jax.tree.map(backward.as_floats, positional_arrays(args))
-        floats = backward.record(
-            differentiable_part(value), inputs, flow.row(recorders), flow.runs
-        )
-        return merge_differentiable(value, floats)
 
     def exit(
         self,
