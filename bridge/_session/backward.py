@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import BridgeValueError
+from .cotangent_floats import Encoding, as_floats, from_floats
 from .sites import (
     JAX_ARRAYS,
     SiteOrigin,
@@ -443,47 +444,3 @@ def reaching(original: Any, patched: Any) -> Any:
         return jax.lax.select(jnp.zeros(after.shape, bool), before, after)
 
     return jax.tree.map(keep, original, patched, is_leaf=lambda x: x is None)
-
-
-# -- inputs as numbers a cotangent carries ------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Encoding:
-    """How an input came to be float32 numbers in `as_floats`, to undo it."""
-
-    dtype: Any
-    key_impl: Any = None
-
-    @classmethod
-    def of(cls, x: Any) -> Encoding:
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return cls(jax.random.key_data(x).dtype, jax.random.key_impl(x))
-        return cls(x.dtype)
-
-
-def as_floats(x: Any) -> Any:
-    """An input as numbers a floating-point cotangent carries exactly: floats
-    as they are, integers and booleans as float32 (wider ones as their 16-bit
-    words, exact in float32), a typed random key as its integer data."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype.itemsize > 1:
-        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return x.astype(jnp.float32)
-
-
-def from_floats(encoding: Encoding, x: Any) -> Any:
-    """The inverse of `as_floats`, on the recorded (stacked) numbers."""
-    dtype = jnp.dtype(encoding.dtype)
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return x
-    if dtype.itemsize > 1:
-        x = jax.lax.bitcast_convert_type(x.astype(jnp.uint16), dtype)
-    else:
-        x = x.astype(dtype)
-    if encoding.key_impl is not None:
-        x = jax.random.wrap_key_data(x, impl=encoding.key_impl)
-    return x
