@@ -2,8 +2,10 @@
 
 `probe`, `session` (the gradient catch at each call), `arrays` (torch
 tensors as the core's arrays), `discovery` (discovery on fake tensors),
-`internals` (version-checked), `porting`: each name as `bridge.adapters`
-says.
+`internals` (version-checked), `porting` (with `converters`, one per layer
+kind, `attention`, `nn.MultiheadAttention` as four dense layers, and
+`layouts`, tensors in torch's or the canonical layout): each name as
+`bridge.adapters` says.
 """
 
 from .probe import TorchProbe as TorchProbe
