@@ -377,8 +377,9 @@ def reaching_every_output(loss: Any, outputs: Any) -> Any:
     reaches an output but not the loss would otherwise come out as zeros.
     A `select` of nothing, so that an infinite or NaN output leaves the loss
     as it is."""
+    loss = jnp.asarray(loss)
     for leaf in jax.tree.leaves(differentiable_part(outputs)):
-        if leaf is None or not jnp.issubdtype(leaf.dtype, jnp.inexact):
+        if not is_array(leaf) or not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
         nothing = jax.lax.select(
             jnp.zeros(leaf.shape, bool), leaf, jnp.zeros_like(leaf)
