@@ -1,6 +1,8 @@
-"""Sites inside Equinox's checkpointed while loop (DESIGN.md, "Sites inside
+"""Sites inside Equinox's while loops with a bound (DESIGN.md, "Sites inside
 control flow"): `equinox.internal.while_loop(kind="checkpointed",
-max_steps=n)`, and diffrax's ODE solve that runs on it.
+max_steps=n)` and `kind="bounded"` (a nest of `lax.scan`s of `lax.cond`s,
+rounds of `base` steps), and diffrax's ODE solves that run on them
+(`RecursiveCheckpointAdjoint`, `DirectAdjoint`).
 
 A site there holds every step, `(max_steps, *value shape)`, zeros for the
 steps that did not run, and `res.ran[path]` says which did. The references
@@ -27,6 +29,15 @@ pytestmark = NEEDS_JAXPR_PARENTS
 MAX_STEPS = 6
 WIDTH = 3
 
+#: The loops `Relax` runs: the checkpointed kind, and the bounded kind in one
+#: round of 16 steps and in nested rounds of 2 (`jax.checkpoint` around all
+#: but the lowest).
+LOOPS = {
+    "checkpointed": {"kind": "checkpointed"},
+    "bounded": {"kind": "bounded"},
+    "bounded-base-2": {"kind": "bounded", "base": 2},
+}
+
 
 class Relax(eqx.Module):
     """Iterates `h <- h + 0.5 tanh(cell(h))` while `|h|` is below a bound
@@ -35,11 +46,13 @@ class Relax(eqx.Module):
 
     cell: eqx.nn.Linear
     head: eqx.nn.Linear
+    loop: dict = eqx.field(static=True)
 
-    def __init__(self, key):
+    def __init__(self, key, loop=None, max_steps=MAX_STEPS):
         cell, head = jax.random.split(key)
         self.cell = eqx.nn.Linear(WIDTH, WIDTH, key=cell)
         self.head = eqx.nn.Linear(WIDTH, 2, key=head)
+        self.loop = {"max_steps": max_steps, **(loop or LOOPS["checkpointed"])}
 
     def step(self, h, offset=0.0):
         """One step: the new `h` and the `cell` site's value."""
@@ -54,17 +67,14 @@ class Relax(eqx.Module):
         def body(carry):
             return self.step(carry)[0]
 
-        h = eqxi.while_loop(
-            self.going_on, body, x, max_steps=MAX_STEPS, kind="checkpointed"
-        )
-        return self.head(h)
+        return self.head(eqxi.while_loop(self.going_on, body, x, **self.loop))
 
     def unrolled(self, x, offsets):
         """The reference: `(output, values, ran)` of one example, with
         `offsets[k]` added at the site on step `k`."""
         h, values, ran = x, [], []
         running = jnp.array(True)
-        for k in range(MAX_STEPS):
+        for k in range(self.loop["max_steps"]):
             running = running & self.going_on(h)
             new, value = self.step(h, offsets[k])
             h = jnp.where(running, new, h)
@@ -77,11 +87,20 @@ def loss_fn(outputs):
     return jnp.sum(outputs**2)
 
 
+def inputs():
+    return 0.9 * jax.random.normal(jax.random.key(1), (5, WIDTH))
+
+
+@pytest.fixture(scope="module", params=list(LOOPS))
+def relax(request):
+    """`Relax` in each kind of loop, and its inputs."""
+    return Relax(jax.random.key(0), LOOPS[request.param]), inputs()
+
+
 @pytest.fixture(scope="module")
-def relax():
-    model = Relax(jax.random.key(0))
-    x = 0.9 * jax.random.normal(jax.random.key(1), (5, WIDTH))
-    return model, x
+def base():
+    """`Relax` in the checkpointed loop, and its inputs."""
+    return Relax(jax.random.key(0)), inputs()
 
 
 def reference(model, x, offsets):
@@ -107,7 +126,7 @@ def assert_close(actual, expected, rtol=1e-5):
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_a_site_in_a_checkpointed_loop_holds_every_step(relax, jit):
+def test_a_site_in_a_bounded_equinox_loop_holds_every_step(relax, jit):
     model, x = relax
     probe = bridge.probe(model, vmap=True)
     assert probe.sites(x)["cell"].shape == (MAX_STEPS, 5, WIDTH)
@@ -127,7 +146,7 @@ def test_a_site_in_a_checkpointed_loop_holds_every_step(relax, jit):
     assert_close(res.loss, expected_loss)
 
 
-def test_jvp_along_every_step_of_a_checkpointed_loop_site(relax):
+def test_jvp_along_every_step_of_a_bounded_equinox_loop_site(relax):
     model, x = relax
     res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
     direction = jax.random.normal(jax.random.key(2), (5, MAX_STEPS, WIDTH))
@@ -140,7 +159,7 @@ def test_jvp_along_every_step_of_a_checkpointed_loop_site(relax):
     assert_close(along, pushed)
 
 
-def test_parameter_gradients_through_a_checkpointed_loop_equal_plain_jax(relax):
+def test_parameter_gradients_through_a_bounded_equinox_loop_equal_plain_jax(relax):
     model, x = relax
     res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -151,7 +170,7 @@ def test_parameter_gradients_through_a_checkpointed_loop_equal_plain_jax(relax):
         assert_close(got, expected)
 
 
-def test_one_call_of_a_checkpointed_loop_without_vmap_has_a_ran_per_step(relax):
+def test_one_call_of_a_bounded_equinox_loop_without_vmap_has_a_ran_per_step(relax):
     model, x = relax
     res = bridge.probe(model).value_and_grad(loss_fn, x[0], at=["cell"])
     grads, values, ran = reference(model, x[:1], jnp.zeros((1, MAX_STEPS, WIDTH)))
@@ -171,47 +190,50 @@ def test_a_site_outside_the_loop_has_no_ran_entry(relax):
 # -- loops and solves bridge refuses, naming them -------------------------------
 
 
-class Looped(Relax):
-    """`Relax` run by another kind of Equinox's loop (`loop`: its keywords)."""
+def test_a_bounded_loop_of_one_step_is_one_call_without_a_steps_axis(base):
+    """`max_steps=1`: Equinox calls the body once, with no loop around it
+    (for every example: one whose condition is false keeps its carry), so
+    the site is one call's, as outside a loop."""
+    _, x = base
+    model = Relax(jax.random.key(0), LOOPS["bounded"], max_steps=1)
+    res = bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
+    assert res.activations["cell"].shape == (5, WIDTH)
+    assert "cell" not in res.ran
+    grads, _, ran = reference(model, x, jnp.zeros((5, 1, WIDTH)))
+    assert not bool(ran.all())  # an example whose body's value is unused
+    assert_close(res.activations["cell"], jax.vmap(model.cell)(x))
+    assert_close(res.activation_grads["cell"], grads[:, 0])
+    assert_close(res.loss, loss_fn(jax.vmap(model)(x)))
 
-    loop: dict = eqx.field(static=True)
 
-    def __init__(self, key, loop):
-        super().__init__(key)
-        self.loop = loop
+class InWhile(Relax):
+    """`Relax`'s loop inside a `lax.while_loop` of one step."""
 
     def __call__(self, x):
-        def body(carry):
-            return self.step(carry)[0]
+        def once(carry):
+            i, h = carry
+            return i + 1, Relax.__call__(self, h)[:1].sum() + h
 
-        return self.head(eqxi.while_loop(self.going_on, body, x, **self.loop))
+        return jax.lax.while_loop(lambda c: c[0] < 1, once, (0, x))[1]
 
 
 @pytest.mark.parametrize(
     ("loop", "named", "way_out"),
     [
         (
-            {"kind": "checkpointed", "checkpoints": 3},
+            {"kind": "checkpointed", "checkpoints": 3, "max_steps": None},
             r"equinox\.internal\.while_loop \(checkpointed, no max_steps\) "
             "around site 'cell': without `max_steps`",
             r"Select other sites with `at=`.* or give the loop `max_steps=`",
         ),
-        (
-            {"kind": "bounded", "max_steps": MAX_STEPS},
-            r'equinox\.internal\.while_loop \(kind="bounded"\) around site '
-            "'cell': it runs its body in nested lax.scan and lax.cond",
-            r'Select other sites with `at=`.* or use kind="checkpointed" with the '
-            "same `max_steps`",
-        ),
     ],
-    ids=["checkpointed-without-max-steps", "bounded"],
+    ids=["checkpointed-without-max-steps"],
 )
 def test_a_loop_bridge_cannot_route_is_named_with_the_way_out(
-    relax, loop, named, way_out
+    base, loop, named, way_out
 ):
-    base, x = relax
-    model = Looped(jax.random.key(0), loop=loop)
-    model = eqx.tree_at(lambda m: (m.cell, m.head), model, (base.cell, base.head))
+    _, x = base
+    model = Relax(jax.random.key(0), loop)
     probe = bridge.probe(model, vmap=True)
     # Listed without a steps axis: the loop's steps are not the site's.
     assert probe.sites(x)["cell"].shape == (5, WIDTH)
@@ -224,6 +246,17 @@ def test_a_loop_bridge_cannot_route_is_named_with_the_way_out(
     assert_close(res.activations["head"], expected)
     grad = jax.grad(lambda o: loss_fn(o))(expected)
     assert_close(res.activation_grads["head"], grad)
+
+
+def test_a_bounded_loop_inside_a_while_loop_is_refused_naming_the_while_loop(base):
+    _, x = base
+    model = InWhile(jax.random.key(0), LOOPS["bounded"])
+    with pytest.raises(
+        bridge.BridgeError,
+        match=r"while_loop around site 'cell'.*called inside "
+        r'equinox\.internal\.while_loop \(kind="bounded"\) inside',
+    ):
+        bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
 
 
 class Solved(eqx.Module):
@@ -244,10 +277,10 @@ class Solved(eqx.Module):
         return self.head(root.value)
 
 
-def test_a_site_in_an_optimistix_solve_is_refused_naming_the_solve(relax):
+def test_a_site_in_an_optimistix_solve_is_refused_naming_the_solve(base):
     pytest.importorskip("optimistix")
-    base, x = relax
-    probe = bridge.probe(Solved(base.cell, base.head), vmap=True)
+    model, x = base
+    probe = bridge.probe(Solved(model.cell, model.head), vmap=True)
     with pytest.raises(
         bridge.BridgeError,
         match=r"cannot see through optimistix\.root_find around site 'cell'.*"
@@ -308,8 +341,9 @@ class NeuralODE(eqx.Module):
         return y, jnp.stack(values)
 
 
-def test_a_neural_odes_vector_field_site_holds_every_solver_step():
-    model = NeuralODE(jax.random.key(3))
+@pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "DirectAdjoint"])
+def test_a_neural_odes_vector_field_site_holds_every_solver_step(adjoint):
+    model = NeuralODE(jax.random.key(3), getattr(diffrax, adjoint)())
     y0 = jax.random.normal(jax.random.key(4), (4, WIDTH))
     probe = bridge.probe(model, vmap=True)
     site = "field/mlp/layers/1"

@@ -230,8 +230,11 @@ _lift_p = jax_internals.mapped_primitive(
 
 #: JAX's names of the transforms a refused site is never named after: those
 #: bridge sees through (a scan over stacked layers, a checkpoint, the model's
-#: own vmaps alone) and a `jax.jit` inside the model, traced through.
-_NOT_NAMED = frozenset({SCAN, CHECKPOINT, "vmap", *unexpressible.TRANSPARENT})
+#: own vmaps alone, Equinox's bounded while loop), and a `jax.jit` inside the
+#: model, traced through.
+_NOT_NAMED = frozenset(
+    {SCAN, CHECKPOINT, "vmap", equinox_loops.BOUNDED, *unexpressible.TRANSPARENT}
+)
 
 #: Why a site inside each transform cannot be expressed, and what to do.
 _REFUSALS = {

@@ -1,30 +1,40 @@
-"""The Equinox internals bridge reads to see inside a checkpointed while loop.
+"""The Equinox internals bridge reads to see inside its while loops with a
+bound.
 
 `equinox.internal.while_loop(..., kind="checkpointed", max_steps=n)` (what
 diffrax's `RecursiveCheckpointAdjoint` and optimistix's iterative solves
 differentiated through the loop run on) traces its body once, with
 `equinox.filter_closure_convert`, into a jaxpr its forward and backward
 `lax.while_loop`s evaluate: the body's Python runs in that one trace, which
-JAX names `jit`. A call there is a site of the session's control-flow route
-(`bridge._session.backward`, `CHECKPOINTED_WHILE`): its epsilon and its
-recorders are closed over, so the closure conversion makes them inputs the
-loop's custom backward pass differentiates, and the step takes its row by the
-loop's counter.
+JAX names `jit`. The `bounded` kind (what diffrax's `DirectAdjoint` runs)
+calls the same body in a nest of `lax.scan`s of `lax.cond`s (rounds of
+`base` steps, each level but the lowest inside a `jax.checkpoint`), which
+JAX differentiates natively. A call in either is a site of the session's
+control-flow route (`bridge._session.backward`, `CHECKPOINTED_WHILE`: a loop
+of at most `max_steps` steps, which may stop before): its epsilon and its
+recorders are closed over, so the loop's backward pass differentiates them,
+and the step takes its row by the loop's counter. `running` gives each such
+loop with the traces it runs its body in, which
+`bridge.adapters.shared.unexpressible.control_flow` reads as one loop.
 
 Equinox exports neither the counter nor the bound to the body, so this module
 reads them from the Python call stack: the `step` local of `new_body_fun`
 (`equinox/internal/_loop/common.py`, the counter `common_rewrite` adds to the
-carry, 0, 1, 2, ... and not mapped by a `vmap`) and the `max_steps` local of
-`checkpointed_while_loop` (`equinox/internal/_loop/checkpointed.py`) that
-called it. Checked against Equinox 0.11.5 and 0.13.8; where they cannot be
-read, a call there is refused as what JAX names it, never probed wrongly.
+carry, 0, 1, 2, ... and not mapped by a `vmap`), the `max_steps` local of
+`checkpointed_while_loop` (`equinox/internal/_loop/checkpointed.py`) or of
+`bounded_while_loop` (`equinox/internal/_loop/bounded.py`) that called it,
+and the `max_steps` and `base` locals of the bounded kind's levels
+(`_while_loop`). Checked against Equinox 0.11.5 and 0.13.8; where they
+cannot be read, a call there is refused as what JAX names it, never probed
+wrongly. A bounded loop of `max_steps=1` calls its body with no loop around
+it: a call there is a site of one call, as outside the loop.
 
 A call bridge cannot route there is named after what holds it, not after the
 trace JAX opens (`blocking`): a checkpointed loop without `max_steps` (its
-body's trace is a `jit`), the `bounded` kind (the nest of `lax.scan`,
-`lax.cond` and `jax.checkpoint` it runs its body in), an optimistix solve (it
-traces the function it solves once, in `equinox.filter_closure_convert`'s
-`jit`), and a diffrax solve whose adjoint runs it in a plain `while_loop`.
+body's trace is a `jit`), the bounded kind's nest (named, and never the
+blocker: what holds the loop is), an optimistix solve (it traces the
+function it solves once, in `equinox.filter_closure_convert`'s `jit`), and a
+diffrax solve whose adjoint runs it in a plain `while_loop`.
 """
 
 from __future__ import annotations
@@ -65,6 +75,8 @@ _DIFFRAX = ("diffeqsolve", os.path.join("diffrax", "_integrate.py"))
 #: The names `blocking` gives (`jax_transforms.describe` shows them as they
 #: are), each with why a call there has no route and the way out.
 UNBOUNDED = "equinox.internal.while_loop (checkpointed, no max_steps)"
+#: The bounded kind's nest as a refusal names it (`describe`) where a call
+#: there is refused for what holds the loop: the loop itself is routed.
 BOUNDED = 'equinox.internal.while_loop (kind="bounded")'
 _SOLVE_WHY = (
     "optimistix traces the function it solves once (in "
@@ -77,13 +89,6 @@ REFUSALS = {
         "runs, so no epsilon or recording can be shaped for them",
         "give the loop `max_steps=` (a Python int: a site there then holds "
         "every step, `(max_steps, ...)`)",
-    ),
-    BOUNDED: (
-        "it runs its body in nested lax.scan and lax.cond (the rounds of "
-        "`base` steps), which bridge does not read as the loop's steps",
-        'use kind="checkpointed" with the same `max_steps` (in diffrax, '
-        "adjoint=diffrax.RecursiveCheckpointAdjoint(), the default): a site "
-        "there holds every step, `(max_steps, ...)`",
     ),
 }
 
@@ -110,28 +115,58 @@ def _is(frame: Any, where: tuple[str, str]) -> bool:
     return frame.f_code.co_name == name and frame.f_code.co_filename.endswith(path)
 
 
-def running() -> list[tuple[Any, int | None, Any]]:
-    """`(step, max_steps, runs)` of each checkpointed while loop whose body is
-    being traced now, innermost first: the loop's counter (a tracer of the
-    body's trace), its bound (`None` where the loop has none), and whether
-    this step runs for this example (the `pred` local: under a `vmap` the
-    loop runs until every example has stopped, and selects the old carry of
-    the examples that have)."""
+def running() -> list[tuple[Any, int | None, Any, int]]:
+    """`(step, max_steps, runs, depth)` of each Equinox while loop with a
+    bound whose body is being traced now, innermost first: the loop's counter
+    (a tracer of the body's innermost trace), its bound (`None` where the
+    loop has none), whether this step runs for this example (the `pred`
+    local: under a `vmap` the loop runs until every example has stopped, and
+    selects the old carry of the examples that have), and how many traces,
+    from the counter's outwards, the loop runs its body in: 1 for the
+    checkpointed kind (its `jit`), the nest of `lax.cond`, `lax.scan` and
+    `jax.checkpoint` for the bounded kind (`bounded_depth`)."""
     found = []
     step = runs = None
+    levels: list[tuple[Any, Any]] = []
     frame = sys._getframe(1)
     while frame is not None:
         if _is(frame, _BODY):
             step, runs = frame.f_locals.get("step"), frame.f_locals.get("pred")
+            levels = []
+        elif step is not None and _is(frame, _BOUNDED_LEVEL):
+            levels.append((frame.f_locals.get("max_steps"), frame.f_locals.get("base")))
         elif step is not None and _is(frame, _CHECKPOINTED):
             max_steps = frame.f_locals.get("max_steps")
             bound = max_steps if isinstance(max_steps, int) else None
-            found.append((step, bound, runs))
+            found.append((step, bound, runs, 1))
+            step = None
+        elif step is not None and _is(frame, _OTHER_KINDS[1]):
+            max_steps = frame.f_locals.get("max_steps")
+            depth = bounded_depth(levels)
+            if isinstance(max_steps, int) and depth is not None:
+                found.append((step, max_steps, runs, depth))
             step = None
         elif any(_is(frame, kind) for kind in _OTHER_KINDS):
             step = None
         frame = frame.f_back
     return found
+
+
+#: JAX's names of the traces of the bounded kind's nest.
+BOUNDED_NEST = frozenset({"cond", "scan", "checkpoint / remat"})
+
+
+def bounded_depth(levels: list[tuple[Any, Any]]) -> int | None:
+    """How many traces the bounded kind's nest opens around its body, from
+    the `(max_steps, base)` of each level of `_while_loop` (innermost first):
+    a level of more than one step is a `lax.scan` of `lax.cond`s, inside a
+    `jax.checkpoint` but at the lowest (`max_steps == base`); a level of one
+    step calls the body as it is. `None` where they cannot be read."""
+    if not all(
+        isinstance(steps, int) and isinstance(base, int) for steps, base in levels
+    ):
+        return None
+    return sum(2 + (steps != base) for steps, base in levels if steps > 1)
 
 
 def blocking(traces: list[Any], names: list[str]) -> dict[int, str]:
@@ -156,14 +191,9 @@ def blocking(traces: list[Any], names: list[str]) -> dict[int, str]:
                 _name(found, index, traces, step, 1, UNBOUNDED)
             step = None
         elif step is not None and _is(frame, _OTHER_KINDS[1]):
-            count = sum(
-                2 + (steps != base)
-                for steps, base in levels
-                if isinstance(steps, int) and steps > 1
-            )
+            count = bounded_depth(levels) or 0
             nest = _name(found, index, traces, step, count, BOUNDED)
-            expected = {"cond", "scan", "checkpoint / remat"}
-            if nest and not all(names[i] in expected for i in nest):
+            if nest and not all(names[i] in BOUNDED_NEST for i in nest):
                 for i in nest:  # not the nest this Equinox builds
                     del found[id(traces[i])]
             step = None

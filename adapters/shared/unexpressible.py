@@ -116,14 +116,27 @@ def control_flow(base: Any) -> ControlFlow | None:
     if transforms is None:
         return None
     stack = list(traces(base))  # as `transforms` names them
-    checkpointed = {
-        id(jax_internals.trace_of(step)): (step, max_steps, runs)
-        for step, max_steps, runs in equinox_loops.running()
-    }
-    # A checkpointed loop's body trace, which JAX names `jit`, is the loop's.
+    index = {id(trace): i for i, trace in enumerate(stack)}
+    # An Equinox loop's traces (the checkpointed kind's `jit`, the bounded
+    # kind's nest of `cond`, `scan` and `checkpoint`) are one loop, whose
+    # rows its counter gives where the counter's trace is.
+    loops = {}  # id of the counter's trace: (step, max_steps, runs)
+    within = set()  # positions of the loops' traces
+    for step, max_steps, runs, depth in equinox_loops.running():
+        start = index.get(id(jax_internals.trace_of(step)))
+        if start is None or not depth:  # outside `base`, or no trace of its own
+            continue
+        if start + depth > len(stack):
+            return None
+        nest = range(start, start + depth)
+        if depth > 1 and not all(
+            transforms[i] in equinox_loops.BOUNDED_NEST for i in nest
+        ):
+            return None
+        loops[id(stack[start])] = (step, max_steps, runs)
+        within.update(nest)
     transforms = tuple(
-        CHECKPOINTED_WHILE if id(trace) in checkpointed else name
-        for trace, name in zip(stack, transforms, strict=True)
+        CHECKPOINTED_WHILE if i in within else name for i, name in enumerate(transforms)
     )
     if not ControlFlow.expressible(transforms):
         return None
@@ -136,8 +149,8 @@ def control_flow(base: Any) -> ControlFlow | None:
     for trace, transform in zip(stack, transforms, strict=True):
         if transform == FORI_LOOP:
             found.append(next(fori_loops))
-        elif transform == CHECKPOINTED_WHILE:
-            step, max_steps, step_runs = checkpointed[id(trace)]
+        elif id(trace) in loops:
+            step, max_steps, step_runs = loops[id(trace)]
             found.append((step, max_steps))
             runs = step_runs if runs is None else runs & step_runs
     if not found:
