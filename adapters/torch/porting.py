@@ -10,10 +10,11 @@ and so are the activations of convolutions and of the norms after them,
 
 This module is the `PortingSide` the probe names: the walk over a model's
 calls (`layers`), the `LayerKinds` table, and the weights written back
-(`with_weights`, `in_float64`). What it builds on lives apart: the converter
-of each layer kind and the weight norms (`converters`), the layers of an
-`nn.MultiheadAttention` (`attention`), and tensors as NumPy in either layout
-(`layouts`).
+(`with_weights`, `in_float64`), and how porting reads a tensor, a dtype
+and a float64 input (`to_host`, `numpy_dtype`, `to_float64`). What it builds
+on lives apart: the converter of each layer kind and the weight norms
+(`converters`), the layers of an `nn.MultiheadAttention` (`attention`), and
+tensors as NumPy in either layout (`layouts`).
 
 A weight-normed module's parameters belong to the module normed
 (`converters`). A module holding floating buffers but no parameter (a
@@ -30,6 +31,7 @@ import copy
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ from bridge.adapter_api import (
 
 from . import converters, internals
 from .attention import attention_layers, fused_attention
-from .layouts import as_is, host_array
+from .layouts import as_is, host_array, weight_array
 
 
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
@@ -196,3 +198,33 @@ def in_float64(probe: Any) -> Any:
     user's module is unchanged."""
     new = type(probe)(deep_copy(probe.module).double())
     return new._looking_inside(probe._inside)
+
+
+# -- reading PyTorch's values, for transfer and compare --------------------------
+
+
+def to_host(value: Any) -> np.ndarray | None:
+    """A tensor as a NumPy array on the host, in its own dtype (bfloat16 as
+    `jnp.bfloat16`); `None` for a value that is no tensor."""
+    return weight_array(value) if isinstance(value, torch.Tensor) else None
+
+
+def numpy_dtype(dtype: Any) -> np.dtype | None:
+    """A PyTorch dtype (or its name, `"torch.float64"`) as NumPy's; `None` for
+    anything else."""
+    if isinstance(dtype, str) and dtype.startswith("torch."):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    try:
+        return jnp.dtype(str(dtype).removeprefix("torch."))
+    except (TypeError, ValueError):  # a dtype NumPy and JAX lack
+        return None
+
+
+def to_float64(value: Any) -> Any:
+    """A floating tensor as float64 (other tensors as they are); `None` for a
+    value that is no tensor."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.double() if value.is_floating_point() else value

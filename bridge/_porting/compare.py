@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import BridgeTypeError, BridgeValueError
-from .compare_logits import logits_figures, logits_pair
+from .compare_logits import logits_figures, logits_pair, on_sides
 from .compare_pairs import NAMES, matched_by_value, paired_ties, tie_notes
 from .compare_runs import (
     in_float64,
@@ -137,34 +137,41 @@ def compare(
     """
     losses = _loss_pair(loss_fn)
     logits_fns = logits_pair(logits)
-    precision = requested_precision(dtype)
+    precision = requested_precision(dtype, (probe_a, probe_b))
     default_rtol, default_atol = _TOLERANCES[precision]
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
-    porting_side(probe_a, "probe_a")
-    porting_side(probe_b, "probe_b")
+    sides = (porting_side(probe_a, "probe_a"), porting_side(probe_b, "probe_b"))
+    logits_fns = on_sides(logits_fns, sides)
     args_b, kwargs_b = second_inputs(args, kwargs, args_b, kwargs_b)
     inputs = (
-        inputs_for(probe_a, args, kwargs),
-        inputs_for(probe_b, args_b, kwargs_b),
+        inputs_for(probe_a, args, kwargs, sides),
+        inputs_for(probe_b, args_b, kwargs_b, sides),
     )
     tolerances = (rtol, atol)
     if precision is None:
-        return _compare((probe_a, probe_b), losses, inputs, logits_fns, tolerances)
+        return _compare(
+            (probe_a, probe_b), sides, losses, inputs, logits_fns, tolerances
+        )
     with x64():
         probes = tuple(
             in_float64(probe, name)
             for probe, name in zip((probe_a, probe_b), NAMES, strict=True)
         )
-        inputs = tuple(inputs_in_float64(given) for given in inputs)
-        report = _compare(probes, losses, inputs, logits_fns, tolerances, precision)
+        inputs = tuple(
+            inputs_in_float64(given, side)
+            for given, side in zip(inputs, sides, strict=True)
+        )
+        report = _compare(
+            probes, sides, losses, inputs, logits_fns, tolerances, precision
+        )
     return report
 
 
-def _compare(probes, losses, inputs, logits_fns, tolerances, precision=None):
+def _compare(probes, sides, losses, inputs, logits_fns, tolerances, precision=None):
     rtol, atol = tolerances
     layers = [
-        parameterised_layers(probe, name, *given)[1]
+        parameterised_layers(probe, name, *given, sides)[1]
         for probe, name, given in zip(probes, NAMES, inputs, strict=True)
     ]
     dead = _dead_layers(probes, losses, inputs, layers)
@@ -207,7 +214,7 @@ def _compare(probes, losses, inputs, logits_fns, tolerances, precision=None):
         dead=tuple(_described(layer, name) for name, layer in dead),
         dtype=dtype,
         lower_precision=lower_precision,
-        logits=logits_figures(results[0].aux, results[1].aux, logits_fns),
+        logits=logits_figures(results[0].aux, results[1].aux, logits_fns, sides),
     )
 
 

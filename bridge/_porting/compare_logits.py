@@ -15,15 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import BridgeTypeError, BridgeValueError
+from .contract import PortingSide
 from .report import LogitsComparison
+from .sides import host_array, numpy_dtype
 
 
 def logits_pair(logits: Any) -> tuple[Any, Any] | None:
-    """`None` (no logits), or a function per model (`_AUTO`: found)."""
+    """`None` (no logits), or a function per model (`Found`: found)."""
     if logits is False:
         return None
     if logits is None:
-        return (_AUTO, _AUTO)
+        return (Found(), Found())
     pair_ = tuple(logits) if isinstance(logits, tuple | list) else (logits,) * 2
     if len(pair_) != 2 or not all(callable(f) for f in pair_):
         raise BridgeTypeError(
@@ -34,27 +36,39 @@ def logits_pair(logits: Any) -> tuple[Any, Any] | None:
     return pair_
 
 
-def _AUTO(outputs: Any) -> Any:
+def on_sides(logits_fns: Any, sides: tuple[PortingSide, PortingSide]) -> Any:
+    """`logits_fns`, each `Found` reading its own model's values."""
+    if logits_fns is None:
+        return None
+    return tuple(
+        Found(side) if isinstance(fn, Found) else fn
+        for fn, side in zip(logits_fns, sides, strict=True)
+    )
+
+
+class Found:
     """The outputs' logits: a `logits` field or key (a Hugging Face output),
     else the outputs themselves when they are one floating array whose last
-    axis has two entries or more; else `None`."""
-    found = getattr(outputs, "logits", None)
-    if found is None and isinstance(outputs, dict):
-        found = outputs.get("logits")
-    if found is None and _floating(outputs) and np.ndim(outputs) >= 1:
-        found = outputs if outputs.shape[-1] >= 2 else None
-    return found if _floating(found) else None
+    axis has two entries or more; else `None`. `side`: the porting side of
+    the model whose outputs they are, which reads its library's dtypes."""
 
+    def __init__(self, side: PortingSide | None = None):
+        self.side = side
 
-def _floating(value: Any) -> bool:
-    if type(value).__module__.split(".")[0] == "torch":
-        return hasattr(value, "is_floating_point") and value.is_floating_point()
-    dtype = getattr(value, "dtype", None)
-    return (
-        dtype is not None
-        and hasattr(value, "shape")
-        and jnp.issubdtype(dtype, jnp.floating)
-    )
+    def __call__(self, outputs: Any) -> Any:
+        found = getattr(outputs, "logits", None)
+        if found is None and isinstance(outputs, dict):
+            found = outputs.get("logits")
+        if found is None and self._floating(outputs) and np.ndim(outputs) >= 1:
+            found = outputs if outputs.shape[-1] >= 2 else None
+        return found if self._floating(found) else None
+
+    def _floating(self, value: Any) -> bool:
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or not hasattr(value, "shape"):
+            return False
+        found = numpy_dtype(self.side, dtype)
+        return found is not None and bool(jnp.issubdtype(found, jnp.floating))
 
 
 def with_logits(loss_fn: Callable, logits_fn: Any) -> Callable:
@@ -62,21 +76,19 @@ def with_logits(loss_fn: Callable, logits_fn: Any) -> Callable:
     return lambda outputs: (loss_fn(outputs), logits_fn(outputs))
 
 
-def _host(value: Any) -> np.ndarray:
-    if type(value).__module__.split(".")[0] == "torch":
-        return value.detach().cpu().double().numpy()
-    return np.asarray(value, np.float64)
-
-
-def logits_figures(logits_a: Any, logits_b: Any, logits_fns) -> Any:
+def logits_figures(logits_a: Any, logits_b: Any, logits_fns, sides) -> Any:
     """KL divergence and top-1 agreement of the two models' logits, over
     every position (each index of all axes but the last); `None` where
-    there are none, or (found, not given) where their shapes differ."""
+    there are none, or (found, not given) where their shapes differ.
+    `sides`: the two models' porting sides, which read their values."""
     if logits_fns is None or logits_a is None or logits_b is None:
         return None
-    a, b = _host(logits_a), _host(logits_b)
+    a, b = (
+        np.asarray(host_array(side, value), np.float64)
+        for side, value in zip(sides, (logits_a, logits_b), strict=True)
+    )
     if a.shape != b.shape:
-        if logits_fns[0] is _AUTO:
+        if isinstance(logits_fns[0], Found):
             return None
         raise BridgeValueError(
             f"The logits given by `logits` have shapes {a.shape} and {b.shape}: "

@@ -20,6 +20,7 @@ from .._errors import BridgeTypeError, BridgeValueError
 from .._session.sites import split_arrays
 from .compare_logits import with_logits
 from .contract import porting_side
+from .sides import numpy_dtype
 
 
 def run_both(probes, loss_fns, sites, inputs, logits_fns=None):
@@ -79,22 +80,33 @@ def _exactly(names: Sequence[str]) -> list[str] | Callable:
 # -- float64 --------------------------------------------------------------------
 
 
-def requested_precision(dtype: Any) -> str | None:
+def requested_precision(dtype: Any, probes: Sequence[Any] = ()) -> str | None:
+    """`"float64"` for a float64 `dtype`: NumPy's, JAX's, or one of the
+    probes' libraries' (`torch.float64`, read by their porting sides)."""
     if dtype is None:
         return None
     name = None
-    for given in (dtype, str(dtype).removeprefix("torch.")):  # torch.float64 too
-        try:
-            name = np.dtype(given).name
+    for side in (None, *_sides(probes)):
+        found = numpy_dtype(side, dtype)
+        if found is not None:
+            name = found.name
             break
-        except TypeError:
-            continue
     if name != "float64":
         raise BridgeValueError(
             '`dtype` must be None (the models as they are) or "float64" (both '
             f"models run in float64, on copies); got {dtype!r}."
         )
     return name
+
+
+def _sides(probes: Sequence[Any]) -> Iterator[Any]:
+    """The porting sides of the probes that have one (a probe that cannot be
+    ported is refused later, its error after `dtype`'s)."""
+    for probe in probes:
+        try:
+            yield porting_side(probe, "probe")
+        except BridgeTypeError:
+            continue
 
 
 @contextlib.contextmanager
@@ -128,9 +140,11 @@ def in_float64(probe: Any, name: str) -> Any:
     )
 
 
-def _float64(leaf: Any) -> Any:
-    if type(leaf).__module__.split(".")[0] == "torch":
-        return leaf.double() if leaf.is_floating_point() else leaf
+def _float64(leaf: Any, side: Any = None) -> Any:
+    own = getattr(side, "to_float64", None)
+    found = None if own is None else own(leaf)
+    if found is not None:
+        return found
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         return leaf
@@ -139,5 +153,7 @@ def _float64(leaf: Any) -> Any:
     return jnp.asarray(leaf, jnp.float64)
 
 
-def inputs_in_float64(inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
-    return jax.tree.map(_float64, inputs)
+def inputs_in_float64(inputs: tuple[tuple, dict], side: Any) -> tuple[tuple, dict]:
+    """A model's inputs in float64: its library's arrays cast by its porting
+    `side`, JAX's and NumPy's here."""
+    return jax.tree.map(lambda leaf: _float64(leaf, side), inputs)

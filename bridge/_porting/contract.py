@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 
 class PortingSide(Protocol):
-    """An adapter's side of porting: a module of two functions (and two
-    optional ones), named by its probe class's `porting_side`.
+    """An adapter's side of porting: a module of two functions (and optional
+    ones), named by its probe class's `porting_side`.
 
     - `layers(probe, sites) -> list[Layer]`: each call of a parameterised
       module among `sites` (`PortableProbe.discovered_sites`), in call order,
@@ -34,6 +34,20 @@ class PortingSide(Protocol):
     - optionally `in_float64(probe) -> probe`: a float64 copy of the model,
       the library's own way (`bridge.compare(..., dtype="float64")`); without
       it, a JAX probe's floating leaves are cast.
+
+    A library whose values are not JAX or NumPy arrays (PyTorch's tensors)
+    says how to read them; porting asks the side whose model a value belongs
+    to (its inputs, outputs and logits), and for the inputs given to a JAX
+    model, the other side too. Each answers `None` for a value that is not
+    its library's; without them, a side's values are read as JAX's:
+    - optionally `to_host(value) -> np.ndarray | None`: one of the library's
+      arrays as a NumPy array on the host, in its own dtype (bfloat16 as
+      `jnp.bfloat16`);
+    - optionally `numpy_dtype(dtype) -> np.dtype | None`: one of the
+      library's dtypes (or its name, `"torch.float64"`) as NumPy's;
+    - optionally `to_float64(value) -> value | None`: one of the library's
+      arrays as float64, still the library's (other dtypes as they are), for
+      `dtype="float64"`.
     """
 
     def layers(self, probe: Any, sites: Sequence[Site]) -> list[Layer]: ...

@@ -8,11 +8,11 @@ second set, `args_b`/`kwargs_b`) and read each model through its adapter's
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from .._errors import BridgeTypeError
 from .contract import PortingSide, porting_side
@@ -20,31 +20,61 @@ from .layer import Layer
 
 
 def parameterised_layers(
-    probe: Any, argument: str, args: tuple, kwargs: dict
+    probe: Any,
+    argument: str,
+    args: tuple,
+    kwargs: dict,
+    others: Sequence[PortingSide] = (),
 ) -> tuple[PortingSide, list[Layer]]:
     """`(porting side, [Layer per call of a parameterised module])`, in call
-    order, found by abstract evaluation."""
+    order, found by abstract evaluation (`others`: the other model's porting
+    side, which reads its library's values among the inputs)."""
     side = porting_side(probe, argument)
-    args, kwargs = inputs_for(probe, args, kwargs)
+    args, kwargs = inputs_for(probe, args, kwargs, (side, *others))
     discovered = probe.discovered_sites(*args, **kwargs)
     return side, side.layers(probe, discovered)
 
 
-def inputs_for(probe: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The inputs as `probe` takes them: a JAX model gets a PyTorch tensor
-    given for both models (a porter's `x`) as a NumPy array."""
+def inputs_for(
+    probe: Any, args: tuple, kwargs: dict, sides: Sequence[PortingSide] = ()
+) -> tuple[tuple, dict]:
+    """The inputs as `probe` takes them: a JAX model gets a value of another
+    side's library given for both models (a porter's PyTorch `x`) as a NumPy
+    array (`sides`: the porting sides of both models)."""
     if not getattr(probe, "runs_in_jax", False):
         return args, kwargs
-    return jax.tree.map(_host_if_torch, (tuple(args), dict(kwargs)))
+    readers = [side.to_host for side in sides if hasattr(side, "to_host")]
+    if not readers:
+        return args, kwargs
 
-
-def _host_if_torch(leaf: Any) -> Any:
-    if type(leaf).__module__.split(".")[0] != "torch" or not hasattr(leaf, "detach"):
+    def on_host(leaf: Any) -> Any:
+        for to_host in readers:
+            found = to_host(leaf)
+            if found is not None:
+                return found
         return leaf
-    leaf = leaf.detach().cpu()
-    if leaf.is_floating_point() and str(leaf.dtype) == "torch.bfloat16":
-        return jnp.asarray(leaf.float().numpy(), jnp.bfloat16)
-    return leaf.numpy()
+
+    return jax.tree.map(on_host, (tuple(args), dict(kwargs)))
+
+
+def host_array(side: PortingSide, value: Any) -> np.ndarray:
+    """`value`, one of `side`'s model's, as a NumPy array on the host."""
+    to_host = getattr(side, "to_host", None)
+    found = None if to_host is None else to_host(value)
+    return np.asarray(value) if found is None else found
+
+
+def numpy_dtype(side: PortingSide, dtype: Any) -> np.dtype | None:
+    """`dtype` (NumPy's, JAX's, or one of `side`'s library's) as NumPy's;
+    `None` for what names no dtype."""
+    own = getattr(side, "numpy_dtype", None)
+    found = None if own is None else own(dtype)
+    if found is not None:
+        return np.dtype(found)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
 
 
 def second_inputs(args, kwargs, args_b, kwargs_b) -> tuple[tuple, dict]:

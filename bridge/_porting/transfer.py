@@ -110,12 +110,14 @@ def transfer(
       ...                          bridge.probe(eqx_model), x)
       >>> ported.apply(x).outputs
     """
-    porting_side(src_probe, "src_probe")
-    porting_side(dst_probe, "dst_probe")
+    source = porting_side(src_probe, "src_probe")
+    target = porting_side(dst_probe, "dst_probe")
     args_b, kwargs_b = second_inputs(args, kwargs, args_b, kwargs_b)
-    _, source_layers = parameterised_layers(src_probe, "src_probe", args, kwargs)
-    target, target_layers = parameterised_layers(
-        dst_probe, "dst_probe", args_b, kwargs_b
+    _, source_layers = parameterised_layers(
+        src_probe, "src_probe", args, kwargs, (target,)
+    )
+    _, target_layers = parameterised_layers(
+        dst_probe, "dst_probe", args_b, kwargs_b, (source,)
     )
     # A tied layer moves nothing of its own: its owner's weights move, and a
     # tied destination shares the tensor written to its owner.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import BridgeTypeError
+from .._session import inside_functions
 from .._session.inside import Inside, check_carried
 from .front import ProbeFront
 from .protocol import ActivationProbe
@@ -55,6 +56,7 @@ def register_adapter(
     factory: Callable[..., ActivationProbe] | str,
     *,
     name: str | None = None,
+    package: str | None = None,
 ) -> None:
     """Teach `bridge.probe` a new kind of model, without touching `bridge/`.
 
@@ -66,6 +68,10 @@ def register_adapter(
         `bridge.adapter_api.ProbeBase` to get `sites`, `value_and_grad` and
         `apply` from one method that runs the model under a `Session`.
       name: a label for error messages; defaults to the class or function name.
+      package: the top-level package of the library (`"flax"`), whose classes
+        are the bases of models, not model code: `bridge.probe(...,
+        inside=cls)` rewrites the methods of `cls`'s bases from `cls`'s own
+        package, never a library's. Default: none.
 
     Adapters registered later are tried first, so a registration can override a
     built-in one.
@@ -94,7 +100,16 @@ def register_adapter(
             "`factory` must be a callable `(model, *variables, vmap) -> probe` or a "
             f"'module:attribute' string; got {factory!r}."
         )
+    if package is not None and not (
+        isinstance(package, str) and package.isidentifier()
+    ):
+        raise BridgeTypeError(
+            f"`package` must be a top-level package's name, e.g. 'flax'; got "
+            f"{package!r}."
+        )
     _ADAPTERS.insert(0, _Adapter(name or label, matches, factory))
+    if package is not None:
+        inside_functions._LIBRARY_PACKAGES.add(package)
 
 
 def probe(
@@ -210,25 +225,40 @@ def _instance_of(module_name: str, *class_names: str) -> Callable[[Any], bool]:
 
 
 register_adapter(
-    _instance_of("flax.linen", "Module"), "bridge.adapters.linen:probe", name="linen"
+    _instance_of("flax.linen", "Module"),
+    "bridge.adapters.linen:probe",
+    name="linen",
+    package="flax",
 )
-# A Hugging Face Flax model object: its Linen `module` with its `params`.
+# A Hugging Face Flax model object: its Linen `module` with its `params`. No
+# `package`: `inside=` rewrites a Hugging Face class's same-package bases (one
+# attention class subclasses another).
 register_adapter(
     _instance_of("transformers.modeling_flax_utils", "FlaxPreTrainedModel"),
     "bridge.adapters.linen.hub:probe",
     name="transformers-flax",
 )
 register_adapter(
-    _instance_of("flax.nnx", "Module"), "bridge.adapters.nnx:probe", name="nnx"
+    _instance_of("flax.nnx", "Module"),
+    "bridge.adapters.nnx:probe",
+    name="nnx",
+    package="flax",
 )
 register_adapter(
-    _instance_of("equinox", "Module"), "bridge.adapters.equinox:probe", name="equinox"
+    _instance_of("equinox", "Module"),
+    "bridge.adapters.equinox:probe",
+    name="equinox",
+    package="equinox",
 )
 register_adapter(
-    _instance_of("torch.nn", "Module"), "bridge.adapters.torch:probe", name="torch"
+    _instance_of("torch.nn", "Module"),
+    "bridge.adapters.torch:probe",
+    name="torch",
+    package="torch",
 )
 register_adapter(
     _instance_of("haiku", "Transformed", "TransformedWithState"),
     "bridge.adapters.haiku:probe",
     name="haiku",
+    package="haiku",
 )

@@ -28,8 +28,10 @@ from .inside_source import SiteSource, compiled, has_source
 #: Packages whose own classes are the bases of models, not model code: a
 #: class's methods are rewritten along its MRO where its bases come from the
 #: class's own package, and never in these (the class given is always
-#: rewritten, wherever it comes from).
-_LIBRARY_PACKAGES = ("flax", "haiku", "equinox", "torch", "jax", "builtins", "abc")
+#: rewritten, wherever it comes from). The core knows JAX's and Python's; each
+#: adapter registered with a `package` adds its library's
+#: (`bridge._probe.registry.register_adapter`).
+_LIBRARY_PACKAGES: set[str] = {"jax", "builtins", "abc"}
 
 _lock = threading.Lock()
 _keys = itertools.count(1)
