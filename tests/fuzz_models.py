@@ -22,14 +22,21 @@ and the whole layer optionally runs inside one transform (`Layer.wrap`):
   bounds, its carry a scan's (a Python `0` where `retrace`); a site holds one
   value per iteration, stacked first.
 - `vmap`: mapped over a new leading axis holding two copies of the input.
+- `while_loop` (Equinox only, `EQUINOX_ONLY`): Equinox's checkpointed while
+  loop, `equinox.internal.while_loop(kind="checkpointed",
+  max_steps=while_steps(layer))`, whose carry counts its steps and whose
+  condition stops it, per example, after `stop_step` of its input (zero
+  steps, some, or not before `max_steps` stops it); a site holds one value
+  per step, stacked first, zeros where the step did not run.
 
 `Layer.native` picks the library's own transform (`nn.jit`, `nnx.remat`,
 `hk.scan`, `nn.switch`, `nnx.fori_loop`, `hk.switch`, `eqx.filter_jit`, ...)
 over JAX's (`jax.jit`, `jax.checkpoint`, `lax.scan`, `lax.cond`,
 `lax.switch`, `lax.fori_loop`, `jax.vmap`); where the library has none
 (Linen's `fori_loop`; Equinox's `cond`, `switch`, `fori_loop` and `scan`),
-JAX's (`uses_jax`). Linen and Haiku create parameters when a module is first
-called, and inside a JAX transform that leaks them at `init`: their module
+JAX's (`uses_jax`); a `while_loop` is always Equinox's own. Linen and Haiku
+create parameters when a module is first called, and inside a JAX transform
+that leaks them at `init`: their module
 calls run inside the library's own transform (Haiku has no `jit`: there the
 module call runs before the cached jitted activation and tap), except inside
 JAX's `vmap` and control flow. Before a branch or a loop, theirs or JAX's,
@@ -51,7 +58,14 @@ does the model's own values; given `iv`, the model returns what its hooks
 saw beside its output. A `fori_loop` hands iteration `i` row `i` of its
 `iv` (indexed by the loop counter), and records row `i`; a branch records,
 under `ran_key(name)`, whether each of its sites ran. The references are
-computed from these hooks with plain JAX, never with bridge.
+computed from these hooks with plain JAX, never with bridge. The checkpointed
+while loop has no forward mode, and bridge's route through it is what is under
+test: given `iv`, a model runs it as its reference does (`unrolled_while`),
+unrolled to `max_steps` in Python, each step applied where the loop's
+condition holds (`jnp.where`), its hooks handed row `k` of `iv` on step `k`
+and recording the value (zeros where the step did not run) and, under
+`ran_key(name)`, whether it ran; without `iv` (as bridge runs it), the loop
+itself runs.
 """
 
 from __future__ import annotations
@@ -67,13 +81,32 @@ from reliability import ACTIVATIONS, filled, random_values
 
 import bridge
 
-WRAPS = (None, "jit", "checkpoint", "scan", "cond", "switch", "fori_loop", "vmap")
+WRAPS = (
+    None,
+    "jit",
+    "checkpoint",
+    "scan",
+    "cond",
+    "switch",
+    "fori_loop",
+    "vmap",
+    "while_loop",
+)
 
 #: The wraps of JAX's control flow (and the libraries' own).
-CONTROL_FLOW = ("cond", "switch", "fori_loop")
+CONTROL_FLOW = ("cond", "switch", "fori_loop", "while_loop")
+#: The wraps only one library has: Equinox's checkpointed while loop.
+EQUINOX_ONLY = ("while_loop",)
 #: The wraps whose body runs once per iteration, carrying the layer's input
 #: into its output: a module there keeps its input's width.
-LOOPS = ("scan", "fori_loop")
+LOOPS = ("scan", "fori_loop", "while_loop")
+
+
+def wraps_of(library: str, wraps: tuple = WRAPS) -> tuple:
+    """The wraps of `wraps` that `library` has, in their order."""
+    return tuple(w for w in wraps if library == "equinox" or w not in EQUINOX_ONLY)
+
+
 #: How many branches a `switch` layer has: the layer, then two without sites.
 SWITCH_BRANCHES = 3
 
@@ -144,9 +177,13 @@ def uses_jax(library: str, layer: Layer) -> bool:
     Linen and Haiku run a module call inside their own transform, but for
     JAX's `vmap` and control flow (their parameters made first,
     `early_params`); Linen has no `fori_loop` of its own, nor Equinox a
-    `cond`, `switch`, `fori_loop` or `scan`: there JAX's runs."""
+    `cond`, `switch`, `fori_loop` or `scan`: there JAX's runs. Equinox's
+    checkpointed `while_loop` is its own."""
     if layer.wrap is None:
         return True
+    if layer.wrap in EQUINOX_ONLY:
+        assert library == "equinox", (library, layer.wrap)
+        return False
     if library == "equinox" and layer.wrap in (*CONTROL_FLOW, "scan"):
         return True
     if library == "linen" and layer.wrap == "fori_loop":
@@ -400,6 +437,64 @@ def closing_over(fori_loop: Callable) -> Callable:
     return loop
 
 
+def while_steps(layer: Layer) -> int:
+    """The `max_steps` of a `while_loop` layer."""
+    return layer.iterations + 1
+
+
+def stop_step(h, max_steps: int):
+    """After how many steps a `while_loop` layer's condition stops it, from
+    its input (one example): `0` to `max_steps + 1`, where past `max_steps`
+    the loop's bound stops it. The position of the largest entry of
+    `[h, -h]`, so that the examples of a batch stop at different steps; not a
+    threshold on a value, as `switch_index`."""
+    both = jnp.concatenate([h, -h], axis=-1)
+    return (jnp.argmax(both, axis=-1) % (max_steps + 2)).astype(jnp.int32)
+
+
+def checkpointed_while(run: Callable, layer: Layer, module, h) -> jax.Array:
+    """A `while_loop` layer as bridge runs it: `run(module, h, {})` in
+    Equinox's checkpointed while loop, its carry `(h, step, stop)`."""
+    import equinox.internal as eqxi
+
+    max_steps = while_steps(layer)
+
+    def going_on(carry):
+        _, step, stop = carry
+        return step < stop
+
+    def step(carry):
+        h, step, stop = carry
+        return run(module, h, {})[0], step + 1, stop
+
+    start = (h, jnp.zeros((), jnp.int32), stop_step(h, max_steps))
+    h, _, _ = eqxi.while_loop(
+        going_on, step, start, kind="checkpointed", max_steps=max_steps
+    )
+    return h
+
+
+def unrolled_while(run: Callable, layer: Layer, names, module, h, iv):
+    """The reference of a `while_loop` layer: the loop unrolled to
+    `max_steps`, step `k` applied where it runs (`k < stop_step`, the loop's
+    condition) with its hooks handed row `k` of `iv`. Returns the output and
+    the hooks' rows, one per step (zeros where the step did not run), and
+    under `ran_key(name)` whether each step ran."""
+    max_steps = while_steps(layer)
+    stop = stop_step(h, max_steps)
+    rows: dict = {name: [] for name in names}
+    ran = []
+    for k in range(max_steps):
+        running = k < stop
+        new, rec = run(module, h, jax.tree.map(lambda a, k=k: a[k], iv))
+        h = jnp.where(running, new, h)
+        for name, value in rec.items():
+            rows[name].append(jnp.where(running, value, jnp.zeros_like(value)))
+        ran.append(running)
+    recorded = {name: jnp.stack(values) for name, values in rows.items()}
+    return h, {**recorded, **{ran_key(name): jnp.stack(ran) for name in names}}
+
+
 def jax_layer(
     i, layer, mod_name, module, h, iv, width_out, *, pytree, rebuild=None
 ) -> tuple[jax.Array, dict]:
@@ -473,7 +568,8 @@ class Built:
       params: the trainable parameters, in the structure of `ProbeResult.grads`.
       forward: `(params, x, iv) -> (outputs, recorded)`: the unprobed model
         with `iv` handed to its hooks, each site's value in the contract's
-        layout (`iv`'s too).
+        layout (`iv`'s too); a checkpointed while loop unrolled
+        (`unrolled_while`).
       plain: `(params, x) -> outputs`: the unprobed model as bridge runs it.
       names: every site in call order.
     """
@@ -715,11 +811,17 @@ def _equinox(spec: Spec, seed: int) -> Built:
         arrays, static = eqx.partition(module, eqx.is_array)
         return arrays, lambda a: eqx.combine(a, static)
 
-    def native(module, i, layer, h, iv):
-        """Layer `i` inside Equinox's own transform, the module an argument."""
+    def native(module, i, layer, h, iv, reference):
+        """Layer `i` inside Equinox's own transform, the module an argument;
+        `reference`: the model runs as its reference (`unrolled_while`)."""
         mod_name = f"layers/{i}"
-        iv = own(iv, layer_sites_of(layer, i, mod_name))
+        names = layer_sites_of(layer, i, mod_name)
+        iv = own(iv, names)
         run = functools.partial(body, i, layer, mod_name)
+        if layer.wrap == "while_loop":
+            if reference:
+                return unrolled_while(run, layer, names, module, h, iv)
+            return checkpointed_while(run, layer, module, h), {}
         if layer.wrap == "jit":
             return cached_jit("eqx", i, layer, mod_name)(module, h, iv)
         if layer.wrap == "checkpoint":
@@ -738,7 +840,8 @@ def _equinox(spec: Spec, seed: int) -> Built:
             iv = iv or {}
             for i, layer in enumerate(spec.layers):
                 if not uses_jax("equinox", layer):
-                    h, more = native(self.layers[i], i, layer, h, iv)
+                    reference = given is not None
+                    h, more = native(self.layers[i], i, layer, h, iv, reference)
                 else:
                     h, more = jax_layer(
                         i,

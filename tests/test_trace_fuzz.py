@@ -1,6 +1,7 @@
 """A trace-pattern fuzzer: layers inside `jax.jit` (a cached trace),
 `jax.checkpoint`, a `lax.scan` traced twice, `lax.cond`, `lax.switch`,
-`lax.fori_loop` and `jax.vmap` (or the library's own), in all four libraries.
+`lax.fori_loop` and `jax.vmap` (or the library's own), in all four libraries,
+and Equinox's checkpointed while loop (`equinox.internal.while_loop`).
 
 Hypothesis draws a stack of one to three layers (`fuzz_models.Layer`): a
 module call, a `bridge.tap`, or both, each layer optionally inside one
@@ -15,10 +16,13 @@ value; references come from it with plain JAX, never from bridge:
 - each site's activation is the value the hook saw, its activation gradient
   is `jax.grad` with respect to the hook's offset, and `vdot(gradient, delta)`
   is `jax.jvp` of the loss along an offset `delta` at that site alone (in a
-  `fori_loop`, per iteration: the hook's offset has a row per iteration);
-- `res.ran` has an entry for each probed site inside a `cond` or a `switch`,
-  and no other, equal to the hooks' record of whether its branch ran (where
-  it did not, the site's value and gradient are the hook's zeros);
+  `fori_loop` or a while loop, per iteration: the hook's offset has a row
+  per iteration);
+- `res.ran` has an entry for each probed site inside a `cond`, a `switch` or
+  a checkpointed while loop, and no other, equal to the hooks' record of
+  whether its branch ran (in a while loop, per step and example: the
+  reference is the loop unrolled to `max_steps`, `fuzz_models.unrolled_while`);
+  where it did not, the site's value and gradient are the hook's zeros;
 - parameter gradients and the loss are those of the unprobed model under
   `jax.grad` (with a patch, of the model whose hook replaced the value);
 - a site bridge cannot express is still listed, and refused only when
@@ -32,7 +36,9 @@ function is traced once, before the probe (`Built.warm`): the probe meets a
 cached trace, as a model's `init` or an earlier step leaves it.
 
 `test_control_flow_patterns` draws only layers inside control flow, so that
-CI's few examples always meet them. `test_reproduction` holds the smallest
+CI's few examples always meet them, and `test_pinned` holds fixed models
+(Equinox's checkpointed while loop) that CI meets on every run whatever the
+draws. `test_reproduction` holds the smallest
 models found to fail, one per kind of failure; one still open is a strict
 xfail naming its reproducer, and the draws avoid it (`known_bug`).
 `BRIDGE_FUZZ_EXAMPLES=200 pytest tests/test_trace_fuzz.py` runs more
@@ -61,6 +67,8 @@ from fuzz_models import (
     patch_function_key,
     patch_key,
     ran_key,
+    site_names,
+    wraps_of,
 )
 from helpers import assert_tree_allclose, tree_vdot
 from hypothesis import HealthCheck, Phase, given, settings
@@ -119,9 +127,16 @@ def specs_of(layers, max_layers):
     )
 
 
-specs = specs_of(layers_in(WRAPS), 3)
-#: Every layer inside a `cond`, a `switch` or a `fori_loop`.
-control_flow_specs = specs_of(layers_in(CONTROL_FLOW), 2)
+def specs(library):
+    """Models of one to three layers, each in any wrap `library` has."""
+    return specs_of(layers_in(wraps_of(library, WRAPS)), 3)
+
+
+def control_flow_specs(library):
+    """Every layer inside a `cond`, a `switch`, a `fori_loop` (or Equinox's
+    checkpointed while loop)."""
+    return specs_of(layers_in(wraps_of(library, CONTROL_FLOW)), 2)
+
 
 #: `at=`: `None` (every site), or the index of one site (modulo their number).
 selections = st.one_of(st.none(), st.integers(0, 8))
@@ -369,7 +384,7 @@ def check(library, spec, mode, at=None, patch=None):
 @FUZZ
 @given(data=st.data())
 def test_trace_patterns(library, mode, data):
-    fuzz(library, mode, data, specs)
+    fuzz(library, mode, data, specs(library))
 
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
@@ -380,8 +395,9 @@ def test_control_flow_patterns(library, mode, data):
     """As `test_trace_patterns`, every layer inside control flow: the few
     examples CI draws there meet each of them, whatever the draws of the
     other (a `switch` taking its layer's branch or another, a `fori_loop`
-    with a row per iteration, the library's own or JAX's)."""
-    fuzz(library, mode, data, control_flow_specs)
+    with a row per iteration, the library's own or JAX's, Equinox's
+    checkpointed while loop stopping at a different step per example)."""
+    fuzz(library, mode, data, control_flow_specs(library))
 
 
 def fuzz(library, mode, data, specs):
@@ -391,7 +407,10 @@ def fuzz(library, mode, data, specs):
         specs.filter(lambda spec: known_bug(library, spec) is None), label="spec"
     )
     at = data.draw(selections, label="at")
-    patch = data.draw(patches, label="patch")
+    patch = data.draw(
+        patches.filter(lambda patch: known_bug(library, spec, patch) is None),
+        label="patch",
+    )
     check(library, spec, mode, at, patch)
 
 
@@ -414,11 +433,47 @@ def test_the_jitted_functions_inside_the_models_are_warm(library, native):
 #: Bridge bugs the fuzzer found and that are still open, each with a
 #: standalone reproducer. The fuzzer draws no model that runs into one
 #: (`known_bug`); `test_reproduction` holds each as a strict xfail: when it
-#: passes, drop it from here. None is open now.
+#: passes, drop it from here.
+
+#: Under `vmap=True`, a patch by a function of a site inside Equinox's
+#: checkpointed while loop fails the backward pass with JAX's `NameError:
+#: Found an unbound axis name: batch` (`_apply_patch` gathers the batch with
+#: `lax.all_gather` over the probe's vmap axis, and the loop's backward,
+#: `_checkpointed_while_loop_bwd`, traces the body again where that axis is
+#: not bound). A patch by a value works. Standalone:
+#:
+#:     class Loop(eqx.Module):
+#:         cell: eqx.nn.Linear
+#:
+#:         def __call__(self, x):
+#:             def step(c):
+#:                 return jnp.tanh(self.cell(c[0])), c[1] + 1
+#:
+#:             return eqxi.while_loop(lambda c: c[1] < 2, step, (x, 0),
+#:                                    kind="checkpointed", max_steps=3)[0]
+#:
+#:     model = Loop(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+#:     bridge.probe(model, vmap=True).value_and_grad(
+#:         lambda o: jnp.sum(o**2), jnp.ones((2, 3)), at="cell",
+#:         patch={"cell": lambda v: v + 1.0})  # NameError
+PATCH_FUNCTION_IN_CHECKPOINTED_WHILE = (
+    "a patch by a function of a site inside Equinox's checkpointed while loop "
+    "under vmap=True: NameError, unbound axis name 'batch' in the loop's backward"
+)
 
 
-def known_bug(library, spec):
-    """The open bridge bug a model of `spec` runs into, or `None`."""
+def known_bug(library, spec, patch=None):
+    """The open bridge bug a model of `spec` (with `patch`: `None`, or
+    `(site, "value" | "function")`, the site a name or an index into the
+    sites) runs into, or `None`."""
+    if library == "equinox" and patch is not None and patch[1] == "function":
+        site = patch[0]
+        if isinstance(site, int):
+            names = site_names(spec, library)
+            site = names[site % len(names)]
+        layer = layer_of(spec, library, site)
+        if layer is not None and layer.wrap == "while_loop":
+            return PATCH_FUNCTION_IN_CHECKPOINTED_WHILE
     return None
 
 
@@ -443,7 +498,7 @@ def _case(library, spec, id, mode="jit", at=None, patch=None, marks=()):
 
 def _open_bug(library, spec, id, raises, **kwargs):
     """A reproduction of a bug still open (`known_bug`), a strict xfail."""
-    reason = known_bug(library, spec)
+    reason = known_bug(library, spec, kwargs.get("patch"))
     assert reason is not None, id
     marks = pytest.mark.xfail(strict=True, raises=raises, reason=reason)
     return _case(library, spec, id, marks=marks, **kwargs)
@@ -609,9 +664,53 @@ REPRODUCTIONS = [
         )
         for lib in ("linen", "equinox")
     ),
+    # A patch by a function of a site in Equinox's checkpointed while loop
+    # (`PATCH_FUNCTION_IN_CHECKPOINTED_WHILE`).
+    *(
+        _open_bug(
+            "equinox",
+            _one(**layer, wrap="while_loop", iterations=2),
+            f"equinox-patch-function-of-{what}-in-checkpointed-while_loop-{mode}",
+            NameError,
+            mode=mode,
+            patch=(site, "function"),
+        )
+        for layer, what, site, mode in (
+            (MODULE, "module", "layers/0", "jit"),
+            (TAP, "tap", "t0", "eager"),
+        )
+    ),
 ]
 
 
 @pytest.mark.parametrize("library, spec, mode, at, patch", REPRODUCTIONS)
 def test_reproduction(library, spec, mode, at, patch):
+    check(library, spec, mode, at, patch)
+
+
+WHILE = {"wrap": "while_loop", "iterations": 2}
+
+#: Fixed models CI meets on every run, whatever the draws: a module and a tap
+#: in Equinox's checkpointed while loop (three steps, the examples stopping
+#: after zero to three, or by its bound), after a first loop of a tap alone,
+#: the module's site patched by a value.
+PINNED = [
+    _case(
+        "equinox",
+        Spec(
+            layers=(
+                Layer(**TAP, **WHILE, act="sin"),
+                Layer(module=True, tap=True, **WHILE),
+            ),
+            in_dim=4,
+            batch=3,
+        ),
+        "equinox-module-and-tap-in-checkpointed-while_loop",
+        patch=("layers/1", "value"),
+    ),
+]
+
+
+@pytest.mark.parametrize("library, spec, mode, at, patch", PINNED)
+def test_pinned(library, spec, mode, at, patch):
     check(library, spec, mode, at, patch)
