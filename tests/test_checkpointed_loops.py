@@ -374,3 +374,21 @@ def test_a_diffrax_solve_with_an_implicit_adjoint_is_refused_naming_it():
         bridge.probe(model, vmap=True).value_and_grad(
             loss_fn, y0, at=["field/mlp/layers/1"]
         )
+
+
+def test_a_patch_function_in_a_loop_under_vmap_is_refused_before_any_work(relax):
+    """A patch function sees the whole batch, gathered over the probe's
+    vmap axis; the checkpointed loop's backward pass traces its body where
+    that axis is unbound. A patch value, and `apply`, still work."""
+    model, x = relax
+    probe = bridge.probe(model, vmap=True)
+    with pytest.raises(
+        bridge.BridgeNotImplementedError,
+        match=r"patch for site 'cell': a patch function sees the whole batch.*"
+        r"Give a patch value",
+    ):
+        probe.value_and_grad(loss_fn, x, patch={"cell": lambda v: v * 0.5})
+    zeros = jnp.zeros((MAX_STEPS, *x.shape))
+    res = probe.value_and_grad(loss_fn, x, at="head", patch={"cell": zeros})
+    assert np.isfinite(float(res.loss))
+    probe.apply(x, patch={"cell": lambda v: v * 0.5})

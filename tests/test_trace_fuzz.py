@@ -435,37 +435,23 @@ def test_the_jitted_functions_inside_the_models_are_warm(library, native):
 #: (`known_bug`); `test_reproduction` holds each as a strict xfail: when it
 #: passes, drop it from here.
 
-#: Under `vmap=True`, a patch by a function of a site inside Equinox's
-#: checkpointed while loop fails the backward pass with JAX's `NameError:
-#: Found an unbound axis name: batch` (`_apply_patch` gathers the batch with
-#: `lax.all_gather` over the probe's vmap axis, and the loop's backward,
-#: `_checkpointed_while_loop_bwd`, traces the body again where that axis is
-#: not bound). A patch by a value works. Standalone:
-#:
-#:     class Loop(eqx.Module):
-#:         cell: eqx.nn.Linear
-#:
-#:         def __call__(self, x):
-#:             def step(c):
-#:                 return jnp.tanh(self.cell(c[0])), c[1] + 1
-#:
-#:             return eqxi.while_loop(lambda c: c[1] < 2, step, (x, 0),
-#:                                    kind="checkpointed", max_steps=3)[0]
-#:
-#:     model = Loop(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
-#:     bridge.probe(model, vmap=True).value_and_grad(
-#:         lambda o: jnp.sum(o**2), jnp.ones((2, 3)), at="cell",
-#:         patch={"cell": lambda v: v + 1.0})  # NameError
+#: Models the fuzzer must not draw: refused by design, not bugs. Under
+#: `vmap=True` a patch function sees the whole batch (gathered over the
+#: probe's vmap axis), and the checkpointed while loop's backward pass
+#: (`_checkpointed_while_loop_bwd`) traces its body again where that axis is
+#: unbound (JAX's `NameError`): bridge refuses it before any work.
 PATCH_FUNCTION_IN_CHECKPOINTED_WHILE = (
     "a patch by a function of a site inside Equinox's checkpointed while loop "
-    "under vmap=True: NameError, unbound axis name 'batch' in the loop's backward"
+    "under vmap=True: the loop's backward pass traces its body where the "
+    "probe's vmap axis is unbound (JAX's NameError), so bridge refuses it "
+    "before any work (tests/test_checkpointed_loops.py)"
 )
 
 
 def known_bug(library, spec, patch=None):
-    """The open bridge bug a model of `spec` (with `patch`: `None`, or
-    `(site, "value" | "function")`, the site a name or an index into the
-    sites) runs into, or `None`."""
+    """The open bridge bug (or refusal by design) a model of `spec` (with
+    `patch`: `None`, or `(site, "value" | "function")`, the site a name or an
+    index into the sites) runs into, or `None`."""
     if library == "equinox" and patch is not None and patch[1] == "function":
         site = patch[0]
         if isinstance(site, int):
@@ -663,22 +649,6 @@ REPRODUCTIONS = [
             f"{lib}-relu-custom_jvp-in-lax.fori_loop",
         )
         for lib in ("linen", "equinox")
-    ),
-    # A patch by a function of a site in Equinox's checkpointed while loop
-    # (`PATCH_FUNCTION_IN_CHECKPOINTED_WHILE`).
-    *(
-        _open_bug(
-            "equinox",
-            _one(**layer, wrap="while_loop", iterations=2),
-            f"equinox-patch-function-of-{what}-in-checkpointed-while_loop-{mode}",
-            NameError,
-            mode=mode,
-            patch=(site, "function"),
-        )
-        for layer, what, site, mode in (
-            (MODULE, "module", "layers/0", "jit"),
-            (TAP, "tap", "t0", "eager"),
-        )
     ),
 ]
 

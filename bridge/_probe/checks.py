@@ -13,7 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._errors import BridgeTypeError, BridgeValueError
+from .._errors import BridgeNotImplementedError, BridgeTypeError, BridgeValueError
+from .._session.backward import CHECKPOINTED_WHILE
 from .._session.sites import JAX_ARRAYS, Arrays, Site, patch_misfit, shapes_and_dtypes
 from .selection import matches_pattern
 
@@ -150,3 +151,28 @@ def _check_patch_function(
             shapes_and_dtypes(new),
             function=True,
         )
+
+
+def check_batch_patches_in_checkpointed_loops(
+    patches: Mapping[str, Any], sites: list[Site]
+) -> None:
+    """Refuse, before any work, a patch function at a site inside Equinox's
+    checkpointed while loop where the probe differentiates under its own
+    `jax.vmap`: a patch function sees the whole batch, gathered over the
+    probe's vmap axis, and the loop's backward pass traces its body again
+    where that axis is not bound (JAX's `NameError`)."""
+    for site in sites:
+        transforms = getattr(site.origin, "transforms", ())
+        if (
+            callable(patches.get(site.name))
+            and isinstance(transforms, tuple)
+            and CHECKPOINTED_WHILE in transforms
+        ):
+            raise BridgeNotImplementedError(
+                f"patch for site {site.name!r}: a patch function sees the whole "
+                "batch, and inside Equinox's checkpointed while loop under "
+                "vmap=True its backward pass runs where the batch is not "
+                "gathered. Give a patch value (an array of the site's shape, "
+                "see probe.sites(...)), or probe the batched model with "
+                "vmap=False, or use probe.apply (no backward pass)."
+            )

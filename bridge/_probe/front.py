@@ -30,6 +30,7 @@ from .._session.sites import JAX_ARRAYS, Arrays, Site
 from . import discovery_cache
 from .checks import (
     UNCHECKED_LOSS,
+    check_batch_patches_in_checkpointed_loops,
     check_loss,
     check_loss_fn,
     check_patch_kind,
@@ -194,6 +195,8 @@ class ProbeFront:
             if patch
             else {}
         )
+        if patches and loss_fn is not None and getattr(self, "vmap", False):
+            check_batch_patches_in_checkpointed_loops(patches, discovered)
         chosen = select(at, discovered)
         return CallPlan(args, kwargs, discovered, chosen, patches)
 
