@@ -432,8 +432,8 @@ def test_the_jitted_functions_inside_the_models_are_warm(library, native):
 
 #: Bridge bugs the fuzzer found and that are still open, each with a
 #: standalone reproducer. The fuzzer draws no model that runs into one
-#: (`known_bug`); `test_reproduction` holds each as a strict xfail: when it
-#: passes, drop it from here.
+#: (`known_bug`); `test_reproduction` holds each as a strict xfail
+#: (`_open_bug`): when it passes, drop it from here. None is open now.
 
 #: Models the fuzzer must not draw: refused by design, not bugs. Under
 #: `vmap=True` a patch function sees the whole batch (gathered over the
