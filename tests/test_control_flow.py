@@ -135,15 +135,16 @@ class LinenBranch(nn.Module):
         return nn.Dense(OUT, name="head")(h)
 
 
-def _linen(kind: str, vmap: bool = True) -> Case:
+def _linen(kind: str, vmap: bool = True, model: type | None = None) -> Case:
+    model = model or LinenBranch
     x = jnp.ones((IN,))
-    variables = LinenBranch("both").init(jax.random.key(0), x)
+    variables = model("both").init(jax.random.key(0), x)
 
     def forward(kind, x, offsets):
         with offsets_added(offsets):
-            return LinenBranch(kind).apply(variables, x)
+            return model(kind).apply(variables, x)
 
-    return Case(bridge.probe(LinenBranch(kind), variables, vmap=vmap), forward)
+    return Case(bridge.probe(model(kind), variables, vmap=vmap), forward)
 
 
 def _nnx(kind: str, vmap: bool = True) -> Case:
@@ -1005,14 +1006,7 @@ ONE_SIDED = ("inner", "t")
 
 
 def _linen_one_sided(kind: str) -> Case:
-    x = jnp.ones((IN,))
-    variables = LinenOneSided("both").init(jax.random.key(0), x)
-
-    def forward(kind, x, offsets):
-        with offsets_added(offsets):
-            return LinenOneSided(kind).apply(variables, x)
-
-    return Case(bridge.probe(LinenOneSided(kind), variables, vmap=True), forward)
+    return _linen(kind, model=LinenOneSided)
 
 
 def _one_sided_reference(case: Case, kind: str, x: jax.Array):

@@ -52,10 +52,12 @@ _CHECKPOINTED = (
 )
 #: The other kinds of the loop (`lax`, `bounded`) call the same body: a
 #: counter seen below one of them is not a checkpointed loop's.
-_OTHER_KINDS = (
-    ("while_loop", os.path.join("equinox", "internal", "_loop", "loop.py")),
-    ("bounded_while_loop", os.path.join("equinox", "internal", "_loop", "bounded.py")),
+_LAX_KIND = ("while_loop", os.path.join("equinox", "internal", "_loop", "loop.py"))
+_BOUNDED_KIND = (
+    "bounded_while_loop",
+    os.path.join("equinox", "internal", "_loop", "bounded.py"),
 )
+_OTHER_KINDS = (_LAX_KIND, _BOUNDED_KIND)
 
 
 #: `bounded_while_loop`'s nest: each level with `max_steps > 1` is a scan of
@@ -64,7 +66,6 @@ _BOUNDED_LEVEL = (
     "_while_loop",
     os.path.join("equinox", "internal", "_loop", "bounded.py"),
 )
-_LAX_KIND = _OTHER_KINDS[0]
 _CLOSURE_CONVERT = ("filter_closure_convert", os.path.join("equinox", "_ad.py"))
 _OPTIMISTIX = tuple(
     (name, os.path.join("optimistix", f"_{name}.py"))
@@ -140,7 +141,7 @@ def running() -> list[tuple[Any, int | None, Any, int]]:
             bound = max_steps if isinstance(max_steps, int) else None
             found.append((step, bound, runs, 1))
             step = None
-        elif step is not None and _is(frame, _OTHER_KINDS[1]):
+        elif step is not None and _is(frame, _BOUNDED_KIND):
             max_steps = frame.f_locals.get("max_steps")
             depth = bounded_depth(levels)
             if isinstance(max_steps, int) and depth is not None:
@@ -190,7 +191,7 @@ def blocking(traces: list[Any], names: list[str]) -> dict[int, str]:
             if not isinstance(frame.f_locals.get("max_steps"), int):
                 _name(found, index, traces, step, 1, UNBOUNDED)
             step = None
-        elif step is not None and _is(frame, _OTHER_KINDS[1]):
+        elif step is not None and _is(frame, _BOUNDED_KIND):
             count = bounded_depth(levels) or 0
             nest = _name(found, index, traces, step, count, BOUNDED)
             if nest and not all(names[i] in BOUNDED_NEST for i in nest):

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import BridgeTypeError, BridgeValueError
-from .compare_logits import logits_figures, logits_pair, on_sides
+from .compare_logits import function_pair, logits_figures, logits_pair, on_sides
 from .compare_pairs import NAMES, matched_by_value, paired_ties, tie_notes
 from .compare_runs import (
     in_float64,
@@ -277,8 +277,8 @@ def _described(layer: Layer, name: str) -> str:
 
 
 def _loss_pair(loss_fn: Any) -> tuple[Callable, Callable]:
-    pair_ = tuple(loss_fn) if isinstance(loss_fn, tuple | list) else (loss_fn,) * 2
-    if len(pair_) != 2 or not all(callable(f) for f in pair_):
+    pair_ = function_pair(loss_fn)
+    if pair_ is None:
         raise BridgeTypeError(
             "`loss_fn` must be a function `outputs -> scalar`, or a pair "
             "`(loss_fn_a, loss_fn_b)` of them when the models' outputs differ in "

@@ -26,13 +26,22 @@ def logits_pair(logits: Any) -> tuple[Any, Any] | None:
         return None
     if logits is None:
         return (Found(), Found())
-    pair_ = tuple(logits) if isinstance(logits, tuple | list) else (logits,) * 2
-    if len(pair_) != 2 or not all(callable(f) for f in pair_):
+    pair_ = function_pair(logits)
+    if pair_ is None:
         raise BridgeTypeError(
             "`logits` must be None (found in the outputs), False (none), a "
             "function `outputs -> logits`, or a pair `(logits_a, logits_b)` of "
             f"them; got {logits!r}."
         )
+    return pair_
+
+
+def function_pair(given: Any) -> tuple[Any, Any] | None:
+    """`given`, a function for both models or a pair of them, as a pair;
+    `None` where it is neither."""
+    pair_ = tuple(given) if isinstance(given, tuple | list) else (given,) * 2
+    if len(pair_) != 2 or not all(callable(f) for f in pair_):
+        return None
     return pair_
 
 

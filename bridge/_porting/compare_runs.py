@@ -20,7 +20,7 @@ from .._errors import BridgeTypeError, BridgeValueError
 from .._session.sites import split_arrays
 from .compare_logits import with_logits
 from .contract import porting_side
-from .sides import numpy_dtype
+from .sides import ask, numpy_dtype
 
 
 def run_both(probes, loss_fns, sites, inputs, logits_fns=None):
@@ -141,8 +141,7 @@ def in_float64(probe: Any, name: str) -> Any:
 
 
 def _float64(leaf: Any, side: Any = None) -> Any:
-    own = getattr(side, "to_float64", None)
-    found = None if own is None else own(leaf)
+    found = ask(side, "to_float64", leaf)
     if found is not None:
         return found
     dtype = getattr(leaf, "dtype", None)

@@ -43,13 +43,13 @@ def inputs_for(
     array (`sides`: the porting sides of both models)."""
     if not getattr(probe, "runs_in_jax", False):
         return args, kwargs
-    readers = [side.to_host for side in sides if hasattr(side, "to_host")]
-    if not readers:
+    sides = [side for side in sides if hasattr(side, "to_host")]
+    if not sides:
         return args, kwargs
 
     def on_host(leaf: Any) -> Any:
-        for to_host in readers:
-            found = to_host(leaf)
+        for side in sides:
+            found = ask(side, "to_host", leaf)
             if found is not None:
                 return found
         return leaf
@@ -57,18 +57,24 @@ def inputs_for(
     return jax.tree.map(on_host, (tuple(args), dict(kwargs)))
 
 
+def ask(side: PortingSide | None, hook: str, value: Any) -> Any:
+    """What `side`'s optional `hook` (`to_host`, `numpy_dtype`,
+    `to_float64`) makes of `value`; `None` where it has no such hook or
+    `value` is not its library's."""
+    own = getattr(side, hook, None)
+    return None if own is None else own(value)
+
+
 def host_array(side: PortingSide, value: Any) -> np.ndarray:
     """`value`, one of `side`'s model's, as a NumPy array on the host."""
-    to_host = getattr(side, "to_host", None)
-    found = None if to_host is None else to_host(value)
+    found = ask(side, "to_host", value)
     return np.asarray(value) if found is None else found
 
 
-def numpy_dtype(side: PortingSide, dtype: Any) -> np.dtype | None:
+def numpy_dtype(side: PortingSide | None, dtype: Any) -> np.dtype | None:
     """`dtype` (NumPy's, JAX's, or one of `side`'s library's) as NumPy's;
     `None` for what names no dtype."""
-    own = getattr(side, "numpy_dtype", None)
-    found = None if own is None else own(dtype)
+    found = ask(side, "numpy_dtype", dtype)
     if found is not None:
         return np.dtype(found)
     try:

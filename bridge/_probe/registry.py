@@ -109,7 +109,7 @@ def register_adapter(
         )
     _ADAPTERS.insert(0, _Adapter(name or label, matches, factory))
     if package is not None:
-        inside_functions._LIBRARY_PACKAGES.add(package)
+        inside_functions.add_library_package(package)
 
 
 def probe(

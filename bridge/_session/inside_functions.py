@@ -33,6 +33,13 @@ from .inside_source import SiteSource, compiled, has_source
 #: (`bridge._probe.registry.register_adapter`).
 _LIBRARY_PACKAGES: set[str] = {"jax", "builtins", "abc"}
 
+
+def add_library_package(package: str) -> None:
+    """A registered adapter's library (`register_adapter(package=...)`): its
+    classes are the bases of models, whose methods `inside=` leaves alone."""
+    _LIBRARY_PACKAGES.add(package)
+
+
 _lock = threading.Lock()
 _keys = itertools.count(1)
 #: function -> its Rewrite (compiled once), while the function lives.
