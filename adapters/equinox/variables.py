@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    BridgeAssertionError,
     BridgeValueError,
     Encoding,
     Session,
@@ -128,10 +129,16 @@ def run_with_tree_leaves(
         return leaves
 
     given = session.request.control_flow_recorders
-    if all(name in given for name in sites):
+    if given:
         # The step's own backward pass records them: their values leave as
         # the gradients of the recorders it differentiates
         # (`bridge._session.backward.recorders`, `InTransform.backward_recorders`).
+        # A site without its recorder would come back as zeros: never.
+        missing = [name for name in sites if name not in given]
+        if missing:
+            raise BridgeAssertionError(
+                f"bridge bug: the step gives no recorder for {missing!r}"
+            )
         return call_model(tree_leaves({name: given[name] for name in sites}))
 
     def shaped_inputs(site: Any) -> Any:
