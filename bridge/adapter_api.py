@@ -239,10 +239,23 @@ from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
 from ._session.routing import BRANCH as BRANCH
 from ._session.routing import CLOSED_OVER_LOOP as CLOSED_OVER_LOOP
+from ._session.routing import JAX_RULES as JAX_RULES
+from ._session.routing import LOOP_AMONG as LOOP_AMONG
+from ._session.routing import PLAIN as PLAIN
 from ._session.routing import TRACED_BOUNDS as TRACED_BOUNDS
 from ._session.routing import TRACED_BOUNDS_FIX as TRACED_BOUNDS_FIX
 from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
+from ._session.routing import UNCARRIED as UNCARRIED
+from ._session.routing import Carried as Carried
+from ._session.routing import Mapped as Mapped
+from ._session.routing import Refused as Refused
+from ._session.routing import Route as Route
+from ._session.routing import Rule as Rule
+from ._session.routing import ThroughControlFlow as ThroughControlFlow
+from ._session.routing import Transform as Transform
+from ._session.routing import describe as describe_transforms
 from ._session.routing import refusal as refusal
+from ._session.routing import route as route
 from ._session.session import Request as Request
 from ._session.session import Session as Session
 from ._session.session import current as current_session
@@ -264,6 +277,19 @@ from ._session.sites import zeros_like_struct as zeros_like_struct
 from ._versions import unsupported as unsupported
 
 __all__ = [
+    "route",
+    "describe_transforms",
+    "Transform",
+    "ThroughControlFlow",
+    "Rule",
+    "Route",
+    "Refused",
+    "Mapped",
+    "Carried",
+    "UNCARRIED",
+    "PLAIN",
+    "LOOP_AMONG",
+    "JAX_RULES",
     "Arrays",
     "AsGiven",
     "BATCH_AXIS",

@@ -22,7 +22,7 @@ The trace stack is read through `bridge.adapters.shared.jax_internals`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -31,11 +31,19 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     CHECKPOINTED_WHILE,
     FORI_LOOP,
+    JAX_RULES,
     BridgeValueError,
     ControlFlow,
+    Refused,
+    Route,
+    Rule,
     Session,
+    ThroughControlFlow,
+    Transform,
     is_array,
+    refusal,
 )
+from bridge.adapter_api import route as routing_route
 
 from . import equinox_loops, jax_internals
 
@@ -105,22 +113,19 @@ def vmaps_or_blocker(base: Any) -> tuple[int, str | None]:
     return depth, None
 
 
-def control_flow(base: Any) -> ControlFlow | None:
-    """Where a call runs, where that is inside branches (`cond`, `switch`)
-    and loops of known bounds (a `fori_loop` of static bounds, Equinox's
-    checkpointed while loop with `max_steps`) only, between here and `base`
-    (a `jax.jit` is traced through): a call there is a site of
-    `Session.call_in_control_flow`. `None` elsewhere, and where the trace
-    stack or a loop's counter cannot be read."""
+def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
+    """The transforms between here and `base`, innermost first, as
+    `control_flow` and `route` read them: JAX's names, each trace of an
+    Equinox loop (the checkpointed kind's `jit`, the bounded kind's nest of
+    `cond`, `scan` and `checkpoint`) named `CHECKPOINTED_WHILE`; the traces;
+    and `{id of a loop's counter's trace: (step, max_steps, runs)}`. `None`
+    where the trace stack cannot be read to `base`."""
     transforms = transform_names(base)
     if transforms is None:
         return None
     stack = list(traces(base))  # as `transforms` names them
     index = {id(trace): i for i, trace in enumerate(stack)}
-    # An Equinox loop's traces (the checkpointed kind's `jit`, the bounded
-    # kind's nest of `cond`, `scan` and `checkpoint`) are one loop, whose
-    # rows its counter gives where the counter's trace is.
-    loops = {}  # id of the counter's trace: (step, max_steps, runs)
+    loops = {}
     within = set()  # positions of the loops' traces
     for step, max_steps, runs, depth in equinox_loops.running():
         start = index.get(id(jax_internals.trace_of(step)))
@@ -138,6 +143,20 @@ def control_flow(base: Any) -> ControlFlow | None:
     transforms = tuple(
         CHECKPOINTED_WHILE if i in within else name for i, name in enumerate(transforms)
     )
+    return transforms, stack, loops
+
+
+def control_flow(base: Any) -> ControlFlow | None:
+    """Where a call runs, where that is inside branches (`cond`, `switch`)
+    and loops of known bounds (a `fori_loop` of static bounds, Equinox's
+    checkpointed while loop with `max_steps`) only, between here and `base`
+    (a `jax.jit` is traced through): a call there is a site of
+    `Session.call_in_control_flow`. `None` elsewhere, and where the trace
+    stack or a loop's counter cannot be read."""
+    read = _read(base)
+    if read is None:
+        return None
+    transforms, stack, loops = read
     if not ControlFlow.expressible(transforms):
         return None
     fori_loops = jax_internals.fori_loop_rows(transforms.count(FORI_LOOP))
@@ -159,6 +178,46 @@ def control_flow(base: Any) -> ControlFlow | None:
         return None
     rows, lengths = zip(*reversed(found), strict=True)  # outermost first
     return ControlFlow(transforms, tuple(lengths), tuple(rows), runs)
+
+
+def enclosing(base: Any, rules: Mapping[str, Transform]) -> tuple[Transform, ...]:
+    """The transforms between here and `base` (the trace of the adapter's
+    call of the model), innermost first, each with its rule: the adapter's
+    `rules` over JAX's (`JAX_RULES`), by JAX's name (`_read`). One that
+    neither knows blocks; where the trace stack cannot be read (jax <
+    0.6.2), one transform that blocks stands for them all."""
+    read = _read(base)
+    if read is None:
+        return (Transform(UNKNOWN_TRANSFORM, Rule.BLOCKS),)
+    known = {**JAX_RULES, **rules}
+    return tuple(
+        known.get(name) or Transform(f"jax's {name}", Rule.BLOCKS) for name in read[0]
+    )
+
+
+def route(site: str, base: Any, rules: Mapping[str, Transform] = {}) -> Route:
+    """The route (`bridge.adapter_api.route`) of a call at `site` inside the
+    transforms between here and `base`, the adapter's `rules` over JAX's;
+    `ThroughControlFlow` with its `flow` read. Where the transforms are
+    branches and loops of known bounds only but where the call runs cannot
+    be read, refused, naming the innermost."""
+    transforms = enclosing(base, rules)
+    found = routing_route(site, transforms)
+    if not isinstance(found, ThroughControlFlow):
+        return found
+    flow = control_flow(base)
+    if flow is not None:
+        return ThroughControlFlow(flow)
+    innermost = next(t for t in transforms if t.rule is Rule.FLOWS)
+    return Refused(
+        innermost,
+        refusal(
+            site,
+            innermost.name,
+            "bridge cannot read where a call in it runs on this version of jax",
+            "move the call out of it, or upgrade jax",
+        ),
+    )
 
 
 def innermost_loop_or_branch(

@@ -1,30 +1,66 @@
-"""Why a call inside a transform cannot be probed, said once for every library.
+"""How a call inside transforms reaches its site, decided once for every
+library.
 
-A module call inside transforms reaches its site plainly (no transform
-between it and the probe's call of the model, or only a `jax.jit`, which
-bridge traces through), mapped (the model's own `jax.vmap`s only: its value
-is handed out whole), carried (a transform that carries bridge's variables:
-a library's lifted scan, vmap or remat), or not at all. In the last case the
-site is listed by `sites()` and refused where it is selected or patched, with
-one sentence (`refusal`): the transform that blocks, the site, why, and the
-way out. Each adapter still decides which case a call is in; the sentence
-and the reasons shared by every library are here.
+Between a module call (or a `bridge.tap`) and the probe's own call of the
+model stand the transforms of the model's code, JAX's and the library's. Each
+has one rule (`Rule`), as JAX's own interpreters keep one rule per primitive:
+
+- `THROUGH`: bridge traces through it (a `jax.jit` inside the model, which
+  runs inline while a probe runs).
+- `MAPS`: the model's own `jax.vmap`, whose value bridge hands out whole, its
+  mapped axis first.
+- `FLOWS`: a branch (`cond`, `switch`) or a loop of known bounds (a
+  `fori_loop` of static bounds, Equinox's checkpointed while loop), whose
+  value and whether it ran leave through the step's own backward pass.
+- `CARRIES`: a library's transform that carries bridge's variables in and
+  out (Flax's lifted `nn.scan`, `nnx.vmap`, Haiku's layer stack, Equinox's
+  scan over stacked layers, where the epsilons are leaves of the tree).
+- `BLOCKS`: none of these: a `while_loop`, whose iterations are known only
+  when it runs; a transform that carries none of bridge's state.
+
+`route` reads the enclosing transforms (`Transform`s, innermost first) and
+gives the call's one `Route`: `PLAIN` (the probe's own trace), `Mapped`
+(inside the model's vmaps only), `ThroughControlFlow` (inside branches and
+loops of known bounds only), `Carried` (inside transforms the library carries
+through, with the model's vmaps inside the innermost), or `Refused` with the
+one sentence a user reads: the transform that blocks, the site, why, and the
+way out. The adapter says which rule each of its transforms has and how its
+library is left (the way out names the library's own construct); how each
+route is then taken (an epsilon on the probe's trace, handed out of a vmap,
+closed over by a branch, carried as a variable) is the adapter's and the
+session's.
 
 The reasons are properties of the construct, the same in every library (a
 branch may not run; a while loop's length is unknown; a loop or a map that
-broadcasts the layer gives one epsilon to every iteration); the way out names
-the library's own construct, so the adapter supplies it.
+broadcasts the layer gives one epsilon to every iteration).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 __all__ = [
     "BRANCH",
     "CLOSED_OVER_LOOP",
+    "JAX_RULES",
+    "LOOP_AMONG",
+    "PLAIN",
     "TRACED_BOUNDS",
     "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",
+    "UNCARRIED",
+    "Carried",
+    "Mapped",
+    "Refused",
+    "Route",
+    "Rule",
+    "ThroughControlFlow",
+    "Transform",
     "refusal",
+    "route",
 ]
 
 
@@ -35,6 +71,13 @@ BRANCH = (
     "a call in a branch may not run, and bridge brings its value and where "
     "it ran out through the backward pass only where branches and loops of "
     "static bounds alone enclose it"
+)
+
+#: A call in a loop of static bounds that another transform encloses.
+LOOP_AMONG = (
+    "a call in a loop runs once per iteration, and bridge brings its values "
+    "out through the backward pass only where branches and loops of static "
+    "bounds alone enclose it"
 )
 
 #: A call in a `fori_loop` whose bounds are traced: JAX makes it a
@@ -61,6 +104,205 @@ CLOSED_OVER_LOOP = (
     "the loop closes over the layer, so one epsilon would serve every "
     "iteration and their gradients would be summed"
 )
+
+#: Why a call inside a transform that carries none of bridge's state cannot
+#: be a site, where the adapter has nothing more precise to say.
+UNCARRIED = (
+    "a value there belongs to the transform's own trace, which hands out only "
+    "what the model's code returns from it, so bridge can neither record it "
+    "nor give it an epsilon"
+)
+
+
+class Rule(enum.Enum):
+    """How bridge reaches a call inside one transform (module docstring)."""
+
+    THROUGH = "traced through"
+    MAPS = "maps"
+    FLOWS = "flows"
+    CARRIES = "carries"
+    BLOCKS = "blocks"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """One transform around a call.
+
+    Attributes:
+      name: as the model's code writes it (`jax.lax.scan`, `nn.scan`), as a
+        refusal names it.
+      rule: how bridge reaches a call inside it.
+      why: where it is what blocks the call, why (for `MAPS`: where another
+        transform stands between it and the call; for `FLOWS`: where other
+        transforms enclose it too; for `CARRIES`: where it nests in another
+        that carries and `nests` is false).
+      fix: the way out, in the library's own terms.
+      nests: for `CARRIES`, whether it carries bridge's state inside another
+        transform that does; for `FLOWS`, whether the library carries a call
+        in it with the transforms that carry (Equinox's tree route carries
+        a branch inside its scan over stacked layers).
+    """
+
+    name: str
+    rule: Rule
+    why: str = UNCARRIED
+    fix: str = "move the call out of it"
+    nests: bool = True
+
+
+#: JAX's transforms (a trace's name, as `bridge.adapters.shared.routes`
+#: reads it) and their rules; an adapter adds its library's and gives its
+#: own way out where JAX's is not its users'.
+JAX_RULES: Mapping[str, Transform] = {
+    "jit": Transform("a jax.jit inside the model", Rule.THROUGH),
+    "pjit": Transform("a jax.jit inside the model", Rule.THROUGH),
+    "vmap": Transform(
+        "jax.vmap",
+        Rule.MAPS,
+        "bridge hands a value out of the model's own jax.vmap only where no "
+        "other transform stands between the vmap and the call",
+        "move the jax.vmap inside the other transform, or probe the unmapped "
+        "model with bridge.probe(..., vmap=True)",
+    ),
+    "cond": Transform(
+        "jax.lax.cond",
+        Rule.FLOWS,
+        BRANCH,
+        "compute both branches and pick with jnp.where",
+        nests=False,
+    ),
+    "switch": Transform(
+        "jax.lax.switch",
+        Rule.FLOWS,
+        BRANCH,
+        "compute every branch and pick with jnp.where",
+        nests=False,
+    ),
+    "fori_loop": Transform(
+        "jax.lax.fori_loop",
+        Rule.FLOWS,
+        LOOP_AMONG,
+        "move the other transform out of the loop, or unroll the loop",
+        nests=False,
+    ),
+    "while_loop (checkpointed)": Transform(
+        "equinox.internal.while_loop",
+        Rule.FLOWS,
+        LOOP_AMONG,
+        "move the other transform out of the loop",
+        nests=False,
+    ),
+    "fori_loop (traced bounds)": Transform(
+        "jax.lax.fori_loop with traced bounds",
+        Rule.BLOCKS,
+        TRACED_BOUNDS,
+        TRACED_BOUNDS_FIX,
+    ),
+    "while_body": Transform(
+        "jax.lax.while_loop",
+        Rule.BLOCKS,
+        UNBOUNDED_LOOP,
+        "write the loop as a jax.lax.scan of fixed length",
+    ),
+    "scan": Transform("jax.lax.scan", Rule.BLOCKS),
+    "checkpoint / remat": Transform("jax.checkpoint", Rule.BLOCKS),
+    "checkpoint": Transform("jax.checkpoint", Rule.BLOCKS),  # jax < 0.5
+}
+JAX_RULES = {**JAX_RULES, "while_cond": JAX_RULES["while_body"]}
+
+
+class Route:
+    """How a call reaches its site (`route`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Named(Route):
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+#: In the probe's own trace, or inside transforms bridge traces through.
+PLAIN: Route = _Named("PLAIN")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughControlFlow(Route):
+    """Inside branches and loops of known bounds only (and what is traced
+    through): the session's control-flow route, where the call runs in
+    `flow` (a `ControlFlow`, which the adapter reads off JAX's traces;
+    `None` from `route`)."""
+
+    flow: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapped(Route):
+    """Inside `depth` of the model's own vmaps only: the value is handed out
+    whole, mapped axes first."""
+
+    depth: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Carried(Route):
+    """Inside transforms the library carries bridge's state through
+    (`transforms`, innermost first), and `depth` of the model's own vmaps
+    inside the innermost of them."""
+
+    transforms: tuple[Transform, ...]
+    depth: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused(Route):
+    """No route: the site is listed, and refused where selected or patched
+    with `sentence`, naming `transform`."""
+
+    transform: Transform
+    sentence: str
+
+
+def route(site: str, enclosing: Iterable[Transform]) -> Route:
+    """The route of a call at `site` inside `enclosing` (innermost first)."""
+    enclosing = tuple(enclosing)
+    seen = [t for t in enclosing if t.rule is not Rule.THROUGH]
+    rules = {t.rule for t in seen}
+    if not seen:
+        return PLAIN
+    if rules == {Rule.MAPS}:
+        return Mapped(len(seen))
+    if rules == {Rule.FLOWS}:
+        return ThroughControlFlow()
+    carriers = [t for t in seen if t.rule is Rule.CARRIES]
+    blocker = next((t for t in seen if t.rule is Rule.BLOCKS), None)
+    if blocker is None:  # a branch or a loop among other transforms
+        blocker = next(
+            (t for t in seen if t.rule is Rule.FLOWS and not (carriers and t.nests)),
+            None,
+        )
+    # The model's own vmaps directly around the call are handed out (to the
+    # innermost carrier's trace); one further out is not.
+    depth = next(i for i, t in enumerate(seen) if t.rule is not Rule.MAPS)
+    if blocker is None:
+        blocker = next((t for t in seen[depth:] if t.rule is Rule.MAPS), None)
+    if blocker is None:
+        blocker = next((t for t in carriers[1:] if not t.nests), None)
+    if blocker is None:
+        return Carried(tuple(carriers), depth)
+    why = blocker.why
+    if len(seen) > 1:
+        why += f" (it runs inside {describe(enclosing)})"
+    return Refused(blocker, refusal(site, blocker.name, why, blocker.fix))
+
+
+def describe(enclosing: Iterable[Transform]) -> str:
+    """`a inside b inside c`, innermost first; a transform JAX runs in
+    several traces in a row (Equinox's bounded loop) named once."""
+    names = [t.name for t in enclosing]
+    distinct = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    return " inside ".join(distinct)
 
 
 def refusal(
