@@ -3,6 +3,7 @@ them alone (a refactor of the routing, a file split) shows no difference.
 
     python benchmarks/programs.py save DIR      # before the change
     python benchmarks/programs.py compare DIR   # after: lists what differs
+    python benchmarks/programs.py compare DIR --library nnx   # one library
 
 For each library, each transform a layer can run in (the trace-pattern
 fuzzer's wraps, JAX's and the library's own: `tests/fuzz_models.py`), with a
@@ -55,8 +56,8 @@ def _programs(probe, x, loss) -> str:
     return re.sub(r"0x[0-9a-f]+", "0x", "\n".join(texts))
 
 
-def _fuzzed():
-    for library in LIBRARIES:
+def _fuzzed(libraries):
+    for library in libraries:
         for wrap in fuzz_models.wraps_of(library):
             for native in (False, True):
                 for module, tap in ((True, False), (False, True), (True, True)):
@@ -69,8 +70,8 @@ def _fuzzed():
                     yield name, lambda s=spec, lib=library: fuzz_models.build(lib, s)
 
 
-def _benchmarked():
-    for library in LIBRARIES:
+def _benchmarked(libraries):
+    for library in libraries:
         for model in ("mlp", "cnn", "transformer"):
             builder = getattr(models, f"{library}_{model}")
             yield f"{library}-{model}", lambda b=builder: b(models.QUICK)
@@ -83,16 +84,16 @@ def _scanned(builder):
     return models.Workload("", "", probe, x, models.mse, *[None] * 6)
 
 
-def programs() -> dict[str, str]:
+def programs(libraries=LIBRARIES) -> dict[str, str]:
     found = {}
-    for name, build in _fuzzed():
+    for name, build in _fuzzed(libraries):
         try:
             built = build()
         except Exception as error:
             found[name] = f"build: {type(error).__name__}"
             continue
         found[name] = _programs(built.probe, built.x, _loss)
-    for name, build in _benchmarked():
+    for name, build in _benchmarked(libraries):
         workload = build()
         found[name] = _programs(workload.probe, workload.x, workload.loss)
     return found
@@ -102,8 +103,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["save", "compare"])
     parser.add_argument("directory", type=pathlib.Path)
+    parser.add_argument("--library", choices=LIBRARIES, action="append")
     arguments = parser.parse_args()
-    found = programs()
+    found = programs(arguments.library or LIBRARIES)
     if arguments.action == "save":
         arguments.directory.mkdir(parents=True, exist_ok=True)
         for name, text in found.items():
