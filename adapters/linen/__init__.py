@@ -2,9 +2,9 @@
 
 `probe`, `run` (the interceptor), `variables` (bridge's collections),
 `transforms` (Flax's lifted transforms), `jax_transforms` (the model's own
-JAX transforms), `guest`, `porting`, `hub` (Hugging Face Flax model
-objects): each name as `bridge.adapters` says. It uses no private name of
-Flax's.
+JAX transforms), `routes` (what encloses a call, for the core's router),
+`guest`, `porting`, `hub` (Hugging Face Flax model objects): each name as
+`bridge.adapters` says. It uses no private name of Flax's.
 """
 
 from ..shared import jax_internals

@@ -21,7 +21,8 @@ per iteration going in and stacked coming out exactly as the parameters are.
 The interceptor is `bridge.adapters.linen.run`; bridge's collections,
 `bridge.adapters.linen.variables`; the sites inside lifted transforms,
 `bridge.adapters.linen.transforms`, and inside the model's own JAX
-transforms, `bridge.adapters.linen.jax_transforms`.
+transforms, `bridge.adapters.linen.jax_transforms`; how each call is
+reached, the router decides (`bridge.adapters.linen.routes`).
 """
 
 from __future__ import annotations

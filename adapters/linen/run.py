@@ -7,10 +7,11 @@ output, reading the epsilon from bridge's variables
 (`bridge.adapters.linen.variables`). A call inside Flax's lifted transforms
 runs in a scope root of their own (`bridge.adapters.linen.transforms`); one
 inside the model's own JAX transforms, outside those, is handed out of its
-`jax.vmap`s or listed and refused (`bridge.adapters.linen.jax_transforms`).
-One inside branches and loops of static bounds only (`nn.cond`, `nn.switch`,
-JAX's own), in discovery and in a run alike, is a site of the session's
-control-flow route (`Session.call_in_control_flow`).
+`jax.vmap`s (`bridge.adapters.linen.jax_transforms`). The router decides
+which (`bridge.adapters.linen.routes`): one inside branches and loops of
+static bounds only (`nn.cond`, `nn.switch`, JAX's own), in discovery and in
+a run alike, is a site of the session's control-flow route
+(`Session.call_in_control_flow`); one it refuses is listed.
 An `apply` the model makes itself (a tied LM head's) is a scope root too,
 whose calls are named under the module that makes it.
 
@@ -28,11 +29,12 @@ from typing import Any
 
 import flax.linen as nn
 
-from bridge.adapter_api import BodyTraces, Session
+from bridge.adapter_api import BodyTraces, Mapped, Refused, Session, ThroughControlFlow
 
-from ..shared import guests, jax_internals, lifting, unexpressible
+from ..shared import guests, jax_internals
 from . import internals, transforms
 from .jax_transforms import JaxTransforms
+from .routes import Routes
 from .transforms import LiftedTransforms, body_of
 from .variables import (
     EPSILON_COLLECTION,
@@ -100,8 +102,9 @@ class Interceptor:
         # between here and there.
         base = jax_internals.current_trace()
         self.base = base
-        self.lifted = LiftedTransforms(session, in_params, broadcasting, base, stop)
-        self.jax = JaxTransforms(session, base, stop)
+        self.lifted = LiftedTransforms(session, in_params, broadcasting)
+        self.routes = Routes(session, self.lifted, base, stop)
+        self.jax = JaxTransforms(session, self.routes)
         # The scope roots of `apply`s the model makes itself, by id: the root
         # (kept alive, so that its id is not reused) and the path its module
         # has in the model.
@@ -179,47 +182,50 @@ class Interceptor:
         if not lifted:
             self.jax.scan_bodies.traced()
         in_params = not carried and self.in_params
-        transform = self.lifted.blocked(lifted, module, carried)
-        if transform is not None:
-            # Inside branches and loops of static bounds only (`nn.cond`,
-            # `nn.switch`, JAX's own), a site of the session's control-flow
-            # route, in discovery and in a run alike: a run that took the
-            # lifted route instead would look for an epsilon bridge's
-            # collection does not hold, and write recordings in one branch
-            # only.
-            flow = unexpressible.control_flow(self.base)
-            if flow is not None:
-                return self.lifted.in_control_flow(
-                    run, call_args, module, method, path, tap, flow
-                )
-            if session.recorder.learns_sites():
-                return self.lifted.refused(
-                    run, call_args, module, method, path, tap, transform
-                )
+        name = "/".join(path if tap is None else (*path, tap))
+        shown = None if method == "__call__" else method
+        carries_none = in_params and not module.is_mutable_collection("params")
+        enclosing = self.routes.enclosing(lifted, carries_none)
         given = id(frame.root) in self.nested
-        if not lifted:
-            depth = lifting.mapped_depth(self.base)
-            if depth is None:
-                return self.jax.unreachable(
+        match self.routes.route(name, enclosing, lifted):
+            case ThroughControlFlow(flow=flow):
+                # In discovery and in a run alike: a run that took the lifted
+                # route instead would look for an epsilon bridge's collection
+                # does not hold, and write recordings in one branch only.
+                return session.call_in_control_flow(
+                    name,
+                    shown,
+                    module if tap is None else None,
+                    call_args,
+                    flow,
+                    run,
+                    Origin(path, tap=tap),
+                )
+            case Refused():
+                return self.routes.listed(
                     run,
                     call_args,
-                    module,
-                    None if method == "__call__" else method,
-                    "/".join(path),
-                    path,
+                    module if tap is None else None,
+                    shown,
+                    name,
+                    Origin(path, tap=tap),
+                    lifted,
+                    enclosing,
                 )
-            if depth:
+            case Mapped(depth=depth):
                 return self.jax.mapped(
                     run, call_args, module, method, path, given, depth
                 )
-        if not carried and not (in_params and module.is_mutable_collection("params")):
+        # The model's own trace (`PLAIN`), or carried through the lifted
+        # transforms in bridge's collections (`Carried`).
+        if not carried and not in_params:
             self.lifted.uncarried(path, tap)
         # Neither a `ToLinen` nor an `apply` the model makes passes bridge's
         # collection on: their epsilon is the session's.
         in_session = not in_params and (guests.wraps_guest("linen", module) or given)
         call = session.enter(
-            "/".join(path if tap is None else (*path, tap)),
-            None if method == "__call__" else method,
+            name,
+            shown,
             module if tap is None else None,
             call_args,
             origin=Origin(path, in_params, in_session, tap, given),

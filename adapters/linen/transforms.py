@@ -11,18 +11,17 @@ recordings ride with the parameters, under reserved names
 (`bridge.adapters.linen.variables`).
 
 Flax traces a lifted body more than once: a repeated trace re-uses the names
-of the first (`entering_linen_lifted_scope`, shared with Linen's guest). The
-calls bridge cannot express there are listed and refused only where selected
-or patched (`LiftedTransforms.refused`, see
-`bridge.adapters.shared.unexpressible`): inside `nn.while_loop`, a branch
-inside another lifted transform, or an `nn.scan`/`nn.vmap` that broadcasts
-`params` (`nn.RNN`). `nn.cond` and `nn.switch` alone are sites of the
-session's control-flow route, in discovery and in a run alike
-(`LiftedTransforms.in_control_flow`).
-Such a transform is found by discovery: recording a call inside it among the
-parameters, Flax refuses a broadcast variable that depends on the loop
-(`internals.broadcasting` reads which transform from its error), and
-discovery runs again with that transform's calls refused (`Broadcasts`).
+of the first (`entering_linen_lifted_scope`, shared with Linen's guest). How
+a call there reaches its site, the router decides
+(`bridge.adapters.linen.routes`): carried through bridge's collections,
+through the session's control-flow route (`nn.cond`, `nn.switch` alone), or
+refused (inside `nn.while_loop`, a branch inside another lifted transform,
+an `nn.scan`/`nn.vmap` that broadcasts `params`, as `nn.RNN` does).
+A transform that broadcasts `params` is found by discovery: recording a call
+inside it among the parameters, Flax refuses a broadcast variable that
+depends on the loop (`internals.broadcasting` reads which transform from
+its error), and discovery runs again with that transform's traces known
+(`Broadcasts`, `LiftedTransforms.broadcast_traces`).
 
 Which lifted transform's call a trace belongs to is read off the Python call
 stack (`internals.transform_call`). What this reads of Flax's internals is in
@@ -35,15 +34,15 @@ import weakref
 from typing import Any
 
 from bridge.adapter_api import (
-    BRANCH,
-    UNBOUNDED_LOOP,
     BodyTraces,
     BridgeValueError,
+    Rule,
     Session,
-    refusal,
+    Transform,
+    route,
 )
 
-from ..shared import jax_internals, unexpressible
+from ..shared import jax_internals
 from .internals import transform_call
 from .variables import Origin
 
@@ -135,62 +134,33 @@ class Broadcasts(Exception):
         self.transform = transform
 
 
-#: Why a site inside each transform cannot be expressed, and what to do.
-REFUSALS = {
-    "nn.scan": (
-        "it broadcasts `params` (variable_broadcast='params', as nn.RNN "
-        "does), so one epsilon would serve every iteration and their "
-        "gradients would be summed",
-        "scan over stacked layers (variable_axes={'params': 0}), or unroll the loop",
-    ),
-    "nn.vmap": (
-        "it broadcasts `params` (variable_axes={'params': None}), so one "
-        "epsilon would serve every mapped example and their gradients would "
-        "be summed",
-        "probe the unmapped model with bridge.probe(..., vmap=True)",
-    ),
-    "nn.while_loop": (
-        UNBOUNDED_LOOP,
-        "write the loop as an nn.scan of fixed length",
-    ),
-    "nn.cond": (
-        BRANCH,
-        "compute both branches and pick with jnp.where",
-    ),
-    "nn.switch": (
-        BRANCH,
-        "compute every branch and pick with jnp.where",
-    ),
-}
+#: Why a call inside a lifted transform that carries neither bridge's
+#: collections nor `params` cannot be a site.
+CARRIES_NEITHER = (
+    "it carries neither bridge's collections nor `params`, so a perturbation "
+    "there would be silently dropped"
+)
 
 
-#: JAX's names of the loops and branches (`unexpressible.LOOPS_AND_BRANCHES`)
-#: as Linen's lifted transforms.
-LINEN_NAMES = {"while_loop": "nn.while_loop", "cond": "nn.cond", "switch": "nn.switch"}
+def carrying_neither(name: str) -> Transform:
+    """Flax's lifted transform `name` where it carries neither bridge's
+    collections nor `params`."""
+    return Transform(name, Rule.BLOCKS, CARRIES_NEITHER)
 
 
 class LiftedTransforms:
     """The lifted transforms of one Linen `apply`: which one a call is inside,
-    which broadcast `params`, and the calls inside them that bridge cannot
-    express.
+    and which broadcast `params`.
 
     `broadcasting` is `{transform: its name}` of the transforms known to
-    broadcast `params` (`Broadcasts`), learnt by discovery; `base` and
-    `stop` are the trace and the Python frame of the probe's `apply`.
+    broadcast `params` (`Broadcasts`), learnt by discovery.
     """
 
     def __init__(
-        self,
-        session: Session,
-        in_params: bool,
-        broadcasting: dict[tuple, str],
-        base: Any,
-        stop: Any,
+        self, session: Session, in_params: bool, broadcasting: dict[tuple, str]
     ):
         self.session = session
         self.in_params = in_params
-        self.base = base
-        self.stop = stop
         #: The name of the lifted transform entered last.
         self.transform = "a Flax lifted transform"
         # The transforms known to broadcast `params` (`Broadcasts`), and the
@@ -224,77 +194,6 @@ class LiftedTransforms:
             trace = jax_internals.current_trace()
             self.broadcast_traces[id(trace)] = (trace, broadcast)
 
-    def blocked(self, lifted: bool, module: Any, carried: bool) -> str | None:
-        """The transform that holds a call (of a module in a `lifted` scope)
-        where bridge cannot express it (innermost first: a loop, a branch, a
-        transform broadcasting `params`, one that carries neither bridge's
-        collections nor `params`), or `None`. Asked by discovery and by a run
-        alike: inside branches and loops of static bounds only, both hand the
-        call to the session's control-flow route (`in_control_flow`);
-        elsewhere discovery lists it as refused (`refused`), and a run never
-        selects or patches it. A run knows no transform broadcasting
-        `params`, whose scan or vmap holds no call of that route anyway."""
-
-        def broadcasting(trace: Any) -> str | None:
-            found = self.broadcast_traces.get(id(trace))
-            return None if found is None else found[1]
-
-        transform = unexpressible.innermost_loop_or_branch(self.base, broadcasting)
-        if transform is not None:
-            return LINEN_NAMES.get(transform, transform)
-        if (
-            lifted
-            and not carried
-            and self.in_params
-            and not module.is_mutable_collection("params")
-        ):
-            return self.transform
-        return None
-
-    def in_control_flow(self, run, call_args, module, method, path, tap, flow):
-        """A call (or a `bridge.tap` named `tap`) inside branches and loops of
-        static bounds only (`flow`: `nn.cond`, `nn.switch`, JAX's own and
-        `lax.fori_loop`), in discovery and in a run alike: a site of the
-        session's control-flow route, whose epsilon the branch closes over
-        and whose value leaves through the backward pass, not through
-        bridge's collections (which a branch that does not call it would
-        not write)."""
-        return self.session.call_in_control_flow(
-            "/".join(path if tap is None else (*path, tap)),
-            None if method == "__call__" else method,
-            module if tap is None else None,
-            call_args,
-            flow,
-            run,
-            Origin(path, tap=tap),
-        )
-
-    def refused(self, run, call_args, module, method, path, tap, transform):
-        """A call bridge cannot express inside `transform`, outside branches
-        and loops of static bounds (`in_control_flow`): listed with its whole
-        value, run as it is (see `bridge.adapters.shared.unexpressible`)."""
-        session = self.session
-        call = session.enter(
-            "/".join(path if tap is None else (*path, tap)),
-            None if method == "__call__" else method,
-            module if tap is None else None,
-            call_args,
-            origin=Origin(path, tap=tap),
-            record=False,
-        )
-        why, fix = REFUSALS.get(
-            transform,
-            (
-                "it carries neither bridge's collections nor `params`, so a "
-                "perturbation there would be silently dropped",
-                "move the call out of it",
-            ),
-        )
-        call.origin = Origin(
-            path, tap=tap, blocked=refusal(call.name, transform, why, fix)
-        )
-        return unexpressible.listed(session, call, run(), self.base, self.stop)
-
     def uncarried(self, path: tuple[str, ...], tap: str | None) -> None:
         """A call (or a tap) at `path` in a transform that carries neither
         bridge's collections nor `params` (mutable): discovery runs again with
@@ -313,9 +212,5 @@ class LiftedTransforms:
             )
         ):
             where = "/".join(path if tap is None else (*path, tap))
-            raise BridgeValueError(
-                f"bridge cannot see through {self.transform} around "
-                f"'{where}': it carries neither bridge's collections "
-                "nor `params`, so a perturbation there would be silently "
-                "dropped. Select sites outside it."
-            )
+            refused = route(where, (carrying_neither(self.transform),))
+            raise BridgeValueError(refused.sentence)
