@@ -1,9 +1,9 @@
 """dm-haiku: an epsilon read from Haiku state, added by `hk.intercept_methods`.
 
 `probe`, `run` (the interceptor), `variables` (Haiku state as the route of
-bridge's values), `transforms` (`layer_stack`, `hk.scan`, `hk.remat`),
-`jax_transforms`, `internals` (version-checked), `guest`, `porting`: each
-name as `bridge.adapters` says.
+bridge's values), `transforms` (the rules of Haiku's transforms, by which the
+router routes a call; `hk.scan`'s carry), `jax_transforms`, `internals`
+(version-checked), `guest`, `porting`: each name as `bridge.adapters` says.
 """
 
 from ..shared import jax_internals

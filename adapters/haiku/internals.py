@@ -2,9 +2,10 @@
 
 Haiku runs a module's call inside its lifted transforms (`layer_stack`,
 `hk.scan`, `hk.remat`, `hk.vmap`, …) from its own Python frames, and tells a
-method interceptor (`hk.intercept_methods`, public) nothing about them. Which
-transforms enclose a call decides where a site's epsilon can live, so this
-module reads them off the Python call stack: the code objects of Haiku's own
+method interceptor (`hk.intercept_methods`, public) nothing about them. The
+call router decides a site's route from the transforms that enclose it
+(`bridge.adapters.haiku.transforms.route`), so this module reads them off the
+Python call stack, innermost first (`enclosing`): the code objects of Haiku's own
 functions, by qualified name (`_LayerStack.__call__.<locals>.layer`,
 `transform_with_state.<locals>.apply_fn`, `thread_hk_state_in_kwargs`, the
 nested functions of `hk.scan` and the other stateful transforms), and
@@ -54,8 +55,20 @@ _INNER_APPLY = "transform_with_state.<locals>.apply_fn"
 #: `hk.remat` and `hk.jit` thread state in and out of the JAX transform: state
 #: set inside comes out, unstacked, as for a call outside.
 _THREADS_STATE = "thread_hk_state_in_kwargs"
+#: The names `enclosing` gives Haiku's transforms, as `transforms.RULES` keys
+#: them; those that carry bridge's state first.
+LAYER_STACK = "hk.experimental.layer_stack"
+SCAN = "hk.scan"
+THREADS_STATE = "hk.remat or hk.jit"
+CARRYING = frozenset({LAYER_STACK, SCAN, THREADS_STATE})
+LIFT = "hk.lift"
+#: An `hk.scan` whose one carry would hold another's rows: nested in one, or
+#: with a layer stack, which slices state per layer.
+SHARED_SCAN = "hk.scan (shared carry)"
+#: By the function of `haiku._src.stateful` whose nested functions run the
+#: body.
 _TRANSFORM_NAMES = {
-    "scan": "hk.scan",
+    "scan": SCAN,
     "fori_loop": "hk.fori_loop",
     "while_loop": "hk.while_loop",
     "vmap": "hk.vmap",
@@ -64,17 +77,27 @@ _TRANSFORM_NAMES = {
     "switch": "hk.switch",
     "grad": "hk.grad",
     "value_and_grad": "hk.value_and_grad",
+    _THREADS_STATE: THREADS_STATE,
 }
 
 
 @dataclasses.dataclass
 class Enclosing:
-    """The Haiku transforms around a call, read from the Python call stack."""
+    """The Haiku transforms around a call, read from the Python call stack.
 
-    body: Any = None  # the innermost layer stack body's frame
-    stack_call: Any = None  # the `_LayerStack.__call__` frame that runs it
-    lifted: bool = False
-    blocked: str | None = None
+    Attributes:
+      body: the innermost layer stack body's frame.
+      stack_call: the `_LayerStack.__call__` frame that runs it.
+      transforms: Haiku's transforms, innermost first, as `_TRANSFORM_NAMES`
+        and `transforms.RULES` name them; a transform whose frames follow
+        one another named once.
+      scan: `(length, reverse)` of the `hk.scan` whose carry holds the call's
+        rows.
+    """
+
+    body: Any = None
+    stack_call: Any = None
+    transforms: tuple[str, ...] = ()
     scan: tuple[int, bool] | None = None
 
 
@@ -111,16 +134,18 @@ def enclosing(stop: Any) -> Enclosing:
     """Haiku's transforms run the body from their own frames; walk up to the
     frame of the probe's own `apply` (`stop`) and name them."""
     found = Enclosing()
+    names: list[str] = []
     inner_applies = layer_bodies = scans = 0
     scan_frame = None
     frame = sys._getframe(2)
     while frame is not None and frame is not stop:
         code = frame.f_code
+        named = None
         if code.co_filename.startswith(_HAIKU_SOURCE):
             qualname = _qualname(code)
             if qualname == _LAYER_STACK_BODY:
                 layer_bodies += 1
-                found.lifted = True
+                named = LAYER_STACK
                 if found.body is None:
                     found.body = frame
             elif qualname == _LAYER_STACK_CALL and found.stack_call is None:
@@ -132,28 +157,32 @@ def enclosing(stop: Any) -> Enclosing:
             elif code.co_filename.endswith("stateful.py") and qualname == "scan":
                 scan_frame = scan_frame or frame
             elif code.co_filename.endswith("stateful.py") and "<locals>" in qualname:
-                outer = qualname.split(".")[0]
-                if outer == _THREADS_STATE:
-                    found.lifted = True
-                elif outer == "scan":
-                    scans += 1
-                elif found.blocked is None and outer in _TRANSFORM_NAMES:
-                    found.blocked = _TRANSFORM_NAMES[outer]
+                named = _TRANSFORM_NAMES.get(qualname.split(".")[0])
+                scans += named == SCAN
+        # A transform runs the body from one frame or a few in a row (hk.vmap's
+        # `mapped_fun` and `pure_fun`): named once. A layer stack's is one.
+        if named is not None and (named == LAYER_STACK or names[-1:] != [named]):
+            names.append(named)
         frame = frame.f_back
+    blocked = any(name not in CARRYING for name in names)
     # One `apply_fn` is the probe's own, one more each layer_stack body's; any
     # other is an inner transform the user lifted, whose state is their own.
-    if found.blocked is None and inner_applies > 1 + layer_bodies:
-        found.blocked = "hk.lift"
-    if scans and found.blocked is None:
+    # Where it stands among the others is not read: it is named last, where
+    # nothing else of Haiku's blocks first.
+    if inner_applies > 1 + layer_bodies:
+        names.append(LIFT)
+    elif scans and not blocked:
         if scans > 1 or layer_bodies or scan_frame is None:
             # A per-iteration counter in a carry sliced per layer, or in two
-            # nested carries, is not built here.
-            found.blocked = "hk.scan"
+            # nested carries, is not built: that scan carries nothing (a rule
+            # is one transform's, not a pair's), named so where nothing else
+            # of Haiku's blocks, which a refusal names first.
+            names = [SHARED_SCAN if name == SCAN else name for name in names]
         else:
             # hk.scan's own arguments, `length` as apply computes it.
             local = scan_frame.f_locals
-            found.lifted = True
             found.scan = (int(local["length"]), bool(local["reverse"]))
+    found.transforms = tuple(names)
     return found
 
 

@@ -15,13 +15,13 @@ autodiff sees ordinary operations (`mapped`, through
 `bridge.adapters.shared.lifting.lift`, shared with the Linen and NNX
 adapters).
 
-Inside branches and loops of static bounds only (`lax.cond`, `lax.switch`,
-`lax.fori_loop`), a call is a site of the session's control-flow route
-(`run`). Inside any other transform of JAX's (a `lax.scan`,
-`jax.checkpoint`, a `while_loop`, ...), no value can leave and no epsilon
-can enter: the site is
-listed with the shape its value has for the model and refused where selected
-or patched, naming the innermost such transform (`blocker`).
+Which route a call takes, the call router decides
+(`bridge.adapters.haiku.transforms.route`): inside branches and loops of
+static bounds only (`lax.cond`, `lax.switch`, `lax.fori_loop`), the session's
+control-flow route; inside any other transform of JAX's (a `lax.scan`,
+`jax.checkpoint`, a `while_loop`, ...), where no value can leave and no
+epsilon can enter, the site is listed with the shape its value has for the
+model and refused where selected or patched, with the router's sentence.
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`.
 """
@@ -33,35 +33,9 @@ from typing import Any
 
 import jax
 
-from bridge.adapter_api import BRANCH, UNBOUNDED_LOOP, Session, SiteOrigin, is_array
+from bridge.adapter_api import Session, SiteOrigin, is_array
 
 from ..shared.lifting import lift
-
-#: Why a site inside each JAX transform cannot be expressed, and what to do.
-REFUSALS = {
-    "jax.lax.scan": (
-        "Haiku state does not reach inside a jax.lax.scan of the model's own "
-        "code, so no epsilon can enter and no value leave it per iteration",
-        "write the loop as hk.scan, or stack layers with hk.experimental.layer_stack",
-    ),
-    "jax.checkpoint": (
-        "Haiku state does not reach inside a jax.checkpoint of the model's own "
-        "code, so no epsilon can enter and no value leave it",
-        "rematerialise with hk.remat, which threads Haiku state",
-    ),
-    "jax.lax.cond": (
-        BRANCH,
-        "compute both branches and pick with jnp.where",
-    ),
-    "jax.lax.switch": (
-        BRANCH,
-        "compute every branch and pick with jnp.where",
-    ),
-    "jax.lax.while_loop": (
-        UNBOUNDED_LOOP,
-        "write the loop as hk.scan of fixed length",
-    ),
-}
 
 
 def mapped(

@@ -62,7 +62,6 @@ from bridge.adapter_api import (
 
 from ..shared import guests, unexpressible
 from .run import Interceptor
-from .transforms import tap_handler
 from .variables import (
     NeedsState,
     with_epsilons,
@@ -211,9 +210,7 @@ class HaikuProbe(ProbeBase):
         # model's.
         here = sys._getframe()
         interceptor = Interceptor(session, state_route, placed, here)
-        tapping = session.taps.tapping(
-            tap_handler(session, here, interceptor.base, interceptor.tap)
-        )
+        tapping = session.taps.tapping(interceptor.tap)
         if not state_route:  # a plain transform: epsilons from the session
             with tapping, hk.intercept_methods(interceptor):
                 outputs = self.transformed.apply(

@@ -1,15 +1,17 @@
 """One run of a Haiku model: every module method call of its `apply`,
-reported to the session by an interceptor (`hk.intercept_methods`), from
-where it runs.
+reported to the session by an interceptor (`hk.intercept_methods`), and every
+`bridge.tap`, from where it runs.
 
-At the probe's own trace a call is an ordinary site; inside the model's own
-`jax.vmap`s its value is handed out whole
-(`bridge.adapters.haiku.jax_transforms`); inside Haiku's lifted transforms
-its epsilon and recording ride in state (`bridge.adapters.haiku.transforms`,
-`bridge.adapters.haiku.variables`); inside a transform that carries neither,
-it is listed and refused where selected or patched. Which Haiku transforms
-enclose a call is read off the Python call stack
-(`bridge.adapters.haiku.internals`).
+The call router decides how each is reached, from the Haiku transforms around
+it (read off the Python call stack, `bridge.adapters.haiku.internals`) and
+JAX's (`bridge.adapters.haiku.transforms.route`): at the probe's own trace a
+call is an ordinary site; inside the model's own `jax.vmap`s its value is
+handed out whole (`bridge.adapters.haiku.jax_transforms`); inside branches
+and loops of static bounds it takes the session's control-flow route; inside
+Haiku's lifted transforms its epsilon and recording ride in state
+(`bridge.adapters.haiku.transforms`, `bridge.adapters.haiku.variables`);
+inside a transform that carries neither, it is listed and refused where
+selected or patched, with the router's sentence.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ import haiku as hk
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    PLAIN,
     BodyTraces,
     BridgeValueError,
+    Carried,
+    Mapped,
+    Refused,
     Session,
     Site,
+    ThroughControlFlow,
     add_epsilon,
     carrier_name,
 )
@@ -97,10 +104,13 @@ class Interceptor:
             _joined(prefix, module.module_name),
         )
 
-    def tap(self, name: str, value: Any, where: Any) -> Any:
-        """`bridge.tap` inside a layer stack, `hk.scan` or `hk.remat`: a site
-        named under the module calling it, whose state bundle holds its
-        values (see `carrier_name`'s `tap`)."""
+    def tap(self, name: str, value: Any) -> Any:
+        """The session's tap handler: a `bridge.tap` named under the module
+        calling it, a site of its own where the router routes it anywhere
+        but the probe's own trace; inside a layer stack, `hk.scan` or
+        `hk.remat` its state bundle holds its values (see `carrier_name`'s
+        `tap`)."""
+        where = internals.enclosing(self.apply_frame)
         enclosing = self.session.enclosing
         if enclosing:
             path = f"{enclosing[-1]}/{name}"
@@ -114,56 +124,47 @@ class Interceptor:
         session = self.session
         prefix = self.prefixes.get(where.stack_call, "")
         bundle = _joined(prefix, hk.experimental.current_name())
-        flow = unexpressible.control_flow(self.base)
-        if flow is not None and where.scan is None:
-            # Inside hk.cond, hk.switch, hk.fori_loop or JAX's own: the
-            # session's control-flow route.
-            return session.call_in_control_flow(
-                name,
-                None if method == "__call__" else method,
-                module,
-                call_args,
-                flow,
-                run,
-                Origin(bundle, tap=tap),
-            )
-        if where.blocked is None and not where.lifted:
-            # JAX's own transforms in the model's code (Haiku's name none).
-            depth, blocker = unexpressible.vmaps_or_blocker(self.base)
-            if blocker is not None:
-                where = dataclasses.replace(where, blocked=blocker)
-                self.scan_bodies.traced()
-            elif depth:
+        route = transforms.route(name, where, self.base)
+        method_name = None if method == "__call__" else method
+        match route:
+            case ThroughControlFlow(flow):
+                return session.call_in_control_flow(
+                    name,
+                    method_name,
+                    module,
+                    call_args,
+                    flow,
+                    run,
+                    Origin(bundle, tap=tap),
+                )
+            case Mapped(depth):
                 origin = Origin(bundle, tap=tap)
                 return jax_transforms.mapped(
-                    self.session, run, call_args, module, method, name, origin, depth
+                    session, run, call_args, module, method, name, origin, depth
                 )
-        if where.blocked is not None:
-            # Listed, and refused where selected or patched.
-            origin = Origin(bundle, tap=tap)
-            call = session.enter(
-                name,
-                None if method == "__call__" else method,
-                module,
-                call_args,
-                origin=origin,
-                record=False,
-            )
-            call.origin = transforms.refused(origin, call.name, where.blocked)
-            return unexpressible.listed(
-                session, call, run(), self.base, self.apply_frame
-            )
-        origin = Origin(bundle, where.lifted, scan=where.scan, tap=tap)
-        if origin.lifted and not self.state_route:
+            case Refused():
+                # Listed, and refused where selected or patched.
+                if not where.transforms:  # in a scan's body, maybe traced again
+                    self.scan_bodies.traced()
+                origin = Origin(bundle, tap=tap)
+                call = session.enter(
+                    name, method_name, module, call_args, origin=origin, record=False
+                )
+                # The sentence names the site as the session named the call.
+                route = transforms.route(call.name, where, self.base)
+                call.origin = dataclasses.replace(origin, blocked=route.sentence)
+                return unexpressible.listed(
+                    session, call, run(), self.base, self.apply_frame
+                )
+        if route is PLAIN and tap is not None:
+            return session.tap_here(tap, run())
+        # At the probe's own trace, or carried through Haiku's transforms.
+        inside = isinstance(route, Carried)
+        origin = Origin(bundle, inside, scan=where.scan, tap=tap)
+        if inside and not self.state_route:
             session.recorder.fall_back()  # discovery: again, through state
-        inside = origin.lifted
         call = session.enter(
-            name,
-            None if method == "__call__" else method,
-            module,
-            call_args,
-            origin=origin,
-            record=not inside,
+            name, method_name, module, call_args, origin=origin, record=not inside
         )
         value = run()
         if not self.state_route:
@@ -188,7 +189,7 @@ class Interceptor:
         patch = variables.patch_from_state(call, method) if patched else None
         value = session.exit(call, value, perturb, record=not inside, patch=patch)
         carrier = session.carrier
-        if origin.lifted and carrier.carries_out(call.name):
+        if inside and carrier.carries_out(call.name):
             hk.set_state(recording_entry, carrier.to_carry_out(value, call_args))
             carrier.defer(call.name, (origin.bundle, recording_entry))
         return value

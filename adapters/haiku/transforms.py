@@ -1,16 +1,17 @@
-"""Haiku sites inside Haiku's lifted transforms: `hk.experimental.layer_stack`,
-`hk.scan`, `hk.remat` (and `hk.jit`) thread Haiku state, where a site's
-epsilon, patch value and recording ride (`bridge.adapters.haiku.variables`).
+"""Haiku sites inside transforms: the route of a call, decided by the call
+router (`bridge.adapter_api.route`) from the rules of the transforms around it
+(`RULES`, `route`), and how a call inside Haiku's lifted transforms is carried.
 
-A layer stack slices state per layer going in and stacks it coming out, so
-its sites hold every layer; `hk.remat` threads it through; `hk.scan` carries
-it, so the carry holds the whole stacked epsilon and recording and a step
-counter picks the iteration's row (`scanned`). A tap there is a site of the
-module calling it (`tap_handler`). Transforms that carry state as one value
-for every iteration or example (`hk.vmap`, `hk.fori_loop`, a user's
-`hk.lift`, ...) and loops and branches are refused where a site inside them
-is selected or patched, naming themselves (`refused`, and
-`bridge.adapters.haiku.jax_transforms` for JAX's own).
+`hk.experimental.layer_stack`, `hk.scan`, `hk.remat` (and `hk.jit`) carry:
+they thread Haiku state, where a site's epsilon, patch value and recording
+ride (`bridge.adapters.haiku.variables`). A layer stack slices state per layer
+going in and stacks it coming out, so its sites hold every layer; `hk.remat`
+threads it through; `hk.scan` carries it, so the carry holds the whole
+stacked epsilon and recording and a step counter picks the iteration's row
+(`scanned`). A tap there is a site of the module calling it. Transforms that
+carry state as one value for every iteration or example (`hk.vmap`, a user's
+`hk.lift`, ...) block, and so do Haiku's loops and branches, but where the
+JAX loops and branches they run take the control-flow route (`route`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,104 @@ from bridge.adapter_api import (
     TRACED_BOUNDS,
     TRACED_BOUNDS_FIX,
     UNBOUNDED_LOOP,
+    Route,
+    Rule,
     Session,
+    ThroughControlFlow,
+    Transform,
     add_epsilon,
     carrier_name,
     differentiable_part,
     positional_arrays,
-    refusal,
 )
+from bridge.adapter_api import route as routing_route
 
 from ..shared import unexpressible
-from . import internals, jax_transforms
+from . import internals
 from .variables import Origin, patch_from_state
+
+_SHARED_CARRY = (
+    "Haiku's state there is one carry for nested scans (or for a scan inside a "
+    "layer stack), where bridge cannot pick one iteration's row",
+    "scan one level deep, or stack layers with hk.experimental.layer_stack",
+)
+_WHILE_LOOP_FIX = "write the loop as hk.scan of fixed length"
+
+#: The rules of Haiku's transforms (as `internals.enclosing` names them), and
+#: of JAX's where Haiku's way out is not `JAX_RULES`'s: JAX's own transforms
+#: in the model's code, which Haiku's state does not thread.
+RULES: dict[str, Transform] = {
+    name: Transform(name, Rule.CARRIES)
+    for name in (internals.LAYER_STACK, internals.SCAN, internals.THREADS_STATE)
+} | {
+    internals.SHARED_SCAN: Transform(internals.SCAN, Rule.BLOCKS, *_SHARED_CARRY),
+    "hk.vmap": Transform(
+        "hk.vmap",
+        Rule.BLOCKS,
+        "Haiku carries state through hk.vmap as one value for every mapped "
+        "example, so one epsilon would serve them all and their gradients "
+        "would be summed",
+        "probe the unmapped function with bridge.probe(..., vmap=True)",
+    ),
+    # One of static bounds runs JAX's, whose reading finds the control-flow
+    # route (`route`).
+    "hk.fori_loop": Transform(
+        "hk.fori_loop", Rule.BLOCKS, TRACED_BOUNDS, TRACED_BOUNDS_FIX
+    ),
+    "hk.while_loop": Transform(
+        "hk.while_loop", Rule.BLOCKS, UNBOUNDED_LOOP, _WHILE_LOOP_FIX
+    ),
+    "hk.cond": Transform(
+        "hk.cond", Rule.BLOCKS, BRANCH, "compute both branches and pick with jnp.where"
+    ),
+    "hk.switch": Transform(
+        "hk.switch", Rule.BLOCKS, BRANCH, "compute every branch and pick with jnp.where"
+    ),
+    "hk.grad": Transform("hk.grad", Rule.BLOCKS),
+    "hk.value_and_grad": Transform("hk.value_and_grad", Rule.BLOCKS),
+    internals.LIFT: Transform(
+        internals.LIFT,
+        Rule.BLOCKS,
+        "an inner transform the model lifts keeps state of its own, which "
+        "bridge's does not reach",
+        "probe the lifted function on its own",
+    ),
+    "scan": Transform(
+        "jax.lax.scan",
+        Rule.BLOCKS,
+        "Haiku state does not reach inside a jax.lax.scan of the model's own "
+        "code, so no epsilon can enter and no value leave it per iteration",
+        "write the loop as hk.scan, or stack layers with hk.experimental.layer_stack",
+    ),
+    "while_body": Transform(
+        "jax.lax.while_loop", Rule.BLOCKS, UNBOUNDED_LOOP, _WHILE_LOOP_FIX
+    ),
+    "checkpoint / remat": Transform(
+        "jax.checkpoint",
+        Rule.BLOCKS,
+        "Haiku state does not reach inside a jax.checkpoint of the model's own "
+        "code, so no epsilon can enter and no value leave it",
+        "rematerialise with hk.remat, which threads Haiku state",
+    ),
+}
+RULES |= {
+    "while_cond": RULES["while_body"],
+    "checkpoint": RULES["checkpoint / remat"],  # jax < 0.5
+}
+
+
+def route(site: str, where: internals.Enclosing, base: Any) -> Route:
+    """The router's route of a call at `site`, from two readings that do not
+    merge into one: JAX's transforms between here and `base` (the trace of
+    the probe's `apply`), and Haiku's, read off the Python call stack
+    (`where`), whose own JAX transforms (a layer stack's scan, `hk.remat`'s
+    checkpoint) JAX's reading sees too. JAX's decides where Haiku's are none,
+    and where it finds branches and loops of static bounds only (those of
+    `hk.cond`, `hk.switch` and `hk.fori_loop` among them); Haiku's elsewhere."""
+    found = unexpressible.route(site, base, RULES)
+    if not where.transforms or isinstance(found, ThroughControlFlow):
+        return found
+    return routing_route(site, [RULES[name] for name in where.transforms])
 
 
 def scanned(
@@ -88,73 +176,3 @@ def scanned(
 
 def _set_row(rows: Any, row: Any, values: Any) -> Any:
     return jax.tree.map(lambda r, v: r.at[row].set(v), rows, values)
-
-
-#: Why a site inside each Haiku transform cannot be expressed, and what to do.
-_REFUSALS = {
-    "hk.vmap": (
-        "Haiku carries state through hk.vmap as one value for every mapped "
-        "example, so one epsilon would serve them all and their gradients "
-        "would be summed",
-        "probe the unmapped function with bridge.probe(..., vmap=True)",
-    ),
-    "hk.scan": (
-        "Haiku's state there is one carry for nested scans (or for a scan "
-        "inside a layer stack), where bridge cannot pick one iteration's row",
-        "scan one level deep, or stack layers with hk.experimental.layer_stack",
-    ),
-    # One of static bounds is a site of the control-flow route.
-    "hk.fori_loop": (TRACED_BOUNDS, TRACED_BOUNDS_FIX),
-    "hk.while_loop": (
-        UNBOUNDED_LOOP,
-        "write the loop as hk.scan of fixed length",
-    ),
-    "hk.cond": (
-        BRANCH,
-        "compute both branches and pick with jnp.where",
-    ),
-    "hk.switch": (
-        BRANCH,
-        "compute every branch and pick with jnp.where",
-    ),
-    "hk.lift": (
-        "an inner transform the model lifts keeps state of its own, which "
-        "bridge's does not reach",
-        "probe the lifted function on its own",
-    ),
-}
-
-
-def refused(origin: Origin, name: str, transform: str) -> Origin:
-    """`origin` of site `name`, which bridge cannot express inside
-    `transform` (`hk.vmap`, `hk.while_loop`, ...): its `blocked` says why."""
-    why, fix = {**_REFUSALS, **jax_transforms.REFUSALS}.get(
-        transform,
-        (
-            f"a call inside {transform} runs where bridge's state does not reach",
-            "move the call out of it",
-        ),
-    )
-    return dataclasses.replace(origin, blocked=refusal(name, transform, why, fix))
-
-
-def tap_handler(session: Session, stop: Any, base: Any, in_transform: Any) -> Any:
-    """The session's tap handler. A tap inside `layer_stack`, `hk.scan` or
-    `hk.remat` is a site whose values ride in the state of the module calling
-    it (`in_transform(name, value, where)`), as that module's own do; one
-    inside the model's own `jax.vmap` is handed out of it
-    (`bridge.adapters.haiku.jax_transforms`); one inside a transform that
-    cannot carry them is listed there and refused where selected or
-    patched. `base`: the trace of the probe's `apply`."""
-
-    def tap(name: str, value: Any) -> Any:
-        where = internals.enclosing(stop)
-        if (
-            where.lifted
-            or where.blocked is not None
-            or unexpressible.vmaps_or_blocker(base) != (0, None)
-        ):
-            return in_transform(name, value, where)
-        return session.tap_here(name, value)
-
-    return tap

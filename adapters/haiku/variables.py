@@ -68,9 +68,9 @@ class Origin(SiteOrigin):
     `bundle` is the state bundle, keyed like the module's params as `apply`
     sees them (`__layer_stack_no_per_layer/lin`). `lifted` is true inside
     `layer_stack`, `hk.scan`, `hk.remat` or `hk.jit`, whose values must leave
-    through state; `blocked` says why a call inside a transform whose values
-    cannot leave it per call is refused where selected or patched, naming it
-    (`transforms.refused`). Inside `hk.scan`, whose state is one carry for
+    through state; `blocked` is the router's sentence of a call inside a
+    transform whose values cannot leave it per call, refused where selected
+    or patched. Inside `hk.scan`, whose state is one carry for
     every iteration, `scan` is `(length, reverse)`: the carry holds the whole
     stacked epsilon, patch value and recording, and a step counter picks the
     iteration's row;
