@@ -368,8 +368,8 @@ def test_a_layer_closed_over_by_the_scan_body_is_still_refused():
     probe = bridge.probe(model)
     xs = jax.random.normal(jax.random.key(1), (2, 3))
     refusal = (
-        r"bridge cannot see through this jax.lax.scan: site 'recurrent/cell' is "
-        "called in every iteration, but the scan does not slice its parameters"
+        r"bridge cannot see through jax.lax.scan around site 'recurrent/cell': it "
+        "is called in every iteration, but the scan does not slice its parameters"
     )
     # Patched, whether selected or not, by a value or a function.
     for patch in (jnp.zeros((3,)), jnp.zeros_like):

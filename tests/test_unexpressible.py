@@ -510,7 +510,8 @@ class EqxModel(eqx.Module):
 @pytest.mark.parametrize(
     "kind, refused, shape, transform",
     [
-        ("rnn", ["left"], (3, 5, 4), "this jax.lax.scan"),  # (steps, batch, ...)
+        # (steps, batch, ...)
+        ("rnn", ["left"], (3, 5, 4), "jax.lax.scan around site 'left'"),
     ],
 )
 def test_equinox_refused_site_is_listed_and_the_rest_probes(

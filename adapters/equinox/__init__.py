@@ -3,7 +3,8 @@
 `probe`, `surgery` (the wrappers), `run` (a wrapper's call), `variables`
 (the leaves in the tree), `transforms` (`lax.scan` over stacked layers,
 `jax.checkpoint`), `jax_transforms` (the model's own `jax.vmap`, and the
-calls with no route), `internals`, `porting`: each name as
+calls with no route), `internals`, `porting`, and `rules` (the call
+router's rules for Equinox, which decide each call's route): each name as
 `bridge.adapters` says.
 """
 

@@ -1,6 +1,6 @@
 """Equinox sites inside JAX transforms of the model's own code that carry
-none of bridge's leaves: which transforms enclose a call, the route out of the
-model's own `jax.vmap`, and the calls that have no route.
+none of bridge's leaves: the route out of the model's own `jax.vmap`, and the
+calls the router refuses.
 
 Inside the model's own `jax.vmap` (`eqx.nn.MultiheadAttention` projects every
 token with `jax.vmap(self.query_proj)`; `eqx.nn.MLP` applies its activation
@@ -22,16 +22,14 @@ can be handed out: that route, through the tree, is
 hand their value out the same way, to the body's trace, where that route
 takes it on (`lift` with the call's leaves from the tree as `extra`).
 
-A call inside a transform bridge cannot see through (a `jax.vmap` of the
-model's own code inside a `lax.scan`, a `while_loop`, nested scans, a layer
-the scan closes over; branches and loops of static bounds are the
-control-flow route's, `bridge._session.backward`) has no route for its epsilon or its
-value. It must not cost the other sites anything: the README promises that
-unselected sites cost nothing, so discovery lists it and a run that neither
-selects nor patches it calls it as it is (`unreachable`). Where it is
-selected or patched, the error names the site and the innermost transform
-that holds it (its origin's `blocked`); a `jax.jit` inside the model is
-skipped when naming one. It is listed with the shape its value has for the
+A call the router refuses (`bridge.adapters.equinox.rules`: a `jax.vmap` of
+the model's own code around a `lax.scan`, a `while_loop`, nested scans; or a
+layer the scan closes over, which the tree route refuses) has no route for
+its epsilon or its value. It must not cost the other sites anything: the
+README promises that unselected sites cost nothing, so discovery lists it and
+a run that neither selects nor patches it calls it as it is (`unreachable`).
+Where it is selected or patched, the router's sentence is raised (its
+origin's `blocked`). It is listed with the shape its value has for the
 model, as the contract lays sites out: the axes of the model's own
 `jax.vmap`s around it in front (after the batch axis of `vmap=True`,
 outermost first), the iterations of the scans around it first
@@ -52,20 +50,13 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
-    BRANCH,
-    CLOSED_OVER_LOOP,
-    TRACED_BOUNDS,
-    TRACED_BOUNDS_FIX,
-    UNBOUNDED_LOOP,
     BridgeRuntimeError,
     BridgeValueError,
     Session,
     SiteOrigin,
-    refusal,
 )
 
-from ..shared import equinox_loops, jax_internals, unexpressible
-from ..shared.lifting import mapped_depth as mapped_depth
+from ..shared import jax_internals, unexpressible
 
 # -- inside the model's own jax.vmap: handing the whole value out ----------------
 
@@ -102,46 +93,9 @@ def mapped_origin(args: tuple, depth: int) -> Mapped | None:
     return Mapped(axes, jnp.ndim(arrays[0]))
 
 
-# -- which transforms enclose a call -------------------------------------------
-
-#: JAX's names of the transforms bridge sees through with tree leaves.
-SCAN = "scan"
-CHECKPOINT = "checkpoint / remat"
-
-
-def transforms(base_trace: Any) -> tuple[str, ...]:
-    """The transforms between here and the probe's trace, innermost first:
-    `vmap` for a `jax.vmap`, otherwise JAX's own name (`scan`, `cond`, ...)."""
-    trace = jax_internals.current_trace()
-    found, traces = [], []
-    while trace is not base_trace:
-        if trace is None:
-            # jax < 0.6.2: a jaxpr trace (of scan, checkpoint, cond, ...) does
-            # not record the trace it runs in; nothing beyond it can be seen.
-            found.append(_PARENT_UNKNOWN)
-            traces.append(None)
-            break
-        found.append(
-            "vmap" if jax_internals.is_vmap(trace) else jax_internals.traced_for(trace)
-        )
-        traces.append(trace)
-        trace = jax_internals.parent(trace)
-    # An Equinox loop or a solve that holds the call with no route is named
-    # after itself, not after the traces JAX opens for it.
-    named = equinox_loops.blocking(traces, found)
-    return tuple(
-        named.get(id(trace), name) for trace, name in zip(traces, found, strict=True)
-    )
-
-
-#: What `transforms` names past a jaxpr trace of jax < 0.6.2.
-_PARENT_UNKNOWN = (
-    "a transform whose enclosing trace this jax does not record (bridge sees "
-    "through jax.lax.scan and jax.checkpoint from jax 0.6.2)"
-)
-
-
 def describe(transforms: tuple[str, ...]) -> str:
+    """`a inside b`: the transforms JAX names `transforms` (innermost first),
+    as the model's code writes them."""
     names = jax_internals.TRANSFORM_NAMES
     # A loop JAX runs in several traces (the bounded kind's nest) is one.
     distinct = [t for i, t in enumerate(transforms) if i == 0 or t != transforms[i - 1]]
@@ -226,34 +180,7 @@ _lift_p = jax_internals.mapped_primitive(
 )
 
 
-# -- calls with no route: listed, refused where selected or patched ---------------
-
-#: JAX's names of the transforms a refused site is never named after: those
-#: bridge sees through (a scan over stacked layers, a checkpoint, the model's
-#: own vmaps alone, Equinox's bounded while loop), and a `jax.jit` inside the
-#: model, traced through.
-_NOT_NAMED = frozenset(
-    {SCAN, CHECKPOINT, "vmap", equinox_loops.BOUNDED, *unexpressible.TRANSPARENT}
-)
-
-#: Why a site inside each transform cannot be expressed, and what to do.
-_REFUSALS = {
-    "while_body": (
-        UNBOUNDED_LOOP,
-        "write the loop as a jax.lax.scan of fixed length",
-    ),
-    "cond": (
-        BRANCH,
-        "compute both branches and pick with jnp.where",
-    ),
-    "fori_loop": (
-        CLOSED_OVER_LOOP,
-        "scan over stacked layers (the scan's xs slice them), or unroll the loop",
-    ),
-}
-_REFUSALS["while_cond"] = _REFUSALS["while_body"]
-_REFUSALS[jax_internals.FORI_LOOP_TRACED] = (TRACED_BOUNDS, TRACED_BOUNDS_FIX)
-_REFUSALS["switch"] = _REFUSALS["cond"]
+# -- calls the router refuses: listed, refused where selected or patched ----------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,21 +202,20 @@ def unreachable(
     args: tuple,
     kwargs: dict,
     origin: SiteOrigin,
-    whole: Whole | None = None,
+    blocked: Callable[[str], str],
+    whole: Whole,
 ) -> Any:
-    """Call `function` as the model does, listed as a site that raises
-    `origin.blocked` where it is selected or patched. `whole`: the axes its
-    value has for the model around the one seen here (`whole_axes`); read
-    here from `origin.transforms` where not given."""
+    """Call `function` as the model does, listed as a site (its `origin`)
+    that raises `blocked(its name)`, the router's sentence, where it is
+    selected or patched. `whole`: the axes its value has for the model
+    around the one seen here (`whole_axes`)."""
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
-    call.origin = _named(origin, call.name)
+    call.origin = dataclasses.replace(origin, blocked=blocked(call.name))
     if call.name in session.selected or call.name in session.patches:
         raise BridgeValueError(call.origin.blocked)
     value = function(*args, **kwargs)
     if not session.recorder.learns_sites():
         return session.exit(call, value, perturb=lambda v: v, record=False)
-    if whole is None:
-        whole = whole_axes(getattr(origin, "transforms", ()), None)
     listed = _leading(value, whole.mapped)
     session.exit(call, listed, perturb=lambda v: v, record=False)
     for length in reversed(whole.iterations or ()):  # innermost first
@@ -302,29 +228,6 @@ def _leading(value: Any, axes: tuple[int, ...]) -> Any:
     return jax.tree.map(
         lambda v: jnp.broadcast_to(v, (*axes, *jnp.shape(v))) if eqx.is_array(v) else v,
         value,
-    )
-
-
-def _named(origin: SiteOrigin, name: str) -> SiteOrigin:
-    """`origin`, its `blocked` naming the innermost loop or branch around the
-    call where there is one (the model's own vmaps, a `jax.jit` inside the
-    model and what bridge sees through are skipped)."""
-    enclosing = getattr(origin, "transforms", ())
-    blocker = next((t for t in enclosing if t not in _NOT_NAMED), None)
-    if blocker is None or not dataclasses.is_dataclass(origin):
-        return origin
-    why, fix = (
-        _REFUSALS.get(blocker)
-        or equinox_loops.refusal(blocker)
-        or (
-            "bridge sees through jax.lax.scan over stacked layers, "
-            "jax.checkpoint and the model's own jax.vmap only",
-            "move the call out of it, or unroll it",
-        )
-    )
-    why += f" (it is called inside {describe(enclosing)})"
-    return dataclasses.replace(
-        origin, blocked=refusal(name, describe((blocker,)), why, fix)
     )
 
 

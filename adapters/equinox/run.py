@@ -2,14 +2,18 @@
 session from where it runs.
 
 The wrappers of the surgery (`bridge.adapters.equinox.surgery`) report each
-call here (`observed_call`). At the probe's own trace the call is an ordinary
-site. Inside the model's own `jax.vmap`s its value is handed out to the
-probe's trace whole (`bridge.adapters.equinox.jax_transforms.lift`); inside
+call here (`observed_call`), and the call router decides how it reaches its
+site from the transforms around it (`bridge.adapters.equinox.rules`): at
+the probe's own trace it is an ordinary site; inside the model's own
+`jax.vmap`s its value is handed out to the probe's trace whole
+(`bridge.adapters.equinox.jax_transforms.lift`); inside branches and loops
+of known bounds it is a site of the session's control-flow route; inside
 `lax.scan` or `jax.checkpoint` it goes through the tree
-(`bridge.adapters.equinox.transforms`). `bridge.tap` takes the same routes
-(`tap`). A trace is not a call: inside the model's own `jax.eval_shape` a
-call or a tap is no site, and a scan body JAX traces twice lists its sites
-once (`_a_call_of_the_model`).
+(`bridge.adapters.equinox.transforms`); elsewhere it is listed and refused
+where selected or patched. `bridge.tap` is routed the same way (`tap`). A
+trace is not a call: inside the model's own `jax.eval_shape` a call or a tap
+is no site, and a scan body JAX traces twice lists its sites once
+(`_a_call_of_the_model`).
 """
 
 from __future__ import annotations
@@ -26,15 +30,20 @@ import jax
 
 from bridge.adapter_api import (
     BridgeValueError,
+    Carried,
+    Mapped,
+    Refused,
+    Route,
     Session,
+    ThroughControlFlow,
     current_session,
-    refusal,
+    describe_transforms,
     tapping_a_local,
 )
 
-from ..shared import jax_internals, unexpressible
+from ..shared import jax_internals
 from ..shared.scan_bodies import ScanBodies
-from . import jax_transforms, transforms, variables
+from . import jax_transforms, rules, transforms, variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,24 +84,51 @@ def observed_call(
     kwargs: dict,
 ) -> Any:
     """`function(*args, **kwargs)`, the call of a wrapper `site` (its
-    `module`'s `method`), reported to the probe's session from where it runs:
-    the probe's trace, the model's own vmaps, or a scan or checkpoint."""
-    path = site.path
+    `module`'s `method`), reported to the probe's session by the route the
+    router gives it (`bridge.adapters.equinox.rules`)."""
     context = CONTEXT.get()
     session = current_session()
     if context is None or session is not context.session:
         return function(*args, **kwargs)
-    depth = jax_transforms.mapped_depth(context.base_trace)
-    if depth is None and not _a_call_of_the_model(context):
+    path = site.path
+    enclosing = rules.enclosing(context.base_trace)
+    found = enclosing.route(path if method is None else f"{path}.{method}")
+    if not _a_call(context, enclosing, found):
         return function(*args, **kwargs)
-    if depth is None:
-        return transforms.call_in_transform(
-            context, site, method, module, function, args, kwargs
-        )
-    if depth == 0:
-        call = session.enter(path, method, module, args)
-        return _report(session, call, function(*args, **kwargs))
+    match found:
+        case ThroughControlFlow(flow):
+            return session.call_in_control_flow(
+                path, method, module, args, flow, lambda: function(*args, **kwargs)
+            )
+        case Carried():
+            return transforms.call_in_transform(
+                context, site, method, module, function, args, kwargs, enclosing, found
+            )
+        case Refused():
+            return transforms.refused(
+                context, site, method, module, function, args, kwargs, enclosing
+            )
+        case Mapped(depth):
+            return _call_mapped(
+                session, path, method, module, function, args, kwargs, depth
+            )
+        case _:  # PLAIN
+            call = session.enter(path, method, module, args)
+            return _report(session, call, function(*args, **kwargs))
 
+
+def _call_mapped(
+    session: Session,
+    path: str,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    depth: int,
+) -> Any:
+    """A call `depth` of the model's own vmaps deep: its value (and its
+    inputs) handed out to the probe's trace whole, mapped axes first."""
     entered = []
     origin = jax_transforms.mapped_origin(args, depth)
 
@@ -111,6 +147,15 @@ def observed_call(
         # Nothing to list, record or change: bookkeeping only, and no cost.
         return session.exit(call, value)
     return jax_transforms.lift(value, depth, lambda full: _report(session, call, full))
+
+
+def _a_call(context: Context, enclosing: rules.Enclosing, found: Route) -> bool:
+    """Whether a call or a tap `found` routed inside `enclosing` is a call of
+    the model's: at the probe's trace or inside the model's own vmaps only it
+    is; inside another transform, see `_a_call_of_the_model`."""
+    if not enclosing.transforms or isinstance(found, Mapped):
+        return True
+    return _a_call_of_the_model(context)
 
 
 def _a_call_of_the_model(context: Context) -> bool:
@@ -175,70 +220,59 @@ def _report(session: Session, call: Any, value: Any) -> Any:
 
 
 def tap(context: Context, name: str, value: Any) -> Any:
-    """`bridge.tap` in the model's code: a site at the probe's trace, handed
-    out of the model's own vmaps; refused inside other transforms."""
+    """`bridge.tap` in the model's code, by the route the router gives it
+    with `rules.for_a_tap`: a site at the probe's trace, handed out of the
+    model's own vmaps, or of the session's control-flow route; listed with
+    the shape its value has for the model, run as it is and refused where
+    selected or patched elsewhere (a tap has no leaves in the tree that carry
+    a module call's value out of a scan or a checkpoint)."""
     session = context.session
-    depth = jax_transforms.mapped_depth(context.base_trace)
-    if depth is None:
-        if not _a_call_of_the_model(context):
-            return value
-        return _unreachable_tap(context, name, value)
-    if depth == 0:
-        return session.tap_here(name, value)
-    return jax_transforms.lift(value, depth, lambda full: session.tap_here(name, full))
+    enclosing = rules.enclosing(context.base_trace, TAP_RULES)
+    path = session.naming.under_enclosing(name)
+    found = enclosing.route(path)
+    if not _a_call(context, enclosing, found):
+        return value
+    if tapping_a_local() and not isinstance(found, Mapped) and enclosing.transforms:
+        # A local of the probe's `inside=`: the core lists it and says so.
+        raise BridgeValueError(
+            f"bridge.tap({name!r}) is inside "
+            f"{describe_transforms(enclosing.transforms)}, where bridge cannot see "
+            "a tap."
+        )
+    match found:
+        case ThroughControlFlow(flow):
+            return session.call_in_control_flow(
+                path, None, None, (), flow, lambda: value
+            )
+        case Refused():
+            return jax_transforms.unreachable(
+                session,
+                _TapSite(path),
+                None,
+                None,
+                lambda: value,
+                (),
+                {},
+                variables.InTransform(None, enclosing.names),
+                enclosing.refusal,
+                jax_transforms.whole_axes(enclosing.names, None),
+            )
+        case Mapped(depth):
+            return jax_transforms.lift(
+                value, depth, lambda full: session.tap_here(name, full)
+            )
+        case _:  # PLAIN
+            return session.tap_here(name, value)
+
+
+#: The rules a `bridge.tap` is routed by.
+TAP_RULES = rules.for_a_tap(rules.RULES)
 
 
 @dataclasses.dataclass(frozen=True)
 class _TapSite:
-    """A `bridge.tap` as `jax_transforms.unreachable` takes a call: its path, and no
-    module."""
+    """A `bridge.tap` as `jax_transforms.unreachable` takes a call: its path,
+    and no module."""
 
     path: str
     module: Any = None
-
-
-def _unreachable_tap(context: Context, name: str, value: Any) -> Any:
-    """A `bridge.tap` inside a transform of the model's own code: inside
-    branches and loops of static bounds only, a site of the session's
-    control-flow route; inside a `lax.scan` or `jax.checkpoint`, which give
-    it no route out (a tap has no leaves in the tree that carry a module
-    call's value out), listed with the shape its value has for the model,
-    run as it is, and refused where selected or patched, naming the
-    transform (`jax_transforms.unreachable`)."""
-    session = context.session
-    path = f"{session.enclosing[-1]}/{name}" if session.enclosing else name
-    flow = unexpressible.control_flow(context.base_trace)
-    if flow is not None and not tapping_a_local():
-        # Inside branches and loops of static bounds only: a site of the
-        # session's control-flow route.
-        return session.call_in_control_flow(path, None, None, (), flow, lambda: value)
-    enclosing = jax_transforms.transforms(context.base_trace)
-    if tapping_a_local():
-        # A local of the probe's `inside=`: the core lists it and says so.
-        raise BridgeValueError(
-            f"bridge.tap({name!r}) is inside {jax_transforms.describe(enclosing)}, "
-            "where bridge cannot see a tap."
-        )
-    outer = [t for t in enclosing if t != "vmap"]
-    where = jax_transforms.describe(enclosing)
-    blocker = jax_transforms.describe((outer[0],)) if outer else where
-    why = refusal(
-        path,
-        blocker,
-        f"a bridge.tap there (inside {where}) has no route for its epsilon or "
-        "its value, which leave a transform only through the model's tree",
-        "move the tap out of the transform, or mark the value by wrapping its "
-        "computation in an eqx.Module (a module call there is a site)",
-    )
-    origin = variables.InTransform(None, enclosing, why)
-    return jax_transforms.unreachable(
-        session,
-        _TapSite(path),
-        None,
-        None,
-        lambda: value,
-        (),
-        {},
-        origin,
-        jax_transforms.whole_axes(enclosing, None),
-    )

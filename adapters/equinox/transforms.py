@@ -19,17 +19,14 @@ is patched, recorded and perturbed with the call's leaves as a call in the
 body itself is (`_call_mapped`). The site is `(iterations, *mapped axes,
 *value)`, and with `vmap=True` the probe's batch axis after the iterations.
 
-A branch (`lax.cond`, `lax.switch`) inside such a scan is seen through the
-same way, its recorder of where it ran sliced per iteration (`ProbeResult.ran`);
-branches and `fori_loop`s of static bounds outside any scan take the
-session's control-flow route (`Session.call_in_control_flow`). A call inside
-a transform this cannot express (a `while_loop`, a `jax.jit` called in the
-model's code, a scan or checkpoint inside the
-model's own `jax.vmap`, nested scans, a layer closed over by the scan body
-rather than scanned over) is listed, and raises an error naming it where it
-is selected or patched (`bridge.adapters.equinox.jax_transforms.unreachable`):
-a site is never silently missing or summed over iterations, nor does it block
-the others.
+The router decides which calls come here (`bridge.adapters.equinox.rules`):
+a branch (`lax.cond`, `lax.switch`) inside such a scan is carried the same
+way, its recorder of where it ran sliced per iteration (`ProbeResult.ran`).
+A call it refuses (`refused`), and a layer the scan body closes over rather
+than slices (refused here, in the router's words), is listed, and raises the
+sentence naming the transform where it is selected or patched
+(`bridge.adapters.equinox.jax_transforms.unreachable`): a site is never
+silently missing or summed over iterations, nor does it block the others.
 """
 
 from __future__ import annotations
@@ -42,23 +39,18 @@ import equinox as eqx
 import jax
 
 from bridge.adapter_api import (
-    BRANCHES,
     BridgeRuntimeError,
     BridgeValueError,
+    Carried,
+    Rule,
     Session,
+    Transform,
     positional_arrays,
 )
 
-from ..shared import jax_internals, unexpressible
-from .jax_transforms import (
-    CHECKPOINT,
-    SCAN,
-    describe,
-    lift,
-    transforms,
-    unreachable,
-    whole_axes,
-)
+from ..shared import jax_internals
+from .jax_transforms import describe, lift, unreachable, whole_axes
+from .rules import SCAN, Enclosing, scanned
 from .variables import (
     InTransform,
     Leaves,
@@ -107,40 +99,18 @@ def call_in_transform(
     function: Callable,
     args: tuple,
     kwargs: dict,
+    enclosing: Enclosing,
+    carried: Carried,
 ) -> Any:
-    """A call inside `lax.scan` or `jax.checkpoint`, perhaps inside the
-    model's own `jax.vmap`s there: see the module docstring."""
+    """A call the router carries through `lax.scan` or `jax.checkpoint`
+    (`carried`), perhaps inside the model's own `jax.vmap`s there: see the
+    module docstring. A layer the scan closes over rather than slices is
+    refused here."""
     session = context.session
-    flow = unexpressible.control_flow(context.base_trace)
-    if flow is not None:
-        # Inside branches and loops of static bounds only: the session's
-        # control-flow route (a branch inside a scan over stacked layers
-        # takes the tree's, below).
-        return session.call_in_control_flow(
-            site.path,
-            method,
-            module,
-            args,
-            flow,
-            lambda: function(*args, **kwargs),
-        )
-    enclosing = transforms(context.base_trace)
-    # The model's own vmaps inside the scan or checkpoint (a layer applied per
-    # token): their value is handed out to the body's trace whole.
-    depth = next((i for i, t in enumerate(enclosing) if t != "vmap"), 0)
-    outer = enclosing[depth:]
-    site_path = site.path if method is None else f"{site.path}.{method}"
-    unsupported = [t for t in outer if t not in (SCAN, CHECKPOINT, *BRANCHES)]
-    if unsupported or outer.count(SCAN) > 1:
-        # Listed, and refused only where selected or patched (`unreachable`).
-        count = _count(site, depth) if outer.count(SCAN) == 1 else None
-        origin = InTransform(None, enclosing, _why(site_path, enclosing, unsupported))
-        whole = whole_axes(enclosing, count)
-        return unreachable(
-            session, site, method, module, function, args, kwargs, origin, whole
-        )
+    depth = carried.depth
+    names = enclosing.names
     count = None
-    if SCAN in outer:
+    if scanned(carried):
         count = _count(site, depth)
         if not count:
             return unreachable(
@@ -151,26 +121,20 @@ def call_in_transform(
                 function,
                 args,
                 kwargs,
-                InTransform(None, enclosing, _not_sliced(site, site_path)),
+                InTransform(None, names),
+                enclosing.replaced(_not_sliced(site)).refusal,
+                whole_axes(names, None),
             )
     if depth:
         return _call_mapped(
-            session,
-            site,
-            method,
-            module,
-            function,
-            args,
-            kwargs,
-            count,
-            depth,
-            enclosing,
+            session, site, method, module, function, args, kwargs, count, depth, names
         )
     # How the inputs are recorded is learnt once, with the site.
     learnt = inputs_origin(args, count) if session.recorder.learns_sites() else {}
-    origin = InTransform(count, enclosing, **learnt)
+    origin = InTransform(count, names, **learnt)
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
-    value = _run_sliced(site, count, 0, site_path, enclosing, function, args, kwargs)
+    site_path = site.path if method is None else f"{site.path}.{method}"
+    value = _run_sliced(site, count, 0, site_path, names, function, args, kwargs)
     leaves = site.bridge_leaves.get(call.name)
     # The patch value and the epsilon come from the tree, not from the session.
     value = _exit(session, call, value, None if leaves is None else leaves.patch)
@@ -178,11 +142,41 @@ def call_in_transform(
         session.recorder.holds_iterations(call.name, value, count)
     if call.name not in session.selected:
         return value
-    _check_leaves(call.name, leaves, enclosing)
+    _check_leaves(call.name, leaves, names)
     inputs = None
     if leaves.inputs is not None:
         inputs = jax.tree.map(as_floats, positional_arrays(args))
     return through_tree(value, inputs, leaves)
+
+
+def refused(
+    context: Any,
+    site: Any,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    enclosing: Enclosing,
+) -> Any:
+    """A call the router refuses, listed with the shape its value has for the
+    model (a scan slicing it gives its iterations) and run as it is
+    (`unreachable`)."""
+    vmaps = next(
+        (i for i, t in enumerate(enclosing.transforms) if t.rule is not Rule.MAPS), 0
+    )
+    return unreachable(
+        context.session,
+        site,
+        method,
+        module,
+        function,
+        args,
+        kwargs,
+        InTransform(None, enclosing.names),
+        enclosing.refusal,
+        whole_axes(enclosing.names, _count(site, vmaps)),
+    )
 
 
 def _call_mapped(
@@ -195,7 +189,7 @@ def _call_mapped(
     kwargs: dict,
     count: int | None,
     depth: int,
-    enclosing: tuple[str, ...],
+    names: tuple[str, ...],
 ) -> Any:
     """A call `depth` vmaps of the model's own code deep inside a scan or
     checkpoint (`jax.vmap(self.linear)(x)` in a scanned layer): the value is
@@ -210,21 +204,19 @@ def _call_mapped(
         if jax.tree.leaves(arrays):
             lift(arrays, depth, lambda full: learnt.append(full) or full)
         origin = InTransform(
-            count, enclosing, **inputs_origin(learnt[0] if learnt else arrays, count)
+            count, names, **inputs_origin(learnt[0] if learnt else arrays, count)
         )
     else:
-        origin = InTransform(count, enclosing)
+        origin = InTransform(count, names)
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
     site_path = site.path if method is None else f"{site.path}.{method}"
-    value = _run_sliced(
-        site, count, depth, site_path, enclosing, function, args, kwargs
-    )
+    value = _run_sliced(site, count, depth, site_path, names, function, args, kwargs)
     if not session.recorder.needs_value(call.name):
         return _exit(session, call, value, None)  # nothing to see: no cost
     leaves = site.bridge_leaves.get(call.name)
     selected = call.name in session.selected
     if selected:
-        _check_leaves(call.name, leaves, enclosing)
+        _check_leaves(call.name, leaves, names)
     inputs = positional_arrays(args) if selected and leaves.inputs is not None else None
 
     def observe(full: tuple, extra: Any) -> tuple:
@@ -254,7 +246,7 @@ def _run_sliced(
     count: int | None,
     depth: int,
     site_path: str,
-    enclosing: tuple[str, ...],
+    names: tuple[str, ...],
     function: Callable,
     args: tuple,
     kwargs: dict,
@@ -271,18 +263,18 @@ def _run_sliced(
             _SLICED.reset(token)
     if any(isinstance(leaf, eqx.nn.State) for leaf in _leaves_with_state(value)):
         raise BridgeValueError(
-            f"site {site_path!r} is a stateful layer inside {describe(enclosing)}: "
+            f"site {site_path!r} is a stateful layer inside {describe(names)}: "
             "bridge cannot thread its eqx.nn.State there. Move it out of the "
             "transform."
         )
     return value
 
 
-def _check_leaves(name: str, leaves: Any, enclosing: tuple[str, ...]) -> None:
+def _check_leaves(name: str, leaves: Any, names: tuple[str, ...]) -> None:
     if leaves is None or (leaves.recorder is None and leaves.epsilon is None):
         raise BridgeRuntimeError(
             f"bridge found no epsilon for site {name!r} inside "
-            f"{describe(enclosing)}: the model called it differently from the "
+            f"{describe(names)}: the model called it differently from the "
             "discovery pass. This is a bug in bridge: please report it."
         )
 
@@ -305,48 +297,23 @@ def _count(site: Any, depth: int = 0) -> int | None:
     return count
 
 
-def _not_sliced(site: Any, site_path: str) -> str:
-    """Why a call in every iteration of a scan that does not slice it cannot
-    be a site."""
+def _not_sliced(site: Any) -> Transform:
+    """The scan around a call in every iteration that it does not slice, as a
+    refusal names it: one epsilon would sum the gradients of all iterations."""
     function = getattr(site, "module", None) is None
-    return (
-        f"bridge cannot see through this jax.lax.scan: site {site_path!r} is "
-        "called in every iteration, but the scan does not slice its "
-        "parameters (a layer closed over by the scan body, as in an RNN), "
-        "so one epsilon would sum the gradients of all iterations. Select "
-        "sites outside the scan with `at=`, scan over stacked layers "
-        "(eqx.filter_vmap to build them, the scan's xs to slice them), or "
-        "unroll the loop."
+    return Transform(
+        SCAN.name,
+        Rule.BLOCKS,
+        "it is called in every iteration, but the scan does not slice its "
+        "parameters (a layer closed over by the scan body, as in an RNN), so "
+        "one epsilon would sum the gradients of all iterations",
+        "scan over stacked layers (eqx.filter_vmap to build them, the scan's xs "
+        "to slice them), or unroll the loop"
         + (
-            " (eqx.nn.MLP(scan=True) applies its activation so: use scan=False.)"
+            " (eqx.nn.MLP(scan=True) applies its activation so: use scan=False)"
             if function
             else ""
-        )
-    )
-
-
-def _why(site_path: str, enclosing: tuple[str, ...], unsupported: list) -> str:
-    """Why a call inside `enclosing` cannot be a site."""
-    where = describe(enclosing)
-    if not unsupported:
-        return (
-            f"bridge cannot see through nested jax.lax.scan: site {site_path!r} "
-            f"is called inside {where}. Scan over one stack of layers at a time, "
-            "or select other sites with `at=`."
-        )
-    detail = (
-        "a jax.lax.scan or jax.checkpoint inside a jax.vmap of the model's own "
-        "code (an epsilon in the tree cannot vary along the mapped axis; "
-        "bridge sees the model's own jax.vmap inside the scan body, not around "
-        "the scan)"
-        if "vmap" in unsupported
-        else describe((unsupported[0],))
-    )
-    return (
-        f"bridge cannot see through {detail}: site {site_path!r} is called "
-        f"inside {where}. bridge sees through jax.lax.scan over stacked layers "
-        "and jax.checkpoint; select other sites with `at=`, move the call out "
-        "of the transform, or unroll it."
+        ),
     )
 
 

@@ -740,7 +740,7 @@ def test_the_rnn_example_refuses_its_cell_naming_it():
     (documented), though it lists it; `at=None` leaves it out."""
     zoo = _build("rnn")
     assert "cell" in zoo.probe().sites(*zoo.args)
-    with pytest.raises(ValueError, match="site 'cell' is called in every iter"):
+    with pytest.raises(ValueError, match="site 'cell': it is called in every iter"):
         zoo.probe().value_and_grad(zoo.loss_fn, *zoo.args, at="cell")
     with pytest.warns(bridge.BridgeWarning, match="'cell'"):
         every = zoo.probe().value_and_grad(zoo.loss_fn, *zoo.args)
