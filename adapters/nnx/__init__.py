@@ -3,7 +3,8 @@
 `probe`, `surgery` (the copy's reporting classes), `run` (the `Run` of the
 copy), `variables` (bridge's `nnx.Param` subclasses on the copy),
 `transforms` (NNX's lifted transforms), `carried` (a module `nnx.scan`
-carries), `jax_transforms`, `internals` (version-checked), `guest`,
+carries), `jax_transforms`, `rules` (the call router's rules for NNX's
+transforms), `internals` (version-checked), `guest`,
 `porting`: each name as `bridge.adapters` says.
 """
 

@@ -37,10 +37,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from bridge.adapter_api import (
+    Rule,
+    Transform,
     add_epsilon,
     carrier_name,
     differentiable_part,
     positional_arrays,
+    route,
 )
 
 from ..shared import jax_internals
@@ -101,15 +104,17 @@ def discover(run, module, marker, step_key, call, names, method, args, kwargs, s
             else "inside nested scans (nnx.scan or lax.scan inside nnx.scan)"
         )
         # Listed, and refused where selected or patched.
+        scan = Transform(
+            "nnx.scan",
+            Rule.BLOCKS,
+            "the scan carries the module (its parameters keep their full shape "
+            f"there), and it is called {where}, where the carried route of "
+            "bridge's variables does not reach",
+            "call the carried module directly inside one nnx.scan",
+        )
         return run.refused(
             call,
-            (
-                "nnx.scan",
-                "the scan carries the module (its parameters keep their full "
-                f"shape there), and it is called {where}, where the carried "
-                "route of bridge's variables does not reach",
-                "call the carried module directly inside one nnx.scan",
-            ),
+            lambda site: route(site, (scan,)),
             method,
             module,
             args,

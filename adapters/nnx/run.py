@@ -2,30 +2,42 @@
 session from where it runs.
 
 The copy's modules report their calls (`bridge.adapters.nnx.surgery`) to the
-`Run` of the probe's call. A call outside NNX's transforms is a site of the
-session's own, handed out whole from inside the model's own `jax.vmap`s and
-listed but refused inside JAX's other transforms
+`Run` of the probe's call, and the call router (`bridge.adapter_api.route`)
+decides, from the transforms around each call and NNX's rules for them
+(`bridge.adapters.nnx.rules`), how it reaches its site. A call outside
+NNX's transforms is routed by JAX's transforms around it
 (`bridge.adapters.nnx.jax_transforms`); a call inside an NNX transform
 (`nnx.scan`, `nnx.vmap`, `nnx.remat`) keeps its values in bridge's variables
-on the module (`bridge.adapters.nnx.transforms`). `nnx.jit` is none: while a
-probe runs the model's own jits run inline, in the probe's trace
-(`bridge._session.jit`). A scan body JAX traces twice (its carry starts as a
-Python `0`) lists its sites once (`bridge.adapters.shared.scan_bodies`).
+on the module (`bridge.adapters.nnx.transforms`). `nnx.jit` is traced
+through: while a probe runs the model's own jits run inline, in the probe's
+trace (`bridge._session.jit`). A scan body JAX traces twice (its carry
+starts as a Python `0`) lists its sites once
+(`bridge.adapters.shared.scan_bodies`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flax import nnx
 
-from bridge.adapter_api import Session, refusal
+from bridge.adapter_api import (
+    Mapped,
+    Route,
+    Rule,
+    Session,
+    ThroughControlFlow,
+    Transform,
+    route,
+)
+from bridge.adapter_api import Refused as Refusal
 
 from ..shared import jax_internals, lifting, unexpressible
 from ..shared.scan_bodies import ScanBodies
-from . import internals, jax_transforms
-from .transforms import Lifted, transform_name
+from . import internals, jax_transforms, rules
+from .transforms import Lifted
 from .variables import PATH_ATTRIBUTE, CopyVariables, Origin
 
 jax_internals.require_scan_frame("Flax NNX")
@@ -33,8 +45,8 @@ jax_internals.require_scan_frame("Flax NNX")
 
 @dataclasses.dataclass(frozen=True)
 class Refused(Origin):
-    """A call inside an NNX transform bridge cannot see through there:
-    `blocked` says why, naming it."""
+    """A site the router refuses (or one of the control-flow route):
+    `blocked` is the router's sentence, naming the transform that blocks."""
 
     blocked: str | None = None
 
@@ -69,22 +81,30 @@ class Run:
         self.variables = CopyVariables(modules, candidates, markers)
         self.lifted = Lifted(self, candidates, markers)
 
-    def transforms(self) -> tuple[str, ...]:
-        """The NNX transforms of the model's own code running now, but
-        `nnx.jit`: while a probe runs, the model's own jits run inline, in the
-        probe's trace (`bridge._session.jit`), so a call inside one is a call
-        like any other (on the module's copy that `nnx.jit` merged)."""
+    def transforms(self) -> tuple[Any, ...]:
+        """The update-context tags of the NNX transforms of the model's own
+        code running now, outermost first, but those bridge traces through
+        (`nnx.jit`: while a probe runs, the model's own jits run inline, in
+        the probe's trace, so a call inside one is a call like any other, on
+        the module's copy that `nnx.jit` merged)."""
         return tuple(
             t
             for t in internals.active_transforms()
-            if t not in self.outer and transform_name(t) != "nnx.jit"
+            if t not in self.outer and rules.transform(t).rule is not Rule.THROUGH
         )
 
     def innermost_transform(self) -> str | None:
         """The name of the innermost NNX transform of the model's code running
         now (`nnx.scan`), for errors about the calls inside it."""
         transforms = self.transforms()
-        return transform_name(transforms[-1]) if transforms else None
+        return rules.name(transforms[-1]) if transforms else None
+
+    def route(
+        self, site: str, over_jax: Mapping[str, Transform] = rules.RULES
+    ) -> Route:
+        """The route of a call at `site` through JAX's transforms between here
+        and the probe's call of the model, the rules `over_jax` over JAX's."""
+        return unexpressible.route(site, self.base, over_jax)
 
     def report(self, module, method_name, method, args, kwargs, session):
         """A call of a module of the copy (`surgery.Reporter`)."""
@@ -102,71 +122,66 @@ class Run:
         return self.lifted.call(module, site_method, method, args, kwargs, session)
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
-        """`bridge.tap` in the model's code. Inside branches and loops of static
-        bounds only (NNX's or JAX's), a site of the session's control-flow
-        route. Inside another NNX transform, where the value is a tracer of
-        the transform's trace, it is listed and refused where selected or
-        patched: bridge does not carry taps out of NNX transforms yet. Inside
-        the model's own `jax.vmap`s it is handed out whole; inside JAX's
-        other transforms, listed and refused."""
+        """`bridge.tap` in the model's code, routed by JAX's transforms around
+        it (`rules.for_tap`: each reason says the tap is called there). Where
+        they are not branches and loops of static bounds only, NNX's own
+        transforms around it route it: its value is a tracer of their trace,
+        and bridge does not carry taps out of them yet (`rules.tap_blocked`)."""
         if self.in_a_shape_pass():
             return value  # no call of the model's: not a site
         self.scan_bodies.traced()
-        flow = unexpressible.control_flow(self.base)
-        if flow is not None:  # branches and loops of static bounds only
-            path = session.naming.under_enclosing(name)
-            return session.call_in_control_flow(
-                path, None, None, (), flow, lambda: value
-            )
-        transforms = self.transforms()
-        if transforms:
-            why = (
-                transform_name(transforms[-1]),
-                f"bridge.tap({name!r}, ...) is called there, and bridge does not "
-                "carry taps out of NNX transforms yet",
-                "tap the value outside the transform, or select the call of the "
-                "module that computes it",
-            )
-        else:
-            depth, blocker = unexpressible.vmaps_or_blocker(self.base)
-            if blocker is None:
-                if depth == 0:
-                    return session.tap_here(name, value)
+        path = session.naming.under_enclosing(name)
+        tap_rules = rules.for_tap(name)
+        tags = self.transforms()
+
+        def routed(site: str) -> Route:
+            found = self.route(site, tap_rules)
+            if tags and not isinstance(found, ThroughControlFlow):
+                return route(site, rules.enclosing(tags, tap=name))
+            return found
+
+        match routed(path):
+            case ThroughControlFlow(flow):
+                return session.call_in_control_flow(
+                    path, None, None, (), flow, lambda: value
+                )
+            case Mapped(depth):
                 return lifting.lift(
                     value, depth, lambda full: session.tap_here(name, full)
                 )
-            transform, reason, fix = jax_transforms.why(blocker)
-            why = (
-                transform,
-                f"bridge.tap({name!r}, ...) is called there: {reason}",
-                "tap the value outside it, or " + fix,
-            )
-        path = session.naming.under_enclosing(name)
-        call = session.enter(path, None, None, origin=Refused(path), record=False)
-        return self.refused(call, why, lambda _: value, None, (), {}, session)
+            case Refusal():
+                call = session.enter(
+                    path, None, None, origin=Refused(path), record=False
+                )
+                return self.refused(
+                    call, routed, lambda _: value, None, (), {}, session
+                )
+        return session.tap_here(name, value)
 
-    def listed(self, module, site_method, method, args, kwargs, session, path, why):
-        """Call `method` as the model does, listed as a refused site (see
-        `bridge.adapters.shared.unexpressible`); inside branches and loops of
-        static bounds only (`nnx.cond`, `nnx.switch`, `nnx.fori_loop`, JAX's
-        own), a site of the session's control-flow route instead."""
+    def off_route(
+        self, found, routed, module, site_method, method, args, kwargs, session, path
+    ):
+        """A call the router (`found`, `routed(path)`) sends through branches
+        and loops of static bounds only (`nnx.cond`, `nnx.switch`,
+        `nnx.fori_loop`, JAX's own), the session's control-flow route, or
+        refuses: called as the model calls it and listed (see
+        `bridge.adapters.shared.unexpressible`)."""
         if self.in_a_shape_pass():  # no call of the model's: not a site
             return method(module, *args, **kwargs)
-        flow = unexpressible.control_flow(self.base)
-        if flow is not None:
+        if isinstance(found, ThroughControlFlow):
             return session.call_in_control_flow(
                 path,
                 site_method,
                 module,
                 args,
-                flow,
+                found.flow,
                 lambda: method(module, *args, **kwargs),
                 Refused(path),
             )
         call = session.enter(
             path, site_method, module, args, origin=Refused(path), record=False
         )
-        return self.refused(call, why, method, module, args, kwargs, session)
+        return self.refused(call, routed, method, module, args, kwargs, session)
 
     def in_a_shape_pass(self) -> bool:
         """Whether this runs in a `jax.eval_shape` of the model's own code,
@@ -175,17 +190,26 @@ class Run:
         is no call of the model's, and no site (the loop's own trace of the
         body lists it once); read from the Python call stack
         (`jax_internals.in_a_shape_pass`), where the trace is not the
-        probe's own."""
+        probe's own (JAX traces the pass as a jit, which the router traces
+        through)."""
         return jax_internals.current_trace() is not self.base and (
             jax_internals.in_a_shape_pass(self.stop)
         )
 
-    def refused(self, call, why, method, module, args, kwargs, session):
+    def refused(
+        self,
+        call,
+        routed: Callable[[str], Route],
+        method,
+        module,
+        args,
+        kwargs,
+        session,
+    ):
         """Run the call entered as `call` as the model does, listed as refused
-        for `why`: `(transform, reason, fix)`."""
-        transform, reason, fix = why
-        call.origin = Refused(
-            call.path, blocked=refusal(call.name, transform, reason, fix)
-        )
+        with the sentence of the router's refusal `routed(call.name)`."""
+        found = routed(call.name)
+        assert isinstance(found, Refusal), found
+        call.origin = Refused(call.path, blocked=found.sentence)
         value = method(module, *args, **kwargs)
         return unexpressible.listed(session, call, value, self.base, self.stop)

@@ -9,78 +9,44 @@ trace. So a site there keeps its epsilon and its recording in bridge's own
 the transform carries exactly as it carries the module's parameters: an
 epsilon placed on the copy before the call is sliced per iteration going in,
 and a recording made inside comes out stacked, `(iterations, *value shape)`,
-read back from the copy after the call (`Lifted`). A call inside a transform
-that would not carry them (a module broadcast with `in_axes=None`,
-`graph=False` or `graph_updates=False`, loops and branches) is listed, with
-its whole shape, and refused only where selected or patched, naming the
-innermost such transform (`bridge.adapters.shared.unexpressible`).
+read back from the copy after the call (`Lifted`). Whether a call is
+carried so is the call router's (`bridge.adapter_api.route`), over NNX's
+transforms around it and their rules (`bridge.adapters.nnx.rules`): those
+that would not carry the variables (loops and branches, `nnx.grad`, ...)
+and a module a transform broadcasts (`in_axes=None`) block, and the call is
+listed, with its whole shape, and refused only where selected or patched
+with the router's sentence; inside NNX's branches and loops of static
+bounds alone, where the call runs is read off JAX's traces, as a call
+outside NNX's transforms (`bridge.adapters.nnx.jax_transforms`).
 
-`nnx.jit` is none: while a probe runs the model's own jits run inline, in the
-probe's trace, and a call on the copy `nnx.jit` merged is a call like any
-other. A module that `nnx.scan` carries rather than slices is
+`nnx.jit` is traced through: while a probe runs the model's own jits run
+inline, in the probe's trace, and a call on the copy `nnx.jit` merged is a
+call like any other. A module that `nnx.scan` carries rather than slices is
 `bridge.adapters.nnx.carried`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
-    BRANCH,
-    TRACED_BOUNDS,
-    TRACED_BOUNDS_FIX,
-    UNBOUNDED_LOOP,
     BridgeNotImplementedError,
+    Carried,
+    Route,
+    Rule,
+    ThroughControlFlow,
+    Transform,
     add_epsilon,
     carrier_name,
+    route,
 )
 
-from ..shared import jax_internals
-from . import carried, internals
+from ..shared import jax_internals, unexpressible
+from . import carried, internals, rules
 from .variables import PATH_ATTRIBUTE, Origin, Recording, broadcast_error
-
-#: NNX transforms (their update-context tags) that carry a module's `Param`
-#: variables in and out, mapped or not, so they carry bridge's too.
-_CARRYING = {"scan": "nnx.scan", "vmap": "nnx.vmap", "remat": "nnx.remat"}
-
-#: Why a site inside each NNX transform cannot be expressed, and what to do.
-_REFUSALS = {
-    "nnx.while_loop": (
-        UNBOUNDED_LOOP,
-        "write the loop as an nnx.scan of fixed length",
-    ),
-    # One of static bounds is a site of the control-flow route.
-    "nnx.fori_loop": (TRACED_BOUNDS, TRACED_BOUNDS_FIX),
-    "nnx.cond": (
-        BRANCH,
-        "compute both branches and pick with jnp.where",
-    ),
-    "nnx.switch": (
-        BRANCH,
-        "compute every branch and pick with jnp.where",
-    ),
-}
-
-#: The reason of a call inside an NNX transform in tree mode.
-TREE_MODE = (
-    "an NNX transform with graph=False or graph_updates=False",
-    "it runs the module as a pytree, which carries none of bridge's variables "
-    "on the module",
-    "use the transform in graph mode (the default)",
-)
-
-
-def transform_name(tag: Any) -> str:
-    """An NNX transform's name (`nnx.scan`), from its update-context tag."""
-    if isinstance(tag, str):
-        return f"nnx.{tag.removesuffix('_body')}"
-    name = type(tag).__name__.lower()
-    for transform in ("jit", "shard_map", "pmap", "cond", "switch"):
-        if transform in name:
-            return f"nnx.{transform}"
-    return f"an NNX transform ({type(tag).__name__})"
 
 
 class Lifted:
@@ -115,29 +81,52 @@ class Lifted:
         self.markers = markers
 
     def call(self, module, site_method, method, args, kwargs, session):
-        """A call inside an NNX transform, on the module's copy NNX merged."""
+        """A call inside an NNX transform, on the module's copy NNX merged,
+        as the router takes it through NNX's transforms."""
         path = vars(module).get(PATH_ATTRIBUTE)
-        transforms = self.run.transforms()
-        unsupported = [t for t in transforms if t not in _CARRYING]
+        tags = self.run.transforms()
         if path is None:
             raise BridgeNotImplementedError(
                 f"A {type(module).__name__} submodule that is not one of the "
                 "model's own is called inside "
-                + (", ".join(transform_name(t) for t in transforms) or "a transform")
+                + (", ".join(rules.name(t) for t in tags) or "a transform")
                 + " in the model's own code: bridge cannot tell which site it is. "
                 "Call the model's own submodules there."
             )
-        if not transforms or unsupported:
-            # Listed, and refused where selected or patched.
-            return self._refused(
-                module, site_method, method, args, kwargs, session, path, unsupported
+        enclosing = rules.enclosing(
+            tags, unexpressible.enclosing(self.run.base, rules.RULES)
+        )
+
+        def routed(site: str) -> Route:
+            found = route(site, enclosing)
+            if isinstance(found, ThroughControlFlow):
+                # NNX's branches and loops run in JAX's, which say where.
+                return self.run.route(site)
+            return found
+
+        found = routed(path)
+        if not isinstance(found, Carried):
+            return self.run.off_route(
+                found, routed, module, site_method, method, args, kwargs, session, path
             )
-        names = tuple(_CARRYING[t] for t in transforms)
+        names = tuple(t.name for t in reversed(found.transforms))  # outermost first
         if session.recorder.learns_sites():
-            broadcast = self._broadcast(module, path, names[-1])
+            broadcast = self._broadcast(module, path, enclosing[0])
             if broadcast is not None:
-                return self.run.listed(
-                    module, site_method, method, args, kwargs, session, path, broadcast
+
+                def broadcasting(site: str) -> Route:
+                    return route(site, (broadcast, *enclosing[1:]))
+
+                return self.run.off_route(
+                    broadcasting(path),
+                    broadcasting,
+                    module,
+                    site_method,
+                    method,
+                    args,
+                    kwargs,
+                    session,
+                    path,
                 )
         call = session.enter(
             path, site_method, module, args, origin=Origin(path, names), record=False
@@ -195,56 +184,34 @@ class Lifted:
             session.carrier.defer(call.name, (path, key, names))
         return value
 
-    def _refused(self, module, site_method, method, args, kwargs, session, path, tags):
-        """A call inside NNX transforms that do not carry bridge's variables
-        (`tags`, outermost first; none in tree mode): listed, refused where
-        selected or patched, naming the innermost."""
-        names = [transform_name(t) for t in tags]
-        if names:
-            transform = names[-1]
-            why, fix = _REFUSALS.get(
-                transform,
-                (
-                    "bridge carries its variables through nnx.scan, nnx.vmap and "
-                    "nnx.remat only",
-                    "use one of those transforms",
-                ),
-            )
-        else:
-            transform, why, fix = TREE_MODE
-        why = (transform, why, fix)
-        return self.run.listed(
-            module, site_method, method, args, kwargs, session, path, why
-        )
-
-    def _broadcast(self, module, path: str, innermost: str) -> tuple | None:
-        """The reason of a call whose module the innermost `nnx.vmap` or
-        `nnx.scan` broadcasts (`in_axes=None` for it, or `None` for its
-        parameters in `nnx.StateAxes`): its parameters keep their full shape,
-        which a vmap gives only a broadcast module, and a scan also a carried
-        one (told apart by what the scan broadcasts,
+    def _broadcast(self, module, path: str, innermost: Transform) -> Transform | None:
+        """The innermost `nnx.vmap` or `nnx.scan` where it broadcasts the
+        module (`in_axes=None` for it, or `None` for its parameters in
+        `nnx.StateAxes`), which then blocks: its parameters keep their full
+        shape, which a vmap gives only a broadcast module, and a scan also a
+        carried one (told apart by what the scan broadcasts,
         `carried.broadcast_by_scan`). `None` otherwise, or where it cannot be
         told (a module without parameters: the scan's markers or NNX's own
         error tell, `CopyVariables.hand_over` and `explain`)."""
         outside = self.run.modules[path]
-        if innermost not in ("nnx.vmap", "nnx.scan") or not carried.has_params(module):
+        name = innermost.name
+        if name not in ("nnx.vmap", "nnx.scan") or not carried.has_params(module):
             return None
         if not carried.keeps_shape(module, outside):
             return None
-        if innermost == "nnx.scan" and not carried.broadcast_by_scan(
-            self.run.stop, outside
-        ):
+        if name == "nnx.scan" and not carried.broadcast_by_scan(self.run.stop, outside):
             return None
-        return (
+        return dataclasses.replace(
             innermost,
-            "it broadcasts the module (in_axes=None for it, or None for its "
+            rule=Rule.BLOCKS,
+            why="it broadcasts the module (in_axes=None for it, or None for its "
             "parameters in nnx.StateAxes), so one epsilon would serve every "
-            + ("iteration" if innermost == "nnx.scan" else "mapped example")
+            + ("iteration" if name == "nnx.scan" else "mapped example")
             + " and their gradients would be summed",
-            "map the module over its stacked parameters (in_axes=0)"
+            fix="map the module over its stacked parameters (in_axes=0)"
             + (
                 ", or carry it (nnx.Carry for it in nnx.StateAxes)"
-                if innermost == "nnx.scan"
+                if name == "nnx.scan"
                 else ""
             ),
         )
