@@ -40,6 +40,8 @@ CARRIED_COND = Transform("jax.lax.cond", Rule.FLOWS, BRANCH, "pick", nests=True)
         ((VMAP, VMAP, STACK), Carried((STACK,), 2)),
         ((STACK, STACK), Carried((STACK, STACK), 0)),
         ((CARRIED_COND, SOLE), Carried((SOLE,), 0)),
+        ((STACK, SOLE, STACK), Carried((STACK, SOLE, STACK), 0)),
+        ((VMAP, CARRIED_COND), Carried((CARRIED_COND,), 1)),
     ],
     ids=repr,
 )
@@ -56,7 +58,7 @@ def test_routes(enclosing, expected):
         ((VMAP, FORI), FORI),
         ((COND, STACK), COND),  # a branch the library does not carry
         ((STACK, VMAP), VMAP),  # the model's vmap around a carrier
-        ((SOLE, SOLE), SOLE),  # a carrier that does not nest
+        ((SOLE, STACK, SOLE), SOLE),  # two carriers that do not nest
         ((SCAN,), SCAN),
     ],
     ids=repr,

@@ -47,8 +47,6 @@ SCAN = Transform(
     nests=False,
 )
 CHECKPOINT = Transform("jax.checkpoint", Rule.CARRIES)
-#: The only scan around a call, which a checkpoint inside it does not block.
-_ONE_SCAN = dataclasses.replace(SCAN, nests=True)
 
 #: Where a transform differs from `JAX_RULES`, by JAX's name of its trace.
 RULES: dict[str, Transform] = {
@@ -167,11 +165,6 @@ def enclosing(base: Any, rules: Mapping[str, Transform] = RULES) -> Enclosing:
     transforms = tuple(
         _blocking(name) or t for t, name in zip(found, names, strict=True)
     )
-    if transforms.count(SCAN) == 1:
-        # The router refuses a carrier that does not nest wherever another
-        # carrier stands inside it, a checkpoint on the scan's body too;
-        # Equinox's tree route refuses only a scan inside a scan.
-        transforms = tuple(_ONE_SCAN if t == SCAN else t for t in transforms)
     return Enclosing(base, transforms, names, rules)
 
 

@@ -31,21 +31,6 @@ from bridge.adapter_api import BridgeRuntimeError, is_array
 from . import jax_internals
 
 
-def mapped_depth(base: Any) -> int | None:
-    """How many of the model's own `jax.vmap`s stand between here and `base`
-    (the trace the adapter's call of the model started in), or `None` where
-    another transform stands there too (a scan, a checkpoint, a branch): no
-    value can be handed out of those."""
-    trace = jax_internals.current_trace()
-    depth = 0
-    while trace is not base:
-        if trace is None or not jax_internals.is_vmap(trace):
-            return None
-        trace = jax_internals.parent(trace)
-        depth += 1
-    return depth
-
-
 def lift(tree: Any, depth: int, observe: Callable[[Any], Any]) -> Any:
     """Hand `tree`, seen inside `depth` vmaps, to `observe` at the trace
     `depth` vmaps out. `observe(full)` gets the full value, mapped axes

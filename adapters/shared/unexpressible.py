@@ -1,28 +1,30 @@
-"""Sites bridge cannot express: listed, run as they are, refused only where
-selected or patched.
+"""What encloses a call, read off JAX's trace stack for the core's router;
+and the sites the router refuses: listed, run as they are, refused only
+where selected or patched.
 
-A call inside a transform that gives its epsilon and its value no route (a
-`while_loop`, whose iterations are not known; a branch inside a scanned
-stack; a scan or vmap that broadcasts the parameters, so one epsilon would
-serve every iteration) must not cost the other sites anything.
-Discovery lists it with the shape its value has for the model (the axes of
-the model's own `vmap`s around it in front, a scan's iterations first, as
-the contract lays sites out), with its origin's `blocked` saying why and
-naming the innermost transform that holds it; `at=None` leaves it out
-(`bridge._probe.selection.select`), and selecting or patching it raises that
-reason. A `jax.jit` inside the model is no such transform: it is skipped
-when naming one.
+`enclosing` names the transforms between a call and the probe's call of the
+model, innermost first, each with its rule (the adapter's over JAX's,
+`bridge.adapter_api.JAX_RULES`); `route` asks the router
+(`bridge.adapter_api.route`) and, inside branches and loops of known bounds
+only, reads where the call runs (`control_flow`, a `ControlFlow`), which the
+adapter hands to `Session.call_in_control_flow`.
 
-Branches and loops of static bounds are no such transform: `control_flow`
-reads where a call there runs (a `ControlFlow`), and the adapter hands it to
-`Session.call_in_control_flow`.
+A call the router refuses (a `while_loop`, whose iterations are not known; a
+branch inside a scanned stack; a scan or vmap that broadcasts the
+parameters, so one epsilon would serve every iteration) must not cost the
+other sites anything. Discovery lists it with the shape its value has for
+the model (the axes of the model's own `vmap`s around it in front, a scan's
+iterations first, as the contract lays sites out: `listed`), with its
+origin's `blocked` the router's sentence; `at=None` leaves it out
+(`bridge._probe.selection.select`), and selecting or patching it raises
+that sentence (`refuse_patched`).
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -46,19 +48,6 @@ from bridge.adapter_api import (
 from bridge.adapter_api import route as routing_route
 
 from . import equinox_loops, jax_internals
-
-#: JAX's names (a trace's `traced_for`) of the transforms no site can be
-#: expressed in, as the libraries' own transforms are named after them.
-LOOPS_AND_BRANCHES = {
-    "while_body": "while_loop",
-    "while_cond": "while_loop",
-    "cond": "cond",
-    "switch": "switch",
-}
-
-#: JAX's names of the transforms that hold no site by themselves: a
-#: `jax.jit` inside the model is traced through, never named.
-TRANSPARENT = frozenset({"jit", "pjit"})
 
 #: A scan's name, and the loop JAX makes a `fori_loop` of static bounds.
 SCANS = frozenset({"scan", "fori_loop"})
@@ -93,24 +82,6 @@ def transform_names(base: Any) -> tuple[str, ...] | None:
 
 #: What a refusal names where the trace stack cannot be read (jax < 0.6.2).
 UNKNOWN_TRANSFORM = "a transform whose enclosing trace this jax does not record"
-
-
-def vmaps_or_blocker(base: Any) -> tuple[int, str | None]:
-    """JAX's transforms between here and `base` (the trace of the probe's
-    call of the model): `(depth, None)` where only `depth` `jax.vmap`s stand
-    between (`0`: none), else `(0, name)` of the innermost other one, as a
-    refusal names it."""
-    trace = jax_internals.current_trace()
-    depth = 0
-    while trace is not base:
-        if trace is None:  # jax < 0.6.2: a jaxpr trace records no parent
-            return 0, UNKNOWN_TRANSFORM
-        if not jax_internals.is_vmap(trace):
-            traced = jax_internals.traced_for(trace)
-            return 0, jax_internals.TRANSFORM_NAMES.get(traced, f"jax's {traced}")
-        trace = jax_internals.parent(trace)
-        depth += 1
-    return depth, None
 
 
 def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
@@ -218,23 +189,6 @@ def route(site: str, base: Any, rules: Mapping[str, Transform] = {}) -> Route:
             "move the call out of it, or upgrade jax",
         ),
     )
-
-
-def innermost_loop_or_branch(
-    base: Any, own: Callable[[Any], str | None] = lambda trace: None
-) -> str | None:
-    """The innermost transform between here and `base` that holds no site:
-    what `own(trace)` names (an adapter's broadcasting scan), else a
-    `while_loop`, `cond` or `switch` (JAX's names, `LOOPS_AND_BRANCHES`);
-    `None` where there is none. `jax.jit` is skipped."""
-    for trace in traces(base):
-        named = own(trace)
-        if named is not None:
-            return named
-        traced = name(trace)
-        if traced in LOOPS_AND_BRANCHES:
-            return LOOPS_AND_BRANCHES[traced]
-    return None
 
 
 def mapped_sizes(base: Any) -> tuple[int, ...] | None:

@@ -134,13 +134,16 @@ class Transform:
       rule: how bridge reaches a call inside it.
       why: where it is what blocks the call, why (for `MAPS`: where another
         transform stands between it and the call; for `FLOWS`: where other
-        transforms enclose it too; for `CARRIES`: where it nests in another
-        that carries and `nests` is false).
+        transforms enclose it too; for `CARRIES`: where another that does
+        not nest is among the carriers too).
       fix: the way out, in the library's own terms.
-      nests: for `CARRIES`, whether it carries bridge's state inside another
-        transform that does; for `FLOWS`, whether the library carries a call
-        in it with the transforms that carry (Equinox's tree route carries
-        a branch inside its scan over stacked layers).
+      nests: for `CARRIES`, false where bridge's state rides through it
+        only as the one such carrier around the call (Equinox's scan over
+        stacked layers: one stack at a time), true where any number nest;
+        for `FLOWS`, whether the library carries a call in it as it does in
+        its carriers, where other transforms enclose the call (Equinox's
+        tree route carries a branch, inside a scan over stacked layers or
+        around the model's own vmap).
     """
 
     name: str
@@ -276,21 +279,22 @@ def route(site: str, enclosing: Iterable[Transform]) -> Route:
     if rules == {Rule.FLOWS}:
         return ThroughControlFlow()
     carriers = [t for t in seen if t.rule is Rule.CARRIES]
+    # A branch or a loop among other transforms blocks, unless the library
+    # carries it as it does its carriers.
+    carried_flows = [t for t in seen if t.rule is Rule.FLOWS and t.nests]
     blocker = next((t for t in seen if t.rule is Rule.BLOCKS), None)
-    if blocker is None:  # a branch or a loop among other transforms
-        blocker = next(
-            (t for t in seen if t.rule is Rule.FLOWS and not (carriers and t.nests)),
-            None,
-        )
+    if blocker is None:
+        blocker = next((t for t in seen if t.rule is Rule.FLOWS and not t.nests), None)
     # The model's own vmaps directly around the call are handed out (to the
     # innermost carrier's trace); one further out is not.
     depth = next(i for i, t in enumerate(seen) if t.rule is not Rule.MAPS)
     if blocker is None:
         blocker = next((t for t in seen[depth:] if t.rule is Rule.MAPS), None)
     if blocker is None:
-        blocker = next((t for t in carriers[1:] if not t.nests), None)
+        sole = [t for t in carriers if not t.nests]
+        blocker = sole[1] if len(sole) > 1 else None
     if blocker is None:
-        return Carried(tuple(carriers), depth)
+        return Carried(tuple(carriers or carried_flows), depth)
     why = blocker.why
     if len(seen) > 1:
         why += f" (it runs inside {describe(enclosing)})"
