@@ -221,6 +221,7 @@ from ._probe.front import ProbeFront as ProbeFront
 from ._probe.jax_backend import ProbeBase as ProbeBase
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
+from ._session.backward import BOUNDED_WHILE as BOUNDED_WHILE
 from ._session.backward import BRANCHES as BRANCHES
 from ._session.backward import CHECKPOINTED_WHILE as CHECKPOINTED_WHILE
 from ._session.backward import FORI_LOOP as FORI_LOOP
@@ -277,6 +278,7 @@ from ._session.sites import zeros_like_struct as zeros_like_struct
 from ._versions import unsupported as unsupported
 
 __all__ = [
+    "BOUNDED_WHILE",
     "route",
     "describe_transforms",
     "Transform",

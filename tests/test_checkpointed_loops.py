@@ -254,7 +254,7 @@ def test_a_bounded_loop_inside_a_while_loop_is_refused_naming_the_while_loop(bas
     with pytest.raises(
         bridge.BridgeError,
         match=r"while_loop around site 'cell'.*runs inside "
-        r"equinox\.internal\.while_loop inside jax\.lax\.while_loop",
+        r'equinox\.internal\.while_loop \(kind="bounded"\) inside jax\.lax\.while_loop',
     ):
         bridge.probe(model, vmap=True).value_and_grad(loss_fn, x, at=["cell"])
 
@@ -376,11 +376,11 @@ def test_a_diffrax_solve_with_an_implicit_adjoint_is_refused_naming_it():
         )
 
 
-def test_a_patch_function_in_a_loop_under_vmap_is_refused_before_any_work(relax):
+def test_a_patch_function_in_a_checkpointed_loop_under_vmap_is_refused_first(base):
     """A patch function sees the whole batch, gathered over the probe's
     vmap axis; the checkpointed loop's backward pass traces its body where
     that axis is unbound. A patch value, and `apply`, still work."""
-    model, x = relax
+    model, x = base
     probe = bridge.probe(model, vmap=True)
     with pytest.raises(
         bridge.BridgeNotImplementedError,
@@ -392,3 +392,21 @@ def test_a_patch_function_in_a_loop_under_vmap_is_refused_before_any_work(relax)
     res = probe.value_and_grad(loss_fn, x, at="head", patch={"cell": zeros})
     assert np.isfinite(float(res.loss))
     probe.apply(x, patch={"cell": lambda v: v * 0.5})
+
+
+@pytest.mark.parametrize("loop", ["bounded", "bounded-base-2"])
+def test_a_patch_function_in_a_bounded_loop_under_vmap_applies_at_every_step(loop):
+    """The bounded kind's nest is differentiated by JAX itself, with the
+    probe's vmap axis bound: a patch function there applies at each step
+    that runs, as an offset added by hand at every step does."""
+    model, x = Relax(jax.random.key(0), LOOPS[loop]), inputs()
+    res = bridge.probe(model, vmap=True).value_and_grad(
+        loss_fn, x, at=["cell"], patch={"cell": lambda v: v + 0.1}
+    )
+    offsets = jnp.full((x.shape[0], MAX_STEPS, WIDTH), 0.1)
+    grads, values, ran = reference(model, x, offsets)
+    expected_loss = loss_fn(jax.vmap(model.unrolled)(x, offsets)[0])
+    assert_close(res.loss, expected_loss)
+    assert_close(res.activations["cell"], steps_first(values))
+    assert_close(res.activation_grads["cell"], steps_first(grads))
+    np.testing.assert_array_equal(res.ran["cell"], steps_first(ran))

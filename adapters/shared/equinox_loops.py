@@ -43,6 +43,14 @@ import os
 import sys
 from typing import Any
 
+from bridge.adapter_api import (
+    BOUNDED_WHILE,
+    CHECKPOINTED_WHILE,
+    LOOP_AMONG,
+    Rule,
+    Transform,
+)
+
 from . import jax_internals
 
 _BODY = ("new_body_fun", os.path.join("equinox", "internal", "_loop", "common.py"))
@@ -79,6 +87,25 @@ UNBOUNDED = "equinox.internal.while_loop (checkpointed, no max_steps)"
 #: The bounded kind's nest as a refusal names it (`describe`) where a call
 #: there is refused for what holds the loop: the loop itself is routed.
 BOUNDED = 'equinox.internal.while_loop (kind="bounded")'
+#: The rules of the loops with a bound, as `unexpressible.enclosing` names
+#: them: branches and loops of known bounds alone around a call route it
+#: through the session's control flow; among other transforms they block.
+RULES = {
+    CHECKPOINTED_WHILE: Transform(
+        "equinox.internal.while_loop",
+        Rule.FLOWS,
+        LOOP_AMONG,
+        "move the other transform out of the loop",
+        nests=False,
+    ),
+    BOUNDED_WHILE: Transform(
+        BOUNDED,
+        Rule.FLOWS,
+        LOOP_AMONG,
+        "move the other transform out of the loop",
+        nests=False,
+    ),
+}
 _SOLVE_WHY = (
     "optimistix traces the function it solves once (in "
     "equinox.filter_closure_convert) and its solver's loop runs that trace, "

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.adapter_api import (
+    BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
     FORI_LOOP,
     JAX_RULES,
@@ -87,8 +88,9 @@ UNKNOWN_TRANSFORM = "a transform whose enclosing trace this jax does not record"
 def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     """The transforms between here and `base`, innermost first, as
     `control_flow` and `route` read them: JAX's names, each trace of an
-    Equinox loop (the checkpointed kind's `jit`, the bounded kind's nest of
-    `cond`, `scan` and `checkpoint`) named `CHECKPOINTED_WHILE`; the traces;
+    Equinox loop named as one (the checkpointed kind's `jit`:
+    `CHECKPOINTED_WHILE`; the bounded kind's nest of `cond`, `scan` and
+    `checkpoint`: `BOUNDED_WHILE`); the traces;
     and `{id of a loop's counter's trace: (step, max_steps, runs)}`. `None`
     where the trace stack cannot be read to `base`."""
     transforms = transform_names(base)
@@ -97,7 +99,7 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     stack = list(traces(base))  # as `transforms` names them
     index = {id(trace): i for i, trace in enumerate(stack)}
     loops = {}
-    within = set()  # positions of the loops' traces
+    within = {}  # positions of the loops' traces: the loop's name
     for step, max_steps, runs, depth in equinox_loops.running():
         start = index.get(id(jax_internals.trace_of(step)))
         if start is None or not depth:  # outside `base`, or no trace of its own
@@ -110,10 +112,10 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
         ):
             return None
         loops[id(stack[start])] = (step, max_steps, runs)
-        within.update(nest)
-    transforms = tuple(
-        CHECKPOINTED_WHILE if i in within else name for i, name in enumerate(transforms)
-    )
+        within.update(
+            dict.fromkeys(nest, BOUNDED_WHILE if depth > 1 else CHECKPOINTED_WHILE)
+        )
+    transforms = tuple(within.get(i, name) for i, name in enumerate(transforms))
     return transforms, stack, loops
 
 
@@ -160,7 +162,7 @@ def enclosing(base: Any, rules: Mapping[str, Transform]) -> tuple[Transform, ...
     read = _read(base)
     if read is None:
         return (Transform(UNKNOWN_TRANSFORM, Rule.BLOCKS),)
-    known = {**JAX_RULES, **rules}
+    known = {**JAX_RULES, **equinox_loops.RULES, **rules}
     return tuple(
         known.get(name) or Transform(f"jax's {name}", Rule.BLOCKS) for name in read[0]
     )

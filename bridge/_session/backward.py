@@ -64,12 +64,17 @@ from .sites import (
 #: bounds, and of what is traced through (a `jax.jit` inside the model).
 BRANCHES = frozenset({"cond", "switch"})
 FORI_LOOP = "fori_loop"
-#: The name a `ControlFlow` gives Equinox's checkpointed while loop
-#: (`equinox.internal.while_loop(kind="checkpointed", max_steps=n)`): a loop
-#: of at most `max_steps` steps, which may stop before, so that a call
-#: there, like one in a branch, may not run.
+#: The names a `ControlFlow` gives a while loop with a bound of steps: a loop
+#: of at most `max_steps` steps, which may stop before, so that a call there,
+#: like one in a branch, may not run. The checkpointed kind traces its body
+#: once, and its backward pass traces it again (Equinox's
+#: `while_loop(kind="checkpointed", max_steps=n)`); the bounded kind runs it
+#: in a nest of scans of branches JAX differentiates natively
+#: (`kind="bounded"`).
 CHECKPOINTED_WHILE = "while_loop (checkpointed)"
-LOOPS = frozenset({FORI_LOOP, CHECKPOINTED_WHILE})
+BOUNDED_WHILE = "while_loop (bounded)"
+WHILE_LOOPS = frozenset({CHECKPOINTED_WHILE, BOUNDED_WHILE})
+LOOPS = frozenset({FORI_LOOP, *WHILE_LOOPS})
 _TRACED_THROUGH = frozenset({"jit", "pjit"})
 
 
@@ -422,9 +427,9 @@ def pulled_out(
 
 def in_a_branch(transforms: tuple[str, ...]) -> bool:
     """Whether `transforms` (JAX's names) hold a `cond`, a `switch` or a
-    checkpointed while loop: a call there may not run, and its result says
-    where it ran."""
-    return any(t in BRANCHES or t == CHECKPOINTED_WHILE for t in transforms)
+    while loop with a bound of steps: a call there may not run, and its
+    result says where it ran."""
+    return any(t in BRANCHES or t in WHILE_LOOPS for t in transforms)
 
 
 def reaching(original: Any, patched: Any) -> Any:

@@ -188,13 +188,6 @@ JAX_RULES: Mapping[str, Transform] = {
         "move the other transform out of the loop, or unroll the loop",
         nests=False,
     ),
-    "while_loop (checkpointed)": Transform(
-        "equinox.internal.while_loop",
-        Rule.FLOWS,
-        LOOP_AMONG,
-        "move the other transform out of the loop",
-        nests=False,
-    ),
     "fori_loop (traced bounds)": Transform(
         "jax.lax.fori_loop with traced bounds",
         Rule.BLOCKS,
