@@ -963,7 +963,7 @@ def test_a_guest_inside_the_hosts_lifted_transform_is_refused_where_selected():
     assert result.activation_grads["ScanHaikuScanBody_0"][0].shape == (2, 5, 4)
     with pytest.raises(
         ValueError,
-        match=r"'ScanHaikuScanBody_0/mlp', a Haiku module .* inside nn\.scan in "
+        match=r"'ScanHaikuScanBody_0/mlp': a Haiku module .* inside nn\.scan in "
         r"the Flax Linen model's own code",
     ):
         probe.value_and_grad(loss_fn, X, at="ScanHaikuScanBody_0/mlp")

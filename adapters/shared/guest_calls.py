@@ -16,7 +16,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from bridge.adapter_api import BodyTraces, BridgeValueError, Session
+from bridge.adapter_api import (
+    BodyTraces,
+    BridgeValueError,
+    Rule,
+    Session,
+    Transform,
+    route,
+)
 
 # Telling whether a guest call runs in the host's trace needs JAX's trace
 # stack. Where this JAX lacks it, no guest is installed (`guests.hosting`):
@@ -75,22 +82,26 @@ def observe(
     """Report one guest call to the session: its epsilon is the session's.
 
     A call inside a transform (`blocked` names it) is listed by discovery and
-    otherwise only counted; selecting or patching it raises.
+    otherwise only counted; selecting or patching it raises the router's
+    sentence: the guest library carries none of bridge's state through its
+    host's transforms, so every one of them blocks.
     """
     entered = session.enter(path, method, module, args, record=blocked is None)
     if blocked is not None and (
         entered.name in session.selected or entered.name in session.patches
     ):
-        raise BridgeValueError(
-            f"Site {entered.name!r}, a {title(library)} module called "
-            f"inside another library's model, is inside {blocked}: bridge "
-            "cannot see through it there. Its value there belongs to the "
-            "transform's own trace (one iteration's inside a scan, one "
-            "example's inside a vmap): a recording cannot leave it, and an "
-            "epsilon from outside would serve every iteration and sum their "
-            "gradients. Select sites outside the transform with `at=`, or "
-            f"probe the {title(library)} module on its own."
+        guest = title(library)
+        transform = Transform(
+            blocked,
+            Rule.BLOCKS,
+            f"a {guest} module called inside another library's model, it is "
+            f"inside {blocked}, where its value belongs to the transform's own "
+            "trace (one iteration's inside a scan, one example's inside a "
+            "vmap): a recording cannot leave it, and an epsilon from outside "
+            "would serve every iteration and sum their gradients",
+            f"probe the {guest} module on its own",
         )
+        raise BridgeValueError(route(entered.name, (transform,)).sentence)
     return session.exit(entered, call(), record=blocked is None)
 
 
