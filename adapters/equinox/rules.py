@@ -45,8 +45,9 @@ SCAN = Transform(
     "xs slice them per iteration, not through a scan nested in another",
     "scan over one stack of layers at a time",
     nests=False,
+    takes_mapped=True,
 )
-CHECKPOINT = Transform("jax.checkpoint", Rule.CARRIES)
+CHECKPOINT = Transform("jax.checkpoint", Rule.CARRIES, takes_mapped=True)
 
 #: Where a transform differs from `JAX_RULES`, by JAX's name of its trace.
 RULES: dict[str, Transform] = {
@@ -55,8 +56,8 @@ RULES: dict[str, Transform] = {
     "checkpoint": CHECKPOINT,  # jax < 0.5
     # A branch inside a scan over stacked layers is carried with it, where it
     # ran sliced per iteration (`ProbeResult.ran`).
-    "cond": dataclasses.replace(JAX_RULES["cond"], nests=True),
-    "switch": dataclasses.replace(JAX_RULES["switch"], nests=True),
+    "cond": dataclasses.replace(JAX_RULES["cond"], nests=True, takes_mapped=True),
+    "switch": dataclasses.replace(JAX_RULES["switch"], nests=True, takes_mapped=True),
     "fori_loop": dataclasses.replace(
         JAX_RULES["fori_loop"],
         why=CLOSED_OVER_LOOP,

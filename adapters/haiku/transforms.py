@@ -124,7 +124,24 @@ def route(site: str, where: internals.Enclosing, base: Any) -> Route:
     found = unexpressible.route(site, base, RULES)
     if not where.transforms or isinstance(found, ThroughControlFlow):
         return found
-    return routing_route(site, [RULES[name] for name in where.transforms])
+    haiku = [RULES[name] for name in where.transforms]
+    body = _BODIES.get(where.transforms[0])
+    if body is not None:
+        # JAX's own transforms inside the body of Haiku's innermost (a
+        # `lax.cond` in a layer stack's): the router weighs them too.
+        haiku = [*unexpressible.within(base, RULES, body), *haiku]
+    return routing_route(site, haiku)
+
+
+#: JAX's names of the traces Haiku's carrying transforms run their bodies
+#: in (`unexpressible.within`).
+_BODIES = {
+    internals.LAYER_STACK: frozenset({"scan"}),
+    internals.SCAN: frozenset({"scan"}),
+    internals.THREADS_STATE: frozenset(
+        {"checkpoint / remat", "checkpoint", "jit", "pjit"}
+    ),
+}
 
 
 def scanned(

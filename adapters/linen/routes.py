@@ -163,9 +163,20 @@ class Routes:
             return found
         name = self.lifted.transform
         own = blocking(name) if carries_none else Transform(name, Rule.CARRIES)
+        # Inside the innermost lifted body's trace, JAX's own transforms of
+        # the model's code keep their rules (a `jax.checkpoint` in an
+        # `nn.scan`'s body is no Flax transform).
+        bodies = self.lifted.body_traces
+        inside = 0
+        if len(found) == len(traces):
+            inside = next(
+                (i for i, trace in enumerate(traces) if id(trace) in bodies), 0
+            )
         found = tuple(
-            t if t.rule in (Rule.FLOWS, Rule.THROUGH) or t in _FLAX_BLOCKING else own
-            for t in found
+            t
+            if i < inside or t.rule in (Rule.FLOWS, Rule.THROUGH) or t in _FLAX_BLOCKING
+            else own
+            for i, t in enumerate(found)
         )
         if all(t.rule is Rule.THROUGH for t in found):  # none traced (nn.map_variables)
             found = (*found, own)

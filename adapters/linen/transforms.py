@@ -167,6 +167,10 @@ class LiftedTransforms:
         # traces of their bodies now, by id (the trace kept alive).
         self.broadcasting = broadcasting
         self.broadcast_traces: dict[int, tuple[Any, str]] = {}
+        # The traces the lifted transforms' bodies run in, by id (kept
+        # alive): what runs inside one of them in a trace of its own is
+        # JAX's transform of the model's code, not Flax's.
+        self.body_traces: dict[int, Any] = {}
 
     def entering(self, parent: Any, module: Any, method: str, body: Any) -> None:
         """A call in a new scope root, inside a lifted transform, made from the
@@ -189,9 +193,10 @@ class LiftedTransforms:
                 parent.calls.append(call)
         key = (parent.path, type(module).__qualname__, index)
         parent.entered.append(key)
+        trace = jax_internals.current_trace()
+        self.body_traces[id(trace)] = trace
         broadcast = self.broadcasting.get(key)
         if broadcast is not None:
-            trace = jax_internals.current_trace()
             self.broadcast_traces[id(trace)] = (trace, broadcast)
 
     def uncarried(self, path: tuple[str, ...], tap: str | None) -> None:

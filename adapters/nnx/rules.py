@@ -100,6 +100,14 @@ RULES: dict[str, Transform] = {
     ),
 }
 
+#: JAX's names of the traces NNX's carrying transforms run their bodies in
+#: (`unexpressible.within`).
+BODIES = {
+    "nnx.scan": frozenset({"scan"}),
+    "nnx.vmap": frozenset({"vmap"}),
+    "nnx.remat": frozenset({"checkpoint / remat", "checkpoint"}),
+}
+
 #: The JAX trace a `fori_loop` of traced bounds runs in (`jax_internals`).
 _TRACED_FORI = JAX_RULES["fori_loop (traced bounds)"]
 

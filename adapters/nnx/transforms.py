@@ -96,6 +96,12 @@ class Lifted:
         enclosing = rules.enclosing(
             tags, unexpressible.enclosing(self.run.base, rules.RULES)
         )
+        body = rules.BODIES.get(enclosing[0].name) if enclosing else None
+        if body is not None:
+            # JAX's own transforms inside the NNX transform's body (a
+            # `lax.cond` in an `nnx.scan`'s): the router weighs them too.
+            inside = unexpressible.within(self.run.base, rules.RULES, body)
+            enclosing = (*inside, *enclosing)
 
         def routed(site: str) -> Route:
             found = route(site, enclosing)

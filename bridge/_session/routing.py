@@ -144,6 +144,10 @@ class Transform:
         its carriers, where other transforms enclose the call (Equinox's
         tree route carries a branch, inside a scan over stacked layers or
         around the model's own vmap).
+      takes_mapped: for `CARRIES` (and `FLOWS` where `nests`), whether the
+        library's route through it takes a call inside the model's own vmaps
+        directly around the call (Equinox's tree route hands the value out
+        to the body's trace); where not, the innermost vmap blocks.
     """
 
     name: str
@@ -151,6 +155,7 @@ class Transform:
     why: str = UNCARRIED
     fix: str = "move the call out of it"
     nests: bool = True
+    takes_mapped: bool = False
 
 
 #: JAX's transforms (a trace's name, as `bridge.adapters.shared.routes`
@@ -162,9 +167,10 @@ JAX_RULES: Mapping[str, Transform] = {
     "vmap": Transform(
         "jax.vmap",
         Rule.MAPS,
-        "bridge hands a value out of the model's own jax.vmap only where no "
-        "other transform stands between the vmap and the call",
-        "move the jax.vmap inside the other transform, or probe the unmapped "
+        "bridge hands a value out of the model's own jax.vmap only where "
+        "nothing but vmaps stands between the call and the probe's call of "
+        "the model",
+        "move the jax.vmap out of the other transform, or probe the unmapped "
         "model with bridge.probe(..., vmap=True)",
     ),
     "cond": Transform(
@@ -281,13 +287,19 @@ def route(site: str, enclosing: Iterable[Transform]) -> Route:
     # The model's own vmaps directly around the call are handed out (to the
     # innermost carrier's trace); one further out is not.
     depth = next(i for i, t in enumerate(seen) if t.rule is not Rule.MAPS)
-    if blocker is None:
-        blocker = next((t for t in seen[depth:] if t.rule is Rule.MAPS), None)
+    outer_vmap = next((t for t in seen[depth:] if t.rule is Rule.MAPS), None)
+    if blocker is None and outer_vmap is not None:
+        # Without a carrier, a branch the library would carry among them is
+        # what the vmap around it cannot be seen through.
+        blocker = outer_vmap if carriers else carried_flows[0]
     if blocker is None:
         sole = [t for t in carriers if not t.nests]
         blocker = sole[1] if len(sole) > 1 else None
+    carried = tuple(carriers or carried_flows)
+    if blocker is None and depth and not carried[0].takes_mapped:
+        blocker = seen[0]  # the model's vmap the library's route cannot hand out
     if blocker is None:
-        return Carried(tuple(carriers or carried_flows), depth)
+        return Carried(carried, depth)
     why = blocker.why
     if len(seen) > 1:
         why += f" (it runs inside {describe(enclosing)})"
