@@ -64,13 +64,10 @@ from .sites import (
 #: bounds, and of what is traced through (a `jax.jit` inside the model).
 BRANCHES = frozenset({"cond", "switch"})
 FORI_LOOP = "fori_loop"
-#: The names a `ControlFlow` gives a while loop with a bound of steps: a loop
-#: of at most `max_steps` steps, which may stop before, so that a call there,
-#: like one in a branch, may not run. The checkpointed kind traces its body
-#: once, and its backward pass traces it again (Equinox's
-#: `while_loop(kind="checkpointed", max_steps=n)`); the bounded kind runs it
-#: in a nest of scans of branches JAX differentiates natively
-#: (`kind="bounded"`).
+#: The names a `ControlFlow` gives a while loop of at most `max_steps`
+#: steps, which may stop before (a call there, as in a branch, may not run):
+#: the checkpointed kind, whose backward pass traces its body again, and the
+#: bounded kind, a nest of scans of branches JAX differentiates natively.
 CHECKPOINTED_WHILE = "while_loop (checkpointed)"
 BOUNDED_WHILE = "while_loop (bounded)"
 WHILE_LOOPS = frozenset({CHECKPOINTED_WHILE, BOUNDED_WHILE})
