@@ -270,33 +270,16 @@ def _stacked_model(library, kind):
     return bridge.probe(model, model.init(jax.random.key(0), x)), "blocks/lin#1"
 
 
-#: A `lax.scan` of the model's own inside NNX's or Haiku's scan: bridge reads
-#: the library's body by JAX's name of its trace (`unexpressible.within`),
-#: takes the inner scan for it, and the library fails with its own tracer
-#: error. An open bug, held here so that its fix is seen.
-_OWN_SCAN_IN_A_STACK = pytest.mark.xfail(
-    strict=True, reason="the inner lax.scan is taken for the library's body"
-)
-
-
 @NEEDS_JAXPR_PARENTS
-@pytest.mark.parametrize(
-    "library, kind",
-    [
-        pytest.param(
-            library,
-            kind,
-            marks=_OWN_SCAN_IN_A_STACK if kind == "scan" and library != "linen" else (),
-        )
-        for library in ("linen", "nnx", "haiku")
-        for kind in INSIDE_A_STACK
-    ],
-)
+@pytest.mark.parametrize("library", ["linen", "nnx", "haiku"])
+@pytest.mark.parametrize("kind", INSIDE_A_STACK)
 def test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router(library, kind):
     """The layer's site is listed; selecting it raises the router's sentence
     naming JAX's transform inside the stack's body (a `jax.jit` is traced
     through: probed). The library's carrier alone would have carried it,
-    and Flax or Haiku failed with their own tracer errors."""
+    and Flax or Haiku failed with their own tracer errors; a `lax.scan` of
+    the model's own is told from the library's by the trace the layer's
+    parameters belong to."""
     if library == "nnx" and not nnx_supported():
         pytest.skip("this flax has no NNX bridge probes")
     probe, site = _stacked_model(library, kind)

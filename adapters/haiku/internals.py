@@ -16,7 +16,11 @@ nested functions of `hk.scan` and the other stateful transforms), and
   plain transform as `hk.transform_with_state` when a site's epsilon must
   ride in state through a lifted transform;
 - the class `haiku._src.lift.LiftingModule` (by name; not exported), whose
-  calls return lifted parameters rather than activations.
+  calls return lifted parameters rather than activations;
+- the parameters of the frame running now (`haiku._src.base.current_frame()
+  .params`), by module name: inside a layer stack's or `hk.scan`'s body they
+  are tracers of its trace (`module_params`), without calling a module
+  method the interceptor would see.
 
 No public API gives any of these. At import this module checks that each
 exists and raises an error naming the supported versions where one does not:
@@ -221,6 +225,12 @@ def original_function(apply: Callable) -> Callable | None:
     return original
 
 
+def module_params(module: Any) -> list[Any]:
+    """The values of `module`'s own parameters in the frame running now."""
+    base = sys.modules["haiku._src.base"]
+    return list(base.current_frame().params.get(module.module_name, {}).values())
+
+
 def _missing() -> list[str]:
     missing = []
     try:
@@ -239,6 +249,12 @@ def _missing() -> list[str]:
     lift = importlib.import_module("haiku._src.lift")
     if not inspect.isclass(getattr(lift, "LiftingModule", None)):
         missing.append("haiku._src.lift.LiftingModule")
+    base = importlib.import_module("haiku._src.base")
+    frame = getattr(base, "Frame", None)
+    if not callable(getattr(base, "current_frame", None)) or "params" not in getattr(
+        frame, "_fields", ()
+    ):
+        missing.append("haiku._src.base.current_frame().params")
     if not hasattr(hk.transform(lambda: None).apply, "_original_fn"):
         missing.append("Transformed.apply._original_fn")
     return missing

@@ -124,7 +124,7 @@ class Interceptor:
         session = self.session
         prefix = self.prefixes.get(where.stack_call, "")
         bundle = _joined(prefix, hk.experimental.current_name())
-        route = transforms.route(name, where, self.base)
+        route = transforms.route(name, where, self.base, module)
         method_name = None if method == "__call__" else method
         match route:
             case ThroughControlFlow(flow):
@@ -151,7 +151,7 @@ class Interceptor:
                     name, method_name, module, call_args, origin=origin, record=False
                 )
                 # The sentence names the site as the session named the call.
-                route = transforms.route(call.name, where, self.base)
+                route = transforms.route(call.name, where, self.base, module)
                 call.origin = dataclasses.replace(origin, blocked=route.sentence)
                 return unexpressible.listed(
                     session, call, run(), self.base, self.apply_frame

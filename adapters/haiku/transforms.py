@@ -39,7 +39,7 @@ from bridge.adapter_api import (
 )
 from bridge.adapter_api import route as routing_route
 
-from ..shared import unexpressible
+from ..shared import jax_internals, unexpressible
 from . import internals
 from .variables import Origin, patch_from_state
 
@@ -113,14 +113,18 @@ RULES |= {
 }
 
 
-def route(site: str, where: internals.Enclosing, base: Any) -> Route:
+def route(
+    site: str, where: internals.Enclosing, base: Any, module: Any = None
+) -> Route:
     """The router's route of a call at `site`, from two readings that do not
     merge into one: JAX's transforms between here and `base` (the trace of
     the probe's `apply`), and Haiku's, read off the Python call stack
     (`where`), whose own JAX transforms (a layer stack's scan, `hk.remat`'s
     checkpoint) JAX's reading sees too. JAX's decides where Haiku's are none,
     and where it finds branches and loops of static bounds only (those of
-    `hk.cond`, `hk.switch` and `hk.fori_loop` among them); Haiku's elsewhere."""
+    `hk.cond`, `hk.switch` and `hk.fori_loop` among them); Haiku's elsewhere,
+    with JAX's inside the body of Haiku's innermost, whose trace the
+    `module`'s parameters there belong to."""
     found = unexpressible.route(site, base, RULES)
     if not where.transforms or isinstance(found, ThroughControlFlow):
         return found
@@ -129,8 +133,22 @@ def route(site: str, where: internals.Enclosing, base: Any) -> Route:
     if body is not None:
         # JAX's own transforms inside the body of Haiku's innermost (a
         # `lax.cond` in a layer stack's): the router weighs them too.
-        haiku = [*unexpressible.within(base, RULES, body), *haiku]
+        inside = unexpressible.within(base, RULES, body, _body_trace(module))
+        haiku = [*inside, *haiku]
     return routing_route(site, haiku)
+
+
+def _body_trace(module: Any) -> Any:
+    """The trace the parameters of `module` (a Haiku module, or `None` for a
+    tap) belong to where they are tracers: a layer stack's or `hk.scan`'s
+    body's, which slices them."""
+    if module is None:
+        return None
+    for value in internals.module_params(module):
+        trace = jax_internals.trace_of(value)
+        if trace is not None:
+            return trace
+    return None
 
 
 #: JAX's names of the traces Haiku's carrying transforms run their bodies

@@ -186,6 +186,18 @@ def run_step(module, call, method, args, kwargs, session):
     return value
 
 
+def body_trace(module: nnx.Module) -> Any:
+    """The trace a parameter of the module's copy inside an NNX transform
+    belongs to: the transform's body's, where the transform maps or slices
+    it (`None` where no parameter is a tracer)."""
+    for _, variable in nnx.iter_graph(module):
+        if isinstance(variable, nnx.Param) and not isinstance(variable, BridgeVariable):
+            trace = jax_internals.trace_of(internals.get_value(variable))
+            if trace is not None:
+                return trace
+    return None
+
+
 def _param_shapes(module: nnx.Module) -> dict:
     """The shapes of a module's parameters (its submodules' too), not bridge's."""
     return {

@@ -100,7 +100,9 @@ class Lifted:
         if body is not None:
             # JAX's own transforms inside the NNX transform's body (a
             # `lax.cond` in an `nnx.scan`'s): the router weighs them too.
-            inside = unexpressible.within(self.run.base, rules.RULES, body)
+            inside = unexpressible.within(
+                self.run.base, rules.RULES, body, carried.body_trace(module)
+            )
             enclosing = (*inside, *enclosing)
 
         def routed(site: str) -> Route:
