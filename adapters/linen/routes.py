@@ -7,9 +7,11 @@ JAX's transforms are read off its trace stack
 JAX's (`RULES`: Linen's way out of a transform a value cannot leave). Flax's
 lifted transforms run their bodies in traces of JAX's own transforms, which
 the adapter does not tell from the model's: a lifted scope is what says a
-call is inside one (`run.Interceptor`). There every trace that neither
-branches, loops, broadcasts `params` nor is traced through is taken for the
-lifted transform's own: it carries bridge's collections (`nn.scan` with
+call is inside one (`run.Interceptor`). Inside the trace the innermost
+lifted body runs in (`LiftedTransforms.body_traces`), JAX's transforms are
+the model's own and keep their rules; from that trace out, every trace that
+neither branches, loops, broadcasts `params` nor is traced through is taken
+for the lifted transform's own: it carries bridge's collections (`nn.scan` with
 `params` axes, `nn.vmap`, `nn.remat`, `nn.jit`), or blocks where it carries
 none of them (`blocking`). A trace of a transform known to broadcast
 `params` (`transforms.Broadcasts`) blocks, wherever the call is. Loops and
