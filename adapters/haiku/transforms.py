@@ -133,15 +133,22 @@ def route(
     if body is not None:
         # JAX's own transforms inside the body of Haiku's innermost (a
         # `lax.cond` in a layer stack's): the router weighs them too.
-        inside = unexpressible.within(base, RULES, body, _body_trace(module))
+        # A layer stack slices the module's parameters: they are of its
+        # body's trace (`hk.scan` and `hk.remat` leave them as they are).
+        trace = (
+            _body_trace(module)
+            if where.transforms[0] == internals.LAYER_STACK
+            else None
+        )
+        inside = unexpressible.within(base, RULES, body, trace)
         haiku = [*inside, *haiku]
     return routing_route(site, haiku)
 
 
 def _body_trace(module: Any) -> Any:
     """The trace the parameters of `module` (a Haiku module, or `None` for a
-    tap) belong to where they are tracers: a layer stack's or `hk.scan`'s
-    body's, which slices them."""
+    tap) belong to where they are tracers: a layer stack's body's, which
+    slices them."""
     if module is None:
         return None
     for value in internals.module_params(module):

@@ -100,9 +100,13 @@ class Lifted:
         if body is not None:
             # JAX's own transforms inside the NNX transform's body (a
             # `lax.cond` in an `nnx.scan`'s): the router weighs them too.
-            inside = unexpressible.within(
-                self.run.base, rules.RULES, body, carried.body_trace(module)
-            )
+            # A module the transform slices or maps has parameters of its
+            # body's trace; one it carries or broadcasts, of a trace further
+            # out, which would take the transform's own for the model's.
+            outside = self.run.modules.get(path)
+            sliced = outside is not None and not carried.keeps_shape(module, outside)
+            trace = carried.body_trace(module) if sliced else None
+            inside = unexpressible.within(self.run.base, rules.RULES, body, trace)
             enclosing = (*inside, *enclosing)
 
         def routed(site: str) -> Route:
