@@ -155,9 +155,10 @@ def enclosing(base: Any, rules: Mapping[str, Transform] = RULES) -> Enclosing:
     if not names:
         return Enclosing(base, (), (), rules)
     found = unexpressible.enclosing(base, rules)
-    if len(found) != len(names):  # the shared reader read no stack to `base`
-        # Past a jaxpr trace whose parent is not recorded, what holds the
-        # call is unknown; the Equinox loops and solves before it still block.
+    if len(found) != len(names) or names[-1] == unexpressible.UNKNOWN_TRANSFORM:
+        # The stack is not read to `base`: past a jaxpr trace whose parent is
+        # not recorded, what holds the call is unknown; the Equinox loops and
+        # solves before it still block.
         unread = names[-1] == unexpressible.UNKNOWN_TRANSFORM
         blocking = tuple(filter(None, map(_blocking, names)))
         return Enclosing(

@@ -37,7 +37,6 @@ from bridge.adapter_api import (
     Session,
     ThroughControlFlow,
     current_session,
-    describe_transforms,
     tapping_a_local,
 )
 
@@ -236,7 +235,7 @@ def tap(context: Context, name: str, value: Any) -> Any:
         # A local of the probe's `inside=`: the core lists it and says so.
         raise BridgeValueError(
             f"bridge.tap({name!r}) is inside "
-            f"{describe_transforms(enclosing.transforms)}, where bridge cannot see "
+            f"{jax_transforms.describe(enclosing.names)}, where bridge cannot see "
             "a tap."
         )
     match found:

@@ -157,15 +157,28 @@ def enclosing(base: Any, rules: Mapping[str, Transform]) -> tuple[Transform, ...
     """The transforms between here and `base` (the trace of the adapter's
     call of the model), innermost first, each with its rule: the adapter's
     `rules` over JAX's (`JAX_RULES`), by JAX's name (`_read`). One that
-    neither knows blocks; where the trace stack cannot be read (jax <
-    0.6.2), one transform that blocks stands for them all."""
+    neither knows blocks. Where the trace stack cannot be read to `base`
+    (jax < 0.6.2 records no parent of a jaxpr trace), those it reads, then
+    one that blocks standing for the rest (`UNKNOWN_TRANSFORM`)."""
+    known = {**JAX_RULES, **equinox_loops.RULES, **rules}
+
+    def rule(traced: str) -> Transform:
+        return known.get(traced) or Transform(f"jax's {traced}", Rule.BLOCKS)
+
     read = _read(base)
     if read is None:
-        return (Transform(UNKNOWN_TRANSFORM, Rule.BLOCKS),)
-    known = {**JAX_RULES, **equinox_loops.RULES, **rules}
-    return tuple(
-        known.get(name) or Transform(f"jax's {name}", Rule.BLOCKS) for name in read[0]
-    )
+        return (*(rule(name(trace)) for trace in traces(base)), _UNRECORDED)
+    return tuple(rule(transform) for transform in read[0])
+
+
+#: What stands for the transforms past a trace whose parent this jax does
+#: not record.
+_UNRECORDED = Transform(
+    UNKNOWN_TRANSFORM,
+    Rule.BLOCKS,
+    "bridge cannot tell which transforms hold the call",
+    "upgrade jax: bridge reads the transforms around a call from jax 0.6.2",
+)
 
 
 def within(
