@@ -394,15 +394,21 @@ def test_a_patch_function_in_a_checkpointed_loop_under_vmap_is_refused_first(bas
     probe.apply(x, patch={"cell": lambda v: v * 0.5})
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("loop", ["bounded", "bounded-base-2"])
-def test_a_patch_function_in_a_bounded_loop_under_vmap_applies_at_every_step(loop):
+def test_a_patch_function_in_a_bounded_loop_under_vmap_applies_at_every_step(loop, jit):
     """The bounded kind's nest is differentiated by JAX itself, with the
     probe's vmap axis bound: a patch function there applies at each step
     that runs, as an offset added by hand at every step does."""
     model, x = Relax(jax.random.key(0), LOOPS[loop]), inputs()
-    res = bridge.probe(model, vmap=True).value_and_grad(
-        loss_fn, x, at=["cell"], patch={"cell": lambda v: v + 0.1}
-    )
+    probe = bridge.probe(model, vmap=True)
+
+    def step(probe, x):
+        return probe.value_and_grad(
+            loss_fn, x, at=["cell"], patch={"cell": lambda v: v + 0.1}
+        )
+
+    res = (jax.jit(step) if jit else step)(probe, x)
     offsets = jnp.full((x.shape[0], MAX_STEPS, WIDTH), 0.1)
     grads, values, ran = reference(model, x, offsets)
     expected_loss = loss_fn(jax.vmap(model.unrolled)(x, offsets)[0])
