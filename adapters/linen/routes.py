@@ -154,7 +154,7 @@ class Routes:
         which it does not carry either), or of one in the model's (module
         docstring)."""
         found = unexpressible.enclosing(self.base, self._rules(lifted))
-        if lifted and found[-1].name == unexpressible.UNKNOWN_TRANSFORM:
+        if lifted and found and found[-1].name == unexpressible.UNKNOWN_TRANSFORM:
             # The stack is not read to `base` (jax < 0.6.2): the lifted
             # transform stands for all of it.
             found = found[-1:]
