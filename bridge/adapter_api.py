@@ -224,6 +224,7 @@ from ._probe.result import ProbeResult as ProbeResult
 from ._session.backward import BOUNDED_WHILE as BOUNDED_WHILE
 from ._session.backward import BRANCHES as BRANCHES
 from ._session.backward import CHECKPOINTED_WHILE as CHECKPOINTED_WHILE
+from ._session.backward import COUNTED_SCAN as COUNTED_SCAN
 from ._session.backward import FORI_LOOP as FORI_LOOP
 from ._session.backward import ControlFlow as ControlFlow
 from ._session.backward import InControlFlow as InControlFlow
@@ -257,6 +258,7 @@ from ._session.routing import Transform as Transform
 from ._session.routing import describe as describe_transforms
 from ._session.routing import refusal as refusal
 from ._session.routing import route as route
+from ._session.scan_counters import running as counted_scans
 from ._session.session import Request as Request
 from ._session.session import Session as Session
 from ._session.session import current as current_session
@@ -289,6 +291,7 @@ __all__ = [
     "Mapped",
     "Carried",
     "UNCARRIED",
+    "counted_scans",
     "PLAIN",
     "LOOP_AMONG",
     "JAX_RULES",
@@ -314,6 +317,7 @@ __all__ = [
     "DiscoveryOwner",
     "Encoding",
     "CHECKPOINTED_WHILE",
+    "COUNTED_SCAN",
     "FORI_LOOP",
     "InControlFlow",
     "Layer",

@@ -502,7 +502,7 @@ def offset_row(site: str, step: Any, value: jax.Array) -> jax.Array:
 
 def loop(kind: str, body: Callable, init: jax.Array, own=None) -> jax.Array:
     """`STEPS` iterations of `body(i, h)`: unrolled in Python (the
-    reference), JAX's `fori_loop`, or the library's own."""
+    reference), JAX's `fori_loop` or `scan`, or the library's own."""
     if kind == "unrolled":
         h = init
         for i in range(STEPS):
@@ -510,6 +510,11 @@ def loop(kind: str, body: Callable, init: jax.Array, own=None) -> jax.Array:
         return h
     if kind == "lax":
         return jax.lax.fori_loop(0, STEPS, body, init)
+    if kind == "scan":
+        # A scan whose body closes over the layer (an RNN over its inputs):
+        # its xs here are the iterations' numbers, which the hand offsets
+        # take their rows by; bridge counts the iterations itself.
+        return jax.lax.scan(lambda h, i: (body(i, h), None), init, jnp.arange(STEPS))[0]
     return own(body, init)
 
 
@@ -563,7 +568,7 @@ def _nnx_loop(kind: str) -> Case:
                 )
             )
 
-    models = {k: NnxLoop(k, nnx.Rngs(0)) for k in ("unrolled", "lax", "own")}
+    models = {k: NnxLoop(k, nnx.Rngs(0)) for k in ("unrolled", "lax", "own", "scan")}
     split = {k: nnx.split(m) for k, m in models.items()}
 
     def forward(kind, x, offsets):
@@ -638,11 +643,12 @@ def _haiku_loop(kind: str) -> Case:
 LOOP_BUILDERS = {"linen": _linen_loop, "equinox": _equinox_loop, "haiku": _haiku_loop}
 if nnx_supported():
     LOOP_BUILDERS["nnx"] = _nnx_loop
+#: `scan`: a `lax.scan` closing over the layer (`test_closed_over_scans.py`).
 LOOP_KINDS = {
-    "linen": ("lax",),
-    "nnx": ("lax", "own"),
-    "equinox": ("lax",),
-    "haiku": ("lax", "own"),
+    "linen": ("lax", "scan"),
+    "nnx": ("lax", "own", "scan"),
+    "equinox": ("lax", "scan"),
+    "haiku": ("lax", "own", "scan"),
 }
 LOOP_CASES = [
     pytest.param(library, kind, id=f"{library}-{kind}")

@@ -25,6 +25,7 @@ from typing import Any
 
 from bridge.adapter_api import (
     CLOSED_OVER_LOOP,
+    COUNTED_SCAN,
     JAX_RULES,
     Carried,
     Refused,
@@ -52,6 +53,10 @@ CHECKPOINT = Transform("jax.checkpoint", Rule.CARRIES, takes_mapped=True)
 #: Where a transform differs from `JAX_RULES`, by JAX's name of its trace.
 RULES: dict[str, Transform] = {
     "scan": SCAN,
+    # A scan of the model's code counts its iterations while a probe runs:
+    # the tree route still carries a call whose parameters it slices; one it
+    # closes over is a call in a loop of known bounds (`Enclosing.counted`).
+    COUNTED_SCAN: SCAN,
     "checkpoint / remat": CHECKPOINT,
     "checkpoint": CHECKPOINT,  # jax < 0.5
     # A branch inside a scan over stacked layers is carried with it, where it
@@ -101,6 +106,9 @@ def for_a_tap(rules: Mapping[str, Transform]) -> dict[str, Transform]:
             for name, transform in rules.items()
             if transform.rule is Rule.CARRIES
         },
+        # A scan that counts its iterations closes over a tap's epsilon and
+        # recorders, as a loop of known bounds does.
+        COUNTED_SCAN: JAX_RULES[COUNTED_SCAN],
     }
 
 
@@ -130,6 +138,15 @@ class Enclosing:
         found = self.route(site)
         assert isinstance(found, Refused), found
         return found.sentence
+
+    def counted(self) -> Enclosing:
+        """These transforms, a scan of the model's code that counts its
+        iterations (`COUNTED_SCAN`) a loop of known bounds: for a call the
+        scan closes over rather than slices, which takes its iteration's
+        epsilon by the counter."""
+        return enclosing(
+            self.base, {**self.rules, COUNTED_SCAN: JAX_RULES[COUNTED_SCAN]}
+        )
 
     def replaced(self, instead: Transform) -> Enclosing:
         """These transforms, `instead` of the ones of its name: a refusal the

@@ -42,8 +42,10 @@ from bridge.adapter_api import (
     BridgeRuntimeError,
     BridgeValueError,
     Carried,
+    Refused,
     Rule,
     Session,
+    ThroughControlFlow,
     Transform,
     positional_arrays,
 )
@@ -105,7 +107,7 @@ def call_in_transform(
     """A call the router carries through `lax.scan` or `jax.checkpoint`
     (`carried`), perhaps inside the model's own `jax.vmap`s there: see the
     module docstring. A layer the scan closes over rather than slices is
-    refused here."""
+    `_closed_over`."""
     session = context.session
     depth = carried.depth
     names = enclosing.names
@@ -113,17 +115,8 @@ def call_in_transform(
     if scanned(carried):
         count = _count(site, depth)
         if not count:
-            return unreachable(
-                session,
-                site,
-                method,
-                module,
-                function,
-                args,
-                kwargs,
-                InTransform(None, names),
-                enclosing.replaced(_not_sliced(site)).refusal,
-                whole_axes(names, None),
+            return _closed_over(
+                context, site, method, module, function, args, kwargs, enclosing
             )
     if depth:
         return _call_mapped(
@@ -147,6 +140,52 @@ def call_in_transform(
     if leaves.inputs is not None:
         inputs = jax.tree.map(as_floats, positional_arrays(args))
     return through_tree(value, inputs, leaves)
+
+
+def _closed_over(
+    context: Any,
+    site: Any,
+    method: str | None,
+    module: Any,
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    enclosing: Enclosing,
+) -> Any:
+    """A call a scan closes over rather than slices: the model's own scan
+    counts its iterations (`COUNTED_SCAN`), so the call is one in a loop of
+    known bounds, each iteration's epsilon taken by the counter; otherwise
+    (a scan called by a name bound before the probe ran) refused, as one
+    epsilon would serve every iteration."""
+    session = context.session
+    refusal = enclosing.replaced(_not_sliced(site)).refusal
+    counted = enclosing.counted()
+    if counted.transforms != enclosing.transforms:
+        site_path = site.path if method is None else f"{site.path}.{method}"
+        match counted.route(site_path):
+            case ThroughControlFlow(flow):
+                return session.call_in_control_flow(
+                    site.path,
+                    method,
+                    module,
+                    args,
+                    flow,
+                    lambda: function(*args, **kwargs),
+                )
+            case Refused():
+                refusal = counted.refusal
+    return unreachable(
+        session,
+        site,
+        method,
+        module,
+        function,
+        args,
+        kwargs,
+        InTransform(None, enclosing.names),
+        refusal,
+        whole_axes(enclosing.names, None),
+    )
 
 
 def refused(

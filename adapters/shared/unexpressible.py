@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
+    COUNTED_SCAN,
     FORI_LOOP,
     JAX_RULES,
     BridgeValueError,
@@ -43,6 +44,7 @@ from bridge.adapter_api import (
     Session,
     ThroughControlFlow,
     Transform,
+    counted_scans,
     is_array,
     refusal,
 )
@@ -90,7 +92,8 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     `control_flow` and `route` read them: JAX's names, each trace of an
     Equinox loop named as one (the checkpointed kind's `jit`:
     `CHECKPOINTED_WHILE`; the bounded kind's nest of `cond`, `scan` and
-    `checkpoint`: `BOUNDED_WHILE`); the traces;
+    `checkpoint`: `BOUNDED_WHILE`; a scan of the model's code that counts
+    its iterations, `COUNTED_SCAN`); the traces;
     and `{id of a loop's counter's trace: (step, max_steps, runs)}`. `None`
     where the trace stack cannot be read to `base`."""
     transforms = transform_names(base)
@@ -115,17 +118,22 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
         within.update(
             dict.fromkeys(nest, BOUNDED_WHILE if depth > 1 else CHECKPOINTED_WHILE)
         )
+    for counter, length in counted_scans():
+        position = index.get(id(jax_internals.trace_of(counter)))
+        if position is not None and transforms[position] == "scan":
+            loops[id(stack[position])] = (counter, length, None)
+            within[position] = COUNTED_SCAN
     transforms = tuple(within.get(i, name) for i, name in enumerate(transforms))
     return transforms, stack, loops
 
 
 def control_flow(base: Any) -> ControlFlow | None:
     """Where a call runs, where that is inside branches (`cond`, `switch`)
-    and loops of known bounds (a `fori_loop` of static bounds, Equinox's
-    checkpointed while loop with `max_steps`) only, between here and `base`
-    (a `jax.jit` is traced through): a call there is a site of
-    `Session.call_in_control_flow`. `None` elsewhere, and where the trace
-    stack or a loop's counter cannot be read."""
+    and loops of known bounds (a `fori_loop` of static bounds, a `lax.scan`
+    of the model's code, Equinox's while loops with `max_steps`) only,
+    between here and `base` (a `jax.jit` is traced through): a call there
+    is a site of `Session.call_in_control_flow`. `None` elsewhere, and
+    where the trace stack or a loop's counter cannot be read."""
     read = _read(base)
     if read is None:
         return None
@@ -144,7 +152,8 @@ def control_flow(base: Any) -> ControlFlow | None:
         elif id(trace) in loops:
             step, max_steps, step_runs = loops[id(trace)]
             found.append((step, max_steps))
-            runs = step_runs if runs is None else runs & step_runs
+            if step_runs is not None:
+                runs = step_runs if runs is None else runs & step_runs
     if not found:
         return ControlFlow(transforms)
     if any(length is None for _, length in found):

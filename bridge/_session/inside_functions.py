@@ -40,6 +40,13 @@ def add_library_package(package: str) -> None:
     _LIBRARY_PACKAGES.add(package)
 
 
+def is_library_module(module: str) -> bool:
+    """Whether the module named `module` is a library's (a registered
+    adapter's, JAX's) or bridge's own, not the model's code."""
+    package = module.partition(".")[0]
+    return package in _LIBRARY_PACKAGES or package == "bridge"
+
+
 _lock = threading.Lock()
 _keys = itertools.count(1)
 #: function -> its Rewrite (compiled once), while the function lives.

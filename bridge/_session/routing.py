@@ -42,6 +42,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .backward import COUNTED_SCAN
+
 __all__ = [
     "BRANCH",
     "CLOSED_OVER_LOOP",
@@ -207,6 +209,15 @@ JAX_RULES: Mapping[str, Transform] = {
         "write the loop as a jax.lax.scan of fixed length",
     ),
     "scan": Transform("jax.lax.scan", Rule.BLOCKS),
+    # The model's own scan, counting its iterations while a probe runs
+    # (`bridge._session.scan_counters`): a loop of known bounds.
+    COUNTED_SCAN: Transform(
+        "jax.lax.scan",
+        Rule.FLOWS,
+        LOOP_AMONG,
+        "move the other transform out of the scan, or unroll the loop",
+        nests=False,
+    ),
     "checkpoint / remat": Transform("jax.checkpoint", Rule.BLOCKS),
     "checkpoint": Transform("jax.checkpoint", Rule.BLOCKS),  # jax < 0.5
 }

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BridgeTypeError
-from . import backward, context
+from . import backward, context, scan_counters
 from .carrier import Carrier
 from .jit import traced_through
 from .naming import BodyTraces as BodyTraces
@@ -192,10 +192,11 @@ class Session:
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
         """The session of the model's calls while it runs: the model's own
-        `jax.jit`s run inline (`bridge._session.jit`), and the probe's
-        `inside` rewrites are in place (`bridge._session.inside`), both
-        undone on leaving."""
-        with context.active(self), traced_through():
+        `jax.jit`s run inline (`bridge._session.jit`), its `jax.lax.scan`s
+        count their iterations (`bridge._session.scan_counters`), and the
+        probe's `inside` rewrites are in place (`bridge._session.inside`),
+        all undone on leaving."""
+        with context.active(self), traced_through(), scan_counters.counting():
             if self.inside is None:
                 yield self
             else:
