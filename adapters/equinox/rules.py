@@ -131,6 +131,15 @@ class Enclosing:
         found = route(site, self.transforms)
         if isinstance(found, ThroughControlFlow):
             return unexpressible.route(site, self.base, self.rules)
+        if isinstance(found, Refused):
+            # Where the tree route cannot carry the call (a scan nested in
+            # another), the model's own scans, counting their iterations,
+            # may still be loops of known bounds around it.
+            counted = self.counted()
+            if counted.transforms != self.transforms:
+                again = counted.route(site)
+                if isinstance(again, ThroughControlFlow):
+                    return again
         return found
 
     def refusal(self, site: str) -> str:

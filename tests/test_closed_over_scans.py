@@ -1,0 +1,354 @@
+"""A `jax.lax.scan` whose body closes over a layer (an RNN cell applied at
+every time step), in every library: one entry per iteration, stacked on a
+leading axis in the order of the scan's `xs` (DESIGN.md, "Sites inside
+control flow").
+
+Each model runs a real recurrent cell of its library (`eqx.nn.GRUCell`,
+`nn.GRUCell`, `nnx.GRUCell`, `hk.GRU`) over a sequence with the model's own
+`jax.lax.scan`. The references never use bridge: the same model with an
+offset added by hand to the cell's output at each step (`hand`), a step's
+row taken by the step's index, which the model scans beside its inputs;
+differentiated or pushed forward by plain JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
+from jax.lax import scan as scan_bound_at_import
+
+import bridge
+
+pytestmark = NEEDS_JAXPR_PARENTS
+
+STEPS, IN, HIDDEN, BATCH = 4, 3, 5, 3
+
+_OFFSETS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "closed_over_offsets", default=None
+)
+
+
+@contextlib.contextmanager
+def offsets_added(offsets: Any):
+    token = _OFFSETS.set(offsets)
+    try:
+        yield
+    finally:
+        _OFFSETS.reset(token)
+
+
+def hand(step: Any, out: Any) -> Any:
+    """`out` plus row `step` of the offsets set by `offsets_added`."""
+    offsets = _OFFSETS.get()
+    if offsets is None:
+        return out
+    return jax.tree.map(lambda o, d: o + d[step], out, offsets)
+
+
+def scan(kind: str, body: Callable, init: Any, xs: jax.Array) -> Any:
+    """`body(h, (step, x))` over `xs` with the model's own `jax.lax.scan`:
+    forwards, in reverse (`reverse`), or nested (`nested`: an outer scan of
+    two halves, each an inner scan over its steps)."""
+    steps = jnp.arange(len(xs))
+    if kind == "nested":
+        pairs = (steps.reshape(2, -1), xs.reshape(2, -1, *xs.shape[1:]))
+        return jax.lax.scan(lambda h, half: jax.lax.scan(body, h, half), init, pairs)[1]
+    return jax.lax.scan(body, init, (steps, xs), reverse=kind == "reverse")[1]
+
+
+# -- the four libraries -----------------------------------------------------------
+
+
+class EqxRNN(eqx.Module):
+    kind: str = eqx.field(static=True)
+    cell: eqx.nn.GRUCell
+
+    def __call__(self, xs):
+        def body(h, step_x):
+            step, x = step_x
+            h = hand(step, self.cell(x, h))
+            return h, h
+
+        return scan(self.kind, body, jnp.zeros(HIDDEN), xs)
+
+
+class LinenRNN(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, xs):
+        cell = nn.GRUCell(HIDDEN, name="cell")
+        h = jnp.zeros(HIDDEN)
+        if self.is_initializing():
+            cell(h, xs[0])
+
+        def body(h, step_x):
+            step, x = step_x
+            h, y = hand(step, cell(h, x))
+            return h, y
+
+        return scan(self.kind, body, h, xs)
+
+
+def _haiku_rnn(kind: str) -> Callable:
+    def function(xs):
+        cell = hk.GRU(HIDDEN, name="cell")
+        h = jnp.zeros(HIDDEN)
+        if hk.running_init():
+            cell(xs[0], h)
+
+        def body(h, step_x):
+            step, x = step_x
+            y, h = hand(step, cell(x, h))
+            return h, y
+
+        return scan(kind, body, h, xs)
+
+    return function
+
+
+def build(library: str, kind: str) -> tuple[Any, Callable[[jax.Array], Any]]:
+    """A probe of the model written with `kind` of scan (`vmap=True`), and
+    `forward(xs)`: one sequence through the same model, outside bridge."""
+    example = jnp.ones((STEPS, IN))
+    if library == "equinox":
+        model = EqxRNN(kind, eqx.nn.GRUCell(IN, HIDDEN, key=jax.random.key(0)))
+        return bridge.probe(model, vmap=True), model
+    if library == "linen":
+        variables = LinenRNN(kind).init(jax.random.key(0), example)
+        return (
+            bridge.probe(LinenRNN(kind), variables, vmap=True),
+            lambda xs: LinenRNN(kind).apply(variables, xs),
+        )
+    if library == "haiku":
+        transformed = hk.without_apply_rng(hk.transform(_haiku_rnn(kind)))
+        params = transformed.init(jax.random.key(0), example)
+        return (
+            bridge.probe(transformed, params, vmap=True),
+            lambda xs: transformed.apply(params, xs),
+        )
+    from flax import nnx
+
+    class NnxRNN(nnx.Module):
+        def __init__(self, rngs):
+            self.cell = nnx.GRUCell(IN, HIDDEN, rngs=rngs)
+
+        def __call__(self, xs):
+            def body(h, step_x):
+                step, x = step_x
+                h, y = hand(step, self.cell(h, x))
+                return h, y
+
+            return scan(kind, body, jnp.zeros(HIDDEN), xs)
+
+    model = NnxRNN(nnx.Rngs(0))
+    graph, state = nnx.split(model)
+    return bridge.probe(model, vmap=True), lambda xs: nnx.merge(graph, state)(xs)
+
+
+LIBRARIES = ["equinox", "linen", "haiku"] + (["nnx"] if nnx_supported() else [])
+
+
+def loss_fn(outputs):
+    return jnp.sum(jnp.sin(outputs) ** 2)
+
+
+def sequences() -> jax.Array:
+    return jax.random.normal(jax.random.key(1), (BATCH, STEPS, IN))
+
+
+def cell_output_struct(probe, xs, kind: str) -> Any:
+    """One step's cell output per example: the site's value less its steps'
+    and the batch's axes."""
+    leading = 3 if kind == "nested" else 2
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape[leading:], s.dtype),
+        probe.sites(xs)["cell"],
+    )
+
+
+def hand_loss(forward, xs, offsets) -> jax.Array:
+    """The loss with `offsets` (per example, per step) added by hand."""
+
+    def one(xs, offsets):
+        with offsets_added(offsets):
+            return forward(xs)
+
+    return loss_fn(jax.vmap(one)(xs, offsets))
+
+
+def zero_offsets(struct) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros((BATCH, STEPS, *s.shape)), struct)
+
+
+def as_steps_first(tree: Any, kind: str) -> Any:
+    """Offsets `(batch, steps, ...)` laid out as the site: `(steps, batch,
+    ...)`, a nested scan's steps as `(outer, inner)`."""
+
+    def layout(leaf):
+        leaf = jnp.moveaxis(leaf, 1, 0)
+        if kind == "nested":
+            leaf = leaf.reshape(2, -1, *leaf.shape[1:])
+        return leaf
+
+    return jax.tree.map(layout, tree)
+
+
+def assert_close(actual, expected, rtol=2e-5):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        scale = float(jnp.max(jnp.abs(e))) or 1.0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=rtol * scale)
+
+
+KINDS = ["forward", "reverse", "nested"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_cell_a_scan_closes_over_is_a_site_per_step(library, kind):
+    """The site holds every step, in the order of the scan's `xs`: each
+    step's gradient is the hand offset's at that step, eager and jitted;
+    summed over the steps, the gradient of one offset shared by all."""
+    probe, forward = build(library, kind)
+    xs = sequences()
+    struct = cell_output_struct(probe, xs, kind)
+    steps = (2, STEPS // 2) if kind == "nested" else (STEPS,)
+    for leaf in jax.tree.leaves(probe.sites(xs)["cell"]):
+        assert leaf.shape == (*steps, BATCH, HIDDEN)
+    loss, offset_grads = jax.value_and_grad(lambda o: hand_loss(forward, xs, o))(
+        zero_offsets(struct)
+    )
+    shared = jax.grad(
+        lambda s: hand_loss(
+            forward,
+            xs,
+            jax.tree.map(
+                lambda leaf: jnp.broadcast_to(leaf[:, None], (BATCH, STEPS, HIDDEN)), s
+            ),
+        )
+    )(jax.tree.map(lambda s: jnp.zeros((BATCH, *s.shape)), struct))
+    for run in (probe.value_and_grad, jax.jit(probe.value_and_grad, static_argnums=0)):
+        res = run(loss_fn, xs)
+        assert res.ran == {}
+        assert_close(res.loss, loss)
+        grads = res.activation_grads["cell"]
+        assert_close(grads, as_steps_first(offset_grads, kind))
+        summed = jax.tree.map(lambda g: g.reshape(STEPS, BATCH, HIDDEN).sum(0), grads)
+        assert_close(summed, shared)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_jvp_along_every_step_of_a_scanned_cell(library):
+    probe, forward = build(library, "reverse")
+    xs = sequences()
+    struct = cell_output_struct(probe, xs, "reverse")
+    keys = iter(jax.random.split(jax.random.key(2), 8))
+    direction = jax.tree.map(
+        lambda s: jax.random.normal(next(keys), (BATCH, STEPS, *s.shape)), struct
+    )
+    _, tangent = jax.jvp(
+        lambda o: hand_loss(forward, xs, o), (zero_offsets(struct),), (direction,)
+    )
+    res = probe.value_and_grad(loss_fn, xs, at="cell")
+    contracted = sum(
+        jnp.vdot(g, d)
+        for g, d in zip(
+            jax.tree.leaves(res.activation_grads["cell"]),
+            jax.tree.leaves(as_steps_first(direction, "reverse")),
+            strict=True,
+        )
+    )
+    assert_close(contracted, tangent, rtol=1e-4)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_each_step_records_its_own_value(library):
+    """A step's value is the cell's output at that step: the model's own
+    outputs are the cells' (`y`, or `h` for Equinox), step by step."""
+    probe, forward = build(library, "reverse")
+    xs = sequences()
+    res = probe.apply(xs, at="cell")
+    outputs = jax.vmap(forward)(xs)  # (batch, steps, hidden)
+    value = res.activations["cell"]
+    recorded = value if library == "equinox" else value[1 if library != "haiku" else 0]
+    assert_close(recorded, jnp.moveaxis(outputs, 1, 0))
+    assert_close(res.outputs, outputs)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_patch_per_step_replaces_that_step(library):
+    """Patched at every step with the values of a run whose inputs differ,
+    the outputs are that run's (each step's cell output is what the next
+    step reads, so this is the whole sequence replaced)."""
+    probe, _ = build(library, "forward")
+    xs, others = sequences(), sequences() * 2.0
+    theirs = probe.apply(others, at="cell")
+    patched = probe.apply(xs, at="cell", patch={"cell": theirs.activations["cell"]})
+    assert_close(patched.outputs, theirs.outputs)
+    assert_close(patched.activations["cell"], theirs.activations["cell"])
+
+
+class _BoundAtImport(eqx.Module):
+    cell: eqx.nn.GRUCell
+
+    def __call__(self, xs):
+        def body(h, x):
+            h = self.cell(x, h)
+            return h, h
+
+        return scan_bound_at_import(body, jnp.zeros(HIDDEN), xs)[1]
+
+
+def test_a_scan_bound_before_the_probe_ran_is_refused_naming_it():
+    """`from jax.lax import scan` at import binds JAX's own scan, which counts
+    no iterations: a cell there is listed, and refused naming the scan where
+    selected; never one epsilon summed over the steps."""
+    probe = bridge.probe(
+        _BoundAtImport(eqx.nn.GRUCell(IN, HIDDEN, key=jax.random.key(0))), vmap=True
+    )
+    xs = sequences()
+    assert probe.sites(xs)["cell"].shape == (STEPS, BATCH, HIDDEN)
+    with pytest.raises(
+        bridge.BridgeValueError,
+        match=r"jax\.lax\.scan around site 'cell'.*does not slice",
+    ):
+        probe.value_and_grad(loss_fn, xs, at="cell")
+
+
+class _Watching(EqxRNN):
+    def __call__(self, xs):
+        _SEEN.append(jax.lax.scan)
+        return super().__call__(xs)
+
+
+_SEEN: list = []
+
+
+def test_jax_lax_scan_is_jax_s_own_outside_a_probe():
+    """The counting scan stands in for `jax.lax.scan` only while a probe
+    runs the model: before and after, and in the loss, `jax.lax.scan` is
+    JAX's function."""
+    original = jax.lax.scan
+    model = _Watching("forward", eqx.nn.GRUCell(IN, HIDDEN, key=jax.random.key(0)))
+    in_loss = []
+
+    def loss(outputs):
+        in_loss.append(jax.lax.scan)
+        return loss_fn(outputs)
+
+    _SEEN.clear()
+    bridge.probe(model, vmap=True).value_and_grad(loss, sequences())
+    assert jax.lax.scan is original
+    assert in_loss and all(scan is original for scan in in_loss)
+    assert _SEEN and all(scan is not original for scan in _SEEN)
