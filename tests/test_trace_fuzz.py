@@ -68,6 +68,7 @@ from fuzz_models import (
     patch_key,
     ran_key,
     site_names,
+    uses_jax,
     wraps_of,
 )
 from helpers import assert_tree_allclose, tree_vdot
@@ -196,14 +197,15 @@ def reference(built, patch_values, deltas):
 
 
 #: The transforms inside which bridge may refuse a site, with a `BridgeError`
-#: that names the site and the transform (one of these words): a scan (where
-#: the site's epsilon has no route: a tap, parameters every step shares), a
-#: checkpoint, and a library's own vmap that broadcasts the parameters
-#: (`nn.vmap`, `nnx.vmap`, `hk.vmap`). Never a `jax.jit` (the contract:
-#: traced through), never a `jax.vmap` (the contract: the site holds the
-#: mapped value), never a `cond`, a `switch` or a `fori_loop` of static
-#: bounds (the contract: every branch's sites are sites, a loop's hold every
-#: iteration), never a site outside any transform.
+#: that names the site and the transform (one of these words): a library's
+#: own scan (where the site's epsilon has no route: a tap, parameters every
+#: step shares), a checkpoint, and a library's own vmap that broadcasts the
+#: parameters (`nn.vmap`, `nnx.vmap`, `hk.vmap`). Never a `jax.jit` (the
+#: contract: traced through), never a `jax.vmap` (the contract: the site
+#: holds the mapped value), never a `cond`, a `switch`, a `fori_loop` of
+#: static bounds or the model's own `lax.scan` (the contract: every branch's
+#: sites are sites, a loop's hold every iteration; the model's scan counts
+#: its iterations while a probe runs), never a site outside any transform.
 REFUSABLE = {
     "scan": ("scan",),
     "checkpoint": ("checkpoint", "remat"),
@@ -213,6 +215,8 @@ REFUSABLE = {
 
 def may_refuse(library, layer):
     if layer is None or layer.wrap not in REFUSABLE:
+        return False
+    if layer.wrap == "scan" and uses_jax(library, layer):
         return False
     return layer.wrap != "vmap" or (layer.native and library != "equinox")
 
