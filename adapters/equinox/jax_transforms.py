@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BridgeRuntimeError,
     BridgeValueError,
+    Refused,
     Session,
     SiteOrigin,
 )
@@ -202,15 +203,15 @@ def unreachable(
     args: tuple,
     kwargs: dict,
     origin: SiteOrigin,
-    blocked: Callable[[str], str],
+    refused: Refused,
     whole: Whole,
 ) -> Any:
     """Call `function` as the model does, listed as a site (its `origin`)
-    that raises `blocked(its name)`, the router's sentence, where it is
-    selected or patched. `whole`: the axes its value has for the model
+    that raises the router's sentence of its refusal (`refused`) for its
+    name, where it is selected or patched. `whole`: the axes its value has for the model
     around the one seen here (`whole_axes`)."""
     call = session.enter(site.path, method, module, args, origin=origin, record=False)
-    call.origin = dataclasses.replace(origin, blocked=blocked(call.name))
+    call.origin = dataclasses.replace(origin, blocked=refused.at(call.name))
     if call.name in session.selected or call.name in session.patches:
         raise BridgeValueError(call.origin.blocked)
     value = function(*args, **kwargs)

@@ -142,12 +142,6 @@ class Enclosing:
                     return again
         return found
 
-    def refusal(self, site: str) -> str:
-        """The router's sentence for a refused call at `site`."""
-        found = self.route(site)
-        assert isinstance(found, Refused), found
-        return found.sentence
-
     def counted(self) -> Enclosing:
         """These transforms, a scan of the model's code that counts its
         iterations (`COUNTED_SCAN`) a loop of known bounds: for a call the

@@ -103,9 +103,17 @@ def observed_call(
             return transforms.call_in_transform(
                 context, site, method, module, function, args, kwargs, enclosing, found
             )
-        case Refused():
+        case Refused() as refused:
             return transforms.refused(
-                context, site, method, module, function, args, kwargs, enclosing
+                context,
+                site,
+                method,
+                module,
+                function,
+                args,
+                kwargs,
+                enclosing,
+                refused,
             )
         case Mapped(depth):
             return _call_mapped(
@@ -243,7 +251,7 @@ def tap(context: Context, name: str, value: Any) -> Any:
             return session.call_in_control_flow(
                 path, None, None, (), flow, lambda: value
             )
-        case Refused():
+        case Refused() as refused:
             return jax_transforms.unreachable(
                 session,
                 _TapSite(path),
@@ -253,7 +261,7 @@ def tap(context: Context, name: str, value: Any) -> Any:
                 (),
                 {},
                 variables.InTransform(None, enclosing.names),
-                enclosing.refusal,
+                refused,
                 jax_transforms.whole_axes(enclosing.names, None),
             )
         case Mapped(depth):

@@ -158,10 +158,10 @@ def _closed_over(
     (a scan called by a name bound before the probe ran) refused, as one
     epsilon would serve every iteration."""
     session = context.session
-    refusal = enclosing.replaced(_not_sliced(site)).refusal
+    site_path = site.path if method is None else f"{site.path}.{method}"
+    refused = enclosing.replaced(_not_sliced(site)).route(site_path)
     counted = enclosing.counted()
     if counted.transforms != enclosing.transforms:
-        site_path = site.path if method is None else f"{site.path}.{method}"
         match counted.route(site_path):
             case ThroughControlFlow(flow):
                 return session.call_in_control_flow(
@@ -172,8 +172,8 @@ def _closed_over(
                     flow,
                     lambda: function(*args, **kwargs),
                 )
-            case Refused():
-                refusal = counted.refusal
+            case Refused() as again:
+                refused = again
     return unreachable(
         session,
         site,
@@ -183,7 +183,7 @@ def _closed_over(
         args,
         kwargs,
         InTransform(None, enclosing.names),
-        refusal,
+        refused,
         whole_axes(enclosing.names, None),
     )
 
@@ -197,10 +197,11 @@ def refused(
     args: tuple,
     kwargs: dict,
     enclosing: Enclosing,
+    refused: Refused,
 ) -> Any:
-    """A call the router refuses, listed with the shape its value has for the
-    model (a scan slicing it gives its iterations) and run as it is
-    (`unreachable`)."""
+    """A call the router `refused` inside `enclosing`, listed with the shape
+    its value has for the model (a scan slicing it gives its iterations) and
+    run as it is (`unreachable`)."""
     vmaps = next(
         (i for i, t in enumerate(enclosing.transforms) if t.rule is not Rule.MAPS), 0
     )
@@ -213,7 +214,7 @@ def refused(
         args,
         kwargs,
         InTransform(None, enclosing.names),
-        enclosing.refusal,
+        refused,
         whole_axes(enclosing.names, _count(site, vmaps)),
     )
 

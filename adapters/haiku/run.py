@@ -151,8 +151,7 @@ class Interceptor:
                     name, method_name, module, call_args, origin=origin, record=False
                 )
                 # The sentence names the site as the session named the call.
-                route = transforms.route(call.name, where, self.base, module)
-                call.origin = dataclasses.replace(origin, blocked=route.sentence)
+                call.origin = dataclasses.replace(origin, blocked=route.at(call.name))
                 return unexpressible.listed(
                     session, call, run(), self.base, self.apply_frame
                 )

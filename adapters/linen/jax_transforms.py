@@ -55,9 +55,9 @@ class JaxTransforms:
                 return session.call_in_control_flow(
                     path, None, None, (), flow, lambda: value, Origin(scope)
                 )
-            case Refused():
+            case Refused() as refused:
                 return routes.listed(
-                    lambda: value, (), None, None, path, Origin(scope), False, enclosing
+                    lambda: value, (), None, None, path, Origin(scope), refused
                 )
         assert found is PLAIN, found  # outside lifted scopes nothing carries
         return session.tap_here(name, value)

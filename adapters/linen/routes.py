@@ -197,15 +197,16 @@ class Routes:
             return unexpressible.route(site, self.base, self._rules(lifted))
         return found
 
-    def listed(self, run, call_args, module, method, name, origin, lifted, enclosing):
-        """A refused call (or tap) named `name`, of a module in a `lifted`
-        scope or not, inside `enclosing`: listed with its whole value, its
-        `origin` blocked with the router's sentence, run as it is
+    def listed(self, run, call_args, module, method, name, origin, refused):
+        """A call (or tap) named `name` the router `refused`: listed with its
+        whole value, its `origin` blocked with the router's sentence for the
+        name the session gives the call, run as it is
         (`bridge.adapters.shared.unexpressible.listed`)."""
         session = self.session
         call = session.enter(
             name, method, module, call_args, origin=origin, record=False
         )
-        refused = self.route(call.name, enclosing, lifted)
-        call.origin = Origin(origin.scope, tap=origin.tap, blocked=refused.sentence)
+        call.origin = Origin(
+            origin.scope, tap=origin.tap, blocked=refused.at(call.name)
+        )
         return unexpressible.listed(session, call, run(), self.base, self.stop)

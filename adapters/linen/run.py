@@ -201,7 +201,7 @@ class Interceptor:
                     run,
                     Origin(path, tap=tap),
                 )
-            case Refused():
+            case Refused() as refused:
                 return self.routes.listed(
                     run,
                     call_args,
@@ -209,8 +209,7 @@ class Interceptor:
                     shown,
                     name,
                     Origin(path, tap=tap),
-                    lifted,
-                    enclosing,
+                    refused,
                 )
             case Mapped(depth=depth):
                 return self.jax.mapped(

@@ -114,7 +114,7 @@ def discover(run, module, marker, step_key, call, names, method, args, kwargs, s
         )
         return run.refused(
             call,
-            lambda site: route(site, (scan,)),
+            route(call.path, (scan,)),
             method,
             module,
             args,

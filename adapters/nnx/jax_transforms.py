@@ -49,8 +49,7 @@ def plain_call(run, module, site_method, method, args, kwargs, session: Session,
     static bounds, else listed and refused."""
     if run.in_a_shape_pass():  # no call of the model's: not a site
         return method(module, *args, **kwargs)
-    routed = run.route
-    found = routed(path)
+    found = run.route(path)
     if isinstance(found, Refused) and (
         vars(module).get(PATH_ATTRIBUTE) is not None
         and run.ids.get(id(module)) is None
@@ -59,12 +58,11 @@ def plain_call(run, module, site_method, method, args, kwargs, session: Session,
         # Where no NNX transform has pushed its update context, code of one
         # running now runs in tree mode (`graph=False`, `graph_updates=False`),
         # the module a pytree of its own.
-        routed = rules.in_tree_mode
-        found = routed(path)
+        found = rules.in_tree_mode(path)
     match found:
         case Refused() | ThroughControlFlow():
             return run.off_route(
-                found, routed, module, site_method, method, args, kwargs, session, path
+                found, module, site_method, method, args, kwargs, session, path
             )
         case Mapped(depth):
             return _handed_out(

@@ -18,7 +18,7 @@ starts as a Python `0`) lists its sites once
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from flax import nnx
@@ -134,13 +134,10 @@ class Run:
         tap_rules = rules.for_tap(name)
         tags = self.transforms()
 
-        def routed(site: str) -> Route:
-            found = self.route(site, tap_rules)
-            if tags and not isinstance(found, ThroughControlFlow):
-                return route(site, rules.enclosing(tags, tap=name))
-            return found
-
-        match routed(path):
+        found = self.route(path, tap_rules)
+        if tags and not isinstance(found, ThroughControlFlow):
+            found = route(path, rules.enclosing(tags, tap=name))
+        match found:
             case ThroughControlFlow(flow):
                 return session.call_in_control_flow(
                     path, None, None, (), flow, lambda: value
@@ -153,15 +150,13 @@ class Run:
                 call = session.enter(
                     path, None, None, origin=Refused(path), record=False
                 )
-                return self.refused(
-                    call, routed, lambda _: value, None, (), {}, session
-                )
+                return self.refused(call, found, lambda _: value, None, (), {}, session)
         return session.tap_here(name, value)
 
     def off_route(
-        self, found, routed, module, site_method, method, args, kwargs, session, path
+        self, found, module, site_method, method, args, kwargs, session, path
     ):
-        """A call the router (`found`, `routed(path)`) sends through branches
+        """A call the router (`found`) sends through branches
         and loops of static bounds only (`nnx.cond`, `nnx.switch`,
         `nnx.fori_loop`, JAX's own), the session's control-flow route, or
         refuses: called as the model calls it and listed (see
@@ -181,7 +176,7 @@ class Run:
         call = session.enter(
             path, site_method, module, args, origin=Refused(path), record=False
         )
-        return self.refused(call, routed, method, module, args, kwargs, session)
+        return self.refused(call, found, method, module, args, kwargs, session)
 
     def in_a_shape_pass(self) -> bool:
         """Whether this runs in a `jax.eval_shape` of the model's own code,
@@ -199,7 +194,7 @@ class Run:
     def refused(
         self,
         call,
-        routed: Callable[[str], Route],
+        found: Refusal,
         method,
         module,
         args,
@@ -207,9 +202,7 @@ class Run:
         session,
     ):
         """Run the call entered as `call` as the model does, listed as refused
-        with the sentence of the router's refusal `routed(call.name)`."""
-        found = routed(call.name)
-        assert isinstance(found, Refusal), found
-        call.origin = Refused(call.path, blocked=found.sentence)
+        with the sentence of the router's refusal `found` for its name."""
+        call.origin = Refused(call.path, blocked=found.at(call.name))
         value = method(module, *args, **kwargs)
         return unexpressible.listed(session, call, value, self.base, self.stop)

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BridgeNotImplementedError,
     Carried,
-    Route,
     Rule,
     ThroughControlFlow,
     Transform,
@@ -109,29 +108,20 @@ class Lifted:
             inside = unexpressible.within(self.run.base, rules.RULES, body, trace)
             enclosing = (*inside, *enclosing)
 
-        def routed(site: str) -> Route:
-            found = route(site, enclosing)
-            if isinstance(found, ThroughControlFlow):
-                # NNX's branches and loops run in JAX's, which say where.
-                return self.run.route(site)
-            return found
-
-        found = routed(path)
+        found = route(path, enclosing)
+        if isinstance(found, ThroughControlFlow):
+            # NNX's branches and loops run in JAX's, which say where.
+            found = self.run.route(path)
         if not isinstance(found, Carried):
             return self.run.off_route(
-                found, routed, module, site_method, method, args, kwargs, session, path
+                found, module, site_method, method, args, kwargs, session, path
             )
         names = tuple(t.name for t in reversed(found.transforms))  # outermost first
         if session.recorder.learns_sites():
             broadcast = self._broadcast(module, path, enclosing[0])
             if broadcast is not None:
-
-                def broadcasting(site: str) -> Route:
-                    return route(site, (broadcast, *enclosing[1:]))
-
                 return self.run.off_route(
-                    broadcasting(path),
-                    broadcasting,
+                    route(path, (broadcast, *enclosing[1:])),
                     module,
                     site_method,
                     method,

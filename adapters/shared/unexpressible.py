@@ -46,7 +46,6 @@ from bridge.adapter_api import (
     Transform,
     counted_scans,
     is_array,
-    refusal,
 )
 from bridge.adapter_api import route as routing_route
 
@@ -240,12 +239,9 @@ def route(site: str, base: Any, rules: Mapping[str, Transform] = {}) -> Route:
     innermost = next(t for t in transforms if t.rule is Rule.FLOWS)
     return Refused(
         innermost,
-        refusal(
-            site,
-            innermost.name,
-            "bridge cannot read where a call in it runs on this version of jax",
-            "move the call out of it, or upgrade jax",
-        ),
+        site,
+        "bridge cannot read where a call in it runs on this version of jax",
+        "move the call out of it, or upgrade jax",
     )
 
 

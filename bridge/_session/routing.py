@@ -271,10 +271,23 @@ class Carried(Route):
 @dataclasses.dataclass(frozen=True)
 class Refused(Route):
     """No route: the site is listed, and refused where selected or patched
-    with `sentence`, naming `transform`."""
+    with `sentence`, naming `transform`: why it blocks there (`why`, with
+    what else encloses the call) and the way out (`fix`). `at` writes the
+    same refusal of the call named otherwise (as the session names it: a
+    second call of a module, `path#1`)."""
 
     transform: Transform
-    sentence: str
+    site: str
+    why: str
+    fix: str
+
+    @property
+    def sentence(self) -> str:
+        return self.at(self.site)
+
+    def at(self, site: str) -> str:
+        """The refusal of the call named `site`."""
+        return refusal(site, self.transform.name, self.why, self.fix)
 
 
 def route(site: str, enclosing: Iterable[Transform]) -> Route:
@@ -314,7 +327,7 @@ def route(site: str, enclosing: Iterable[Transform]) -> Route:
     why = blocker.why
     if len(seen) > 1:
         why += f" (it runs inside {describe(enclosing)})"
-    return Refused(blocker, refusal(site, blocker.name, why, blocker.fix))
+    return Refused(blocker, site, why, blocker.fix)
 
 
 def describe(enclosing: Iterable[Transform]) -> str:
