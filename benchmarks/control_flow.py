@@ -1,5 +1,6 @@
-"""What a probe inside control flow costs: sites in `lax.cond` branches and
-in a `lax.fori_loop` of static bounds, against plain `jax.value_and_grad`.
+"""What a probe inside control flow costs: sites in `lax.cond` branches, in
+a `lax.fori_loop` of static bounds and in a `lax.scan` whose body closes over
+a layer, against plain `jax.value_and_grad`.
 
     python benchmarks/control_flow.py            # width 512, batch 64
     python benchmarks/control_flow.py --quick    # width 64, batch 8
@@ -12,6 +13,10 @@ is taken per example, as a mixture-of-experts router does):
 - `loop`: an encoder, then `STEPS` iterations of a recurrent refinement
   (`h = tanh(cell(h) + h)`) in `lax.fori_loop`, then a head; the site is
   the cell, one entry per iteration.
+- `scan`: the same refinement written as a `lax.scan` closing over the cell
+  (bridge counts its iterations in the scan's carry while it probes).
+- `GRU over time`: an `eqx.nn.GRUCell` applied by a `lax.scan` over a
+  sequence of `STEPS` inputs (an RNN); the site is the cell, per step.
 
 For each: XLA's FLOPs and bytes accessed (`cost_analysis`), its temporaries
 (`memory_analysis`) and the runtime of the compiled step, as ratios against
@@ -82,6 +87,33 @@ class Refined(eqx.Module):
         h = self.encoder(x)
         h = jax.lax.fori_loop(0, STEPS, lambda i, h: jnp.tanh(self.cell(h) + h), h)
         return self.head(h)
+
+
+class RefinedByScan(Refined):
+    def __call__(self, x):
+        h = self.encoder(x)
+        step = lambda h, _: (jnp.tanh(self.cell(h) + h), None)  # noqa: E731
+        h = jax.lax.scan(step, h, None, length=STEPS)[0]
+        return self.head(h)
+
+
+class GRUOverTime(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, width, key):
+        keys = jax.random.split(key)
+        self.cell = eqx.nn.GRUCell(width, width, key=keys[0])
+        self.head = eqx.nn.Linear(width, 8, key=keys[1])
+
+    def __call__(self, x):
+        xs = jnp.stack([jnp.roll(x, step) for step in range(STEPS)])  # a sequence
+
+        def step(h, x_t):
+            h = self.cell(x_t, h)
+            return h, h
+
+        return self.head(jax.lax.scan(step, jnp.zeros_like(x), xs)[0])
 
 
 def loss_fn(outputs):
@@ -161,6 +193,10 @@ def main() -> None:
             arguments.repeats,
         ),
         measure("fori_loop", Refined(width, key), ["cell"], x, arguments.repeats),
+        measure("scan", RefinedByScan(width, key), ["cell"], x, arguments.repeats),
+        measure(
+            "GRU over time", GRUOverTime(width, key), ["cell"], x, arguments.repeats
+        ),
     ]
     print(
         f"jax {jax.__version__}, {jax.devices()[0].device_kind}, width {width}, "
