@@ -25,6 +25,11 @@ from helpers import (
     tree_vdot,
 )
 
+# JAX's own scan, bound before any probe runs: a probe counts the iterations
+# of the `jax.lax.scan` the model looks up as it runs (a tap in its body is a
+# site per iteration), never of this one, whose taps stay refused.
+from jax.lax import scan as uncounted_scan
+
 import bridge
 from bridge._session.sites import carrier_name, is_carrier_name
 
@@ -861,7 +866,8 @@ def test_a_site_in_the_models_own_jax_vmap_holds_every_mapped_example():
 
 
 def _middle(kind, h):
-    """`bridge.tap("t", sin(h))` inside JAX's own `kind` of transform."""
+    """`bridge.tap("t", sin(h))` inside JAX's own `kind` of transform (a
+    `scan`: the one bound at import, which a probe never counts)."""
 
     def tapped(h):
         return bridge.tap("t", jnp.sin(h))
@@ -870,14 +876,27 @@ def _middle(kind, h):
         return jax.checkpoint(tapped)(h)
     if kind == "cond":
         return jax.lax.cond(jnp.all(jnp.isfinite(h)), tapped, jnp.cos, h)
+    return _tapped_steps(uncounted_scan, h)[0]
 
-    def step(carry, _):  # its carry starts as a Python 0: traced twice
+
+STEPS = 3
+
+
+def _tapped_steps(scan, h, offsets=None):
+    """`h = bridge.tap("t", sin(h))` at each iteration of `scan` over the
+    iterations' indices (its carry starts as a Python 0: traced twice); with
+    `offsets` (`(iterations, ...)`, the reference's), row `i` added to the
+    tap's value at the iteration over `i`. `h + 0.1 * total`, and the scan's
+    `ys`: each iteration's tap value."""
+
+    def step(carry, i):
         h, total = carry
-        h = tapped(h)
-        return (h, total + jnp.mean(h)), None
+        h = bridge.tap("t", jnp.sin(h))
+        h = h if offsets is None else h + offsets[i]
+        return (h, total + jnp.mean(h)), h
 
-    (h, total), _ = jax.lax.scan(step, (h, 0), None, length=3)
-    return h + 0.1 * total
+    (h, total), steps = scan(step, (h, 0), jnp.arange(STEPS))
+    return h + 0.1 * total, steps
 
 
 def _tap_in(kind, x):
@@ -889,7 +908,7 @@ def _tap_in(kind, x):
     "kind, word, shape",
     [
         ("checkpoint", "checkpoint", (3, 4)),
-        ("scan", "scan", (3, 3, 4)),
+        ("scan", "scan", (3, 3, 4)),  # the scan bound at import: never counted
     ],
 )
 def test_a_tap_in_a_jax_transform_is_listed_whole_and_refused_only_when_selected(
@@ -934,3 +953,72 @@ def test_a_tap_in_a_jax_transform_is_listed_whole_and_refused_only_when_selected
         probe.value_and_grad(loss, x, at="t")
     with pytest.raises(bridge.BridgeError, match=refusal):
         probe.value_and_grad(loss, x, patch={"t": jnp.negative})
+
+
+def _tap_in_the_models_scan(x, offsets=None):
+    """`first`, the tap in the model's own `jax.lax.scan` (`_tapped_steps`),
+    `last`. With `offsets` (the reference's), each shifts its site's values
+    (`t`'s row `i` at the iteration over `i`), and the sites' values are
+    returned beside the outputs."""
+    offsets = offsets or {}
+
+    def plus(name, value):
+        return value + offsets[name] if name in offsets else value
+
+    first = plus("first", hk.Linear(4, name="first")(x))
+    h, steps = _tapped_steps(jax.lax.scan, first, offsets.get("t"))
+    y = plus("last", hk.Linear(2, name="last")(h))
+    return (y, {"first": first, "t": steps, "last": y}) if offsets else y
+
+
+def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration():
+    """While a probe runs, the model's own `jax.lax.scan` counts its
+    iterations: its body's tap (traced twice) is one site of every iteration,
+    which `at=None` probes with the rest, in silence. Its values are the
+    scan's own `ys`; its gradients, those of offsets the model adds by hand
+    (plain `jax.grad`), row `i` at the iteration over `i`, and summed over
+    the iterations, that of one offset shared by all; the parameters'
+    gradients are plain JAX's; eager and jitted."""
+    transformed = hk.without_apply_rng(hk.transform(_tap_in_the_models_scan))
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params)
+    sites = probe.sites(x)
+    assert list(sites) == ["first", "t", "last"]
+    assert sites["t"].shape == (STEPS, 3, 4)
+
+    def loss(y):
+        return jnp.sum(y**2)
+
+    def reference(params, offsets):
+        y, values = transformed.apply(params, x, offsets)
+        return loss(y), values
+
+    zeros = {name: jnp.zeros(site.shape) for name, site in sites.items()}
+    (value, values), (grads, offset_grads) = jax.value_and_grad(
+        reference, argnums=(0, 1), has_aux=True
+    )(params, zeros)
+    shared = jax.grad(
+        lambda one: reference(
+            params, {**zeros, "t": jnp.broadcast_to(one, sites["t"].shape)}
+        )[0]
+    )(jnp.zeros((3, 4)))
+    # Every iteration's gradient is its own: the test tells them apart.
+    assert not np.allclose(offset_grads["t"][0], offset_grads["t"][-1])
+    for res in (
+        probe.value_and_grad(loss, x),
+        jax.jit(lambda p: p.value_and_grad(loss, x))(probe),
+    ):
+        assert set(res.activations) == {"first", "t", "last"}
+        np.testing.assert_allclose(res.loss, value, rtol=1e-6)
+        assert_tree_allclose(res.grads, grads, rtol=1e-5)
+        for name in sites:
+            np.testing.assert_allclose(
+                res.activations[name], values[name], rtol=1e-5, atol=1e-6
+            )
+            np.testing.assert_allclose(
+                res.activation_grads[name], offset_grads[name], rtol=1e-5, atol=1e-6
+            )
+        np.testing.assert_allclose(
+            res.activation_grads["t"].sum(0), shared, rtol=1e-5, atol=1e-6
+        )

@@ -18,6 +18,11 @@ from helpers import (
     value_and_grad_in,
 )
 
+# JAX's own scan, bound before any probe runs: a probe counts the iterations
+# of the `jax.lax.scan` the model looks up as it runs (a tap in its body is a
+# site per iteration), never of this one, whose taps stay refused.
+from jax.lax import scan as uncounted_scan
+
 import bridge
 
 
@@ -675,12 +680,21 @@ def test_a_wrapper_holding_a_model_names_the_attribute_to_pass():
 # -- sites inside JAX transforms of the model's own code --------------------------
 
 
+SCAN_STEPS = 3
+
+
 class InJaxTransforms(nn.Module):
     """`inner` applied by the model's own `jax.vmap` over two scalings of the
-    input, then a tap inside `jax.checkpoint` and one inside a `lax.scan`
-    whose carry starts as a Python `0` (its body is traced twice)."""
+    input, then a tap inside `jax.checkpoint` and one inside a `lax.scan` over
+    the iterations' indices, whose carry starts as a Python `0` (its body is
+    traced twice). `offsets` shift the sites' values (`step`'s row `i` at the
+    iteration over `i`); the scan's `ys`, each iteration's `step` value, are
+    sown in `intermediates`."""
 
     offsets: Any = None
+    #: Whether the scan is `jax.lax.scan` looked up as the model runs (a
+    #: probe counts its iterations) or `uncounted_scan` (never counted).
+    counted: bool = True
 
     def setup(self):
         self.inner = nn.Dense(3)
@@ -692,14 +706,18 @@ class InJaxTransforms(nn.Module):
         ys = offset(self.offsets, "inner", ys)  # the mapped value, axis first
         h = jnp.tanh(ys[0] - ys[1])
         h = jax.checkpoint(lambda h: bridge.tap("remat", jnp.sin(h)))(h)
+        step_offsets = (self.offsets or {}).get("step")
 
-        def step(carry, _):
+        def step(carry, i):
             h, total = carry
             h = bridge.tap("step", jnp.tanh(h))
-            return (h, total + jnp.mean(h)), None
+            h = h if step_offsets is None else h + step_offsets[i]
+            return (h, total + jnp.mean(h)), h
 
-        (h, total), _ = jax.lax.scan(step, (h, 0), None, length=3)
-        return self.head(h + total)
+        scan = jax.lax.scan if self.counted else uncounted_scan
+        (h, total), steps = scan(step, (h, 0), jnp.arange(SCAN_STEPS))
+        self.sow("intermediates", "step", steps)
+        return offset(self.offsets, "head", self.head(h + total))
 
 
 def test_a_module_in_the_models_own_vmap_holds_the_mapped_value():
@@ -730,19 +748,83 @@ def test_a_module_in_the_models_own_vmap_holds_the_mapped_value():
 
 
 @pytest.mark.parametrize(
-    "site, transform", [("remat", "jax.checkpoint"), ("step", "jax.lax.scan")]
+    "site, transform, counted, probed",
+    [
+        # The model's own lax.scan counts its iterations: `step` probes.
+        ("remat", "jax.checkpoint", True, {"inner", "step", "head"}),
+        # JAX's own scan, bound at import, counts none: `step` is refused,
+        # and `at=None` leaves out `remat` too.
+        ("step", "jax.lax.scan", False, {"inner", "head"}),
+    ],
 )
-def test_a_tap_in_jax_checkpoint_or_lax_scan_is_listed_and_refused(site, transform):
+def test_a_tap_in_jax_checkpoint_or_lax_scan_is_listed_and_refused(
+    site, transform, counted, probed
+):
     x = jax.random.normal(jax.random.key(0), (4, 5))
-    model = InJaxTransforms()
+    model = InJaxTransforms(counted=counted)
     variables = model.init(jax.random.key(1), x)
     probe = bridge.probe(model, variables)
+    assert list(probe.sites(x)) == ["inner", "remat", "step", "head"]
     with pytest.raises(bridge.BridgeError, match=f"{transform} around site '{site}'"):
         probe.value_and_grad(mse, x, at=site)
     with leaves_out(site):
         res = jax.jit(lambda probe, x: probe.value_and_grad(mse, x))(probe, x)
-    assert set(res.activations) == {"inner", "head"}
+    assert set(res.activations) == probed
     assert not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(res))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration(mode):
+    """While a probe runs, the model's own `jax.lax.scan` counts its
+    iterations: its body's tap (traced twice) is one site of every iteration,
+    `(iterations, batch, width)`. Its values are the scan's own `ys`; its
+    gradients, those of offsets the model adds by hand (plain `jax.grad`),
+    row `i` at the iteration over `i`, and summed over the iterations, that
+    of one offset shared by all; the sites around it and the parameters'
+    gradients are plain Linen's."""
+    x = jax.random.normal(jax.random.key(0), (4, 5))
+    variables = InJaxTransforms().init(jax.random.key(1), x)
+    probe = bridge.probe(InJaxTransforms(), variables)
+    sites = probe.sites(x)
+    assert sites["step"].shape == (SCAN_STEPS, 4, 3)
+    at = ["inner", "step", "head"]  # `remat`, in jax.checkpoint, is refused
+
+    def reference(params, offsets):
+        y, sown = InJaxTransforms(offsets).apply(
+            {"params": params}, x, mutable="intermediates"
+        )
+        return mse(y), {"step": sown["intermediates"]["step"][0], "head": y}
+
+    zeros = {name: jnp.zeros(sites[name].shape) for name in at}
+    (loss, values), (grads, offset_grads) = jax.value_and_grad(
+        reference, argnums=(0, 1), has_aux=True
+    )(variables["params"], zeros)
+    shared = jax.grad(
+        lambda one: reference(
+            variables["params"],
+            {**zeros, "step": jnp.broadcast_to(one, sites["step"].shape)},
+        )[0]
+    )(jnp.zeros(sites["step"].shape[1:]))
+    # Every iteration's gradient is its own: the test tells them apart.
+    assert not np.allclose(offset_grads["step"][0], offset_grads["step"][-1])
+
+    def step(probe, x):
+        return probe.value_and_grad(mse, x, at=at)
+
+    res = (jax.jit(step) if mode == "jit" else step)(probe, x)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.grads, grads, rtol=1e-5)
+    for name in ("step", "head"):
+        np.testing.assert_allclose(
+            res.activations[name], values[name], rtol=1e-5, atol=1e-6
+        )
+    for name in at:
+        np.testing.assert_allclose(
+            res.activation_grads[name], offset_grads[name], rtol=1e-5, atol=1e-7
+        )
+    np.testing.assert_allclose(
+        res.activation_grads["step"].sum(0), shared, rtol=1e-5, atol=1e-7
+    )
 
 
 class RematThenVmap(nn.Module):

@@ -31,6 +31,11 @@ if not nnx_supported():
 from cases.nnx import _build, _inputs, added_at_call, snapshot  # noqa: E402
 from flax import nnx  # noqa: E402
 
+# JAX's own scan, bound before any probe runs: a probe counts the iterations
+# of the `jax.lax.scan` the model looks up as it runs (a site in its body is
+# one per iteration), never of this one, whose sites stay refused.
+from jax.lax import scan as uncounted_scan  # noqa: E402
+
 import bridge  # noqa: E402
 
 
@@ -585,6 +590,10 @@ class CarriedInVmap(BroadcastScan):
 class NestedCarriedScans(BroadcastScan):
     """A carried cell inside a lax.scan inside an nnx.scan that carries it."""
 
+    #: Whether the inner scan is `jax.lax.scan` looked up as the model runs
+    #: (counted while a probe runs), or `uncounted_scan` (never counted).
+    counted = True
+
     def __call__(self, xs):
         @nnx.scan(
             in_axes=(nnx.StateAxes({...: nnx.Carry}), nnx.Carry, 0),
@@ -594,10 +603,15 @@ class NestedCarriedScans(BroadcastScan):
             def inner(c, _):
                 return cell(c + x), None
 
-            carry = jax.lax.scan(inner, carry, None, length=2)[0]
+            scan = jax.lax.scan if self.counted else uncounted_scan
+            carry = scan(inner, carry, None, length=2)[0]
             return carry, carry
 
         return step(self.cell, jnp.zeros(xs.shape[1:]), xs)[1]
+
+
+class NestedUncountedScans(NestedCarriedScans):
+    counted = False
 
 
 class BroadcastVmap(nnx.Module):
@@ -653,8 +667,19 @@ class TapInScan(ScannedStack):
             (3, 5, 4),
             "nnx.vmap around site 'cell': it broadcasts",
         ),
+        # The counted lax.scan is a loop of known bounds, whose calls bridge
+        # reaches through the backward pass only where no other transform
+        # (here the nnx.scan) encloses it.
         (
             NestedCarriedScans,
+            "cell",
+            (3, 2, 5, 4),
+            r"jax\.lax\.scan around site 'cell': a call in a loop runs once per "
+            r"iteration, .* \(it runs inside jax\.lax\.scan inside nnx\.scan\)",
+        ),
+        # JAX's own scan counts nothing: the nnx.scan's carried route refuses.
+        (
+            NestedUncountedScans,
             "cell",
             (3, 2, 5, 4),
             "nnx.scan around site 'cell': the scan carries .* inside nested scans",
@@ -802,7 +827,9 @@ class TapInCheckpoint(ArgumentOfCheckpoint):
 
 class InLaxScan(ArgumentOfCheckpoint):
     """The cell closed over by a `lax.scan` whose body is traced twice (its
-    carry starts as a Python 0)."""
+    carry starts as a Python 0). The scan is JAX's own, bound at import: it
+    counts no iterations, so the cell stays a site bridge cannot probe
+    (`ScannedCell` has the model's own `jax.lax.scan`, counted)."""
 
     def __call__(self, x):
         def step(carry, _):
@@ -810,7 +837,7 @@ class InLaxScan(ArgumentOfCheckpoint):
             h = self.cell(h)
             return (h, total + jnp.mean(h)), h
 
-        (h, total), _ = jax.lax.scan(step, (x, 0), None, length=3)
+        (h, total), _ = uncounted_scan(step, (x, 0), None, length=3)
         return h + total
 
 
@@ -850,6 +877,96 @@ def test_a_site_inside_a_jax_transform_it_cannot_leave_is_listed_and_refused(
         )
         _, plain = plain_step(nnx.clone(model), x)
         assert_tree_allclose(res.grads, plain)
+
+
+class OffsetCell(nnx.Module):
+    """`Cell`'s `tanh(linear(x))`; `offsets` (the reference's) shift the
+    values of its sites, `cell/linear` and `cell`."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x, offsets=None):
+        offsets = offsets or {}
+        h = nnx.tanh(_offset(self.linear(x), offsets, "cell/linear"))
+        return _offset(h, offsets, "cell")
+
+
+SCAN_STEPS = 3
+
+
+class ScannedCell(nnx.Module):
+    """`cell` closed over by the model's own `jax.lax.scan` over the
+    iterations' indices, its carry starting as a Python 0 (the body is traced
+    twice), then `head`. `offsets` (the reference's, `(iterations, ...)`):
+    row `i` added at the iteration over `i`. `values=True` returns the scan's
+    `ys` too: each iteration's cell output."""
+
+    def __init__(self, rngs):
+        self.cell = OffsetCell(rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x, offsets=None, values=False):
+        def step(carry, i):
+            h, total = carry
+            row = None if offsets is None else {k: v[i] for k, v in offsets.items()}
+            h = self.cell(h, row)
+            return (h, total + jnp.mean(h)), h
+
+        (h, total), hs = jax.lax.scan(step, (x, 0), jnp.arange(SCAN_STEPS))
+        y = self.head(h + total)
+        return (y, hs) if values else y
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_cell_the_models_own_lax_scan_closes_over_is_a_site_per_iteration(mode):
+    """While a probe runs, the model's own `jax.lax.scan` counts its
+    iterations: the cell its body closes over, and the cell's `linear`, are a
+    site per iteration, listed once though the body is traced twice. Each
+    iteration's value is the model's own; its gradient, that of an offset the
+    model adds by hand at that iteration (plain `jax.grad`); summed over the
+    iterations, that of one offset shared by all; the parameters' gradients
+    are plain NNX's."""
+    model = _build(ScannedCell)
+    x = _inputs(3, 4)
+    graphdef, state = nnx.split(model)
+    names, shape = ("cell", "cell/linear"), (SCAN_STEPS, 3, 4)
+
+    def hand_loss(offsets):
+        return loss_fn(nnx.merge(graphdef, state, copy=True)(x, offsets))
+
+    loss, offset_grads = jax.value_and_grad(hand_loss)(
+        {name: jnp.zeros(shape) for name in names}
+    )
+    shared = jax.grad(
+        lambda one: hand_loss({n: jnp.broadcast_to(o, shape) for n, o in one.items()})
+    )({name: jnp.zeros(shape[1:]) for name in names})
+    plain = nnx.merge(graphdef, state, copy=True)
+    _, hs = plain(x, values=True)
+    # Each iteration's `linear` reads the carry the one before left.
+    values = {
+        "cell": hs,
+        "cell/linear": plain.cell.linear(jnp.concatenate([x[None], hs[:-1]])),
+    }
+    for name in names:  # every iteration's gradient is its own
+        assert not np.allclose(offset_grads[name][0], offset_grads[name][-1])
+
+    probe = bridge.probe(model)
+    sites = probe.sites(x)
+    assert list(sites) == ["cell", "cell/linear", "head"]
+    assert sites["cell"].shape == sites["cell/linear"].shape == shape
+    step = jax.jit(probe_step) if mode == "jit" else probe_step
+    res = step(probe, x)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    for name in names:
+        np.testing.assert_allclose(
+            res.activations[name], values[name], rtol=1e-5, atol=1e-6
+        )
+        grads = res.activation_grads[name]
+        np.testing.assert_allclose(grads, offset_grads[name], rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(grads.sum(0), shared[name], rtol=1e-4, atol=1e-7)
+    _, plain_grads = plain_step(nnx.clone(model), x)
+    assert_tree_allclose(res.grads, plain_grads)
 
 
 class RetracedNnxScan(nnx.Module):
