@@ -10,6 +10,12 @@ The references are the same model unrolled, its layers sliced out of the
 stack: patched by bridge at its unrolled sites, and patched by hand, the test
 itself swapping each layer for one that returns the patched value, with
 gradients from plain `eqx.filter_value_and_grad`.
+
+A layer the scan body closes over (an RNN cell), in the model's own
+`jax.lax.scan`, is a site per step too: bridge counts the scan's iterations
+while a probe runs. Its references are the same model with the cell's
+output at each step changed by hand in the model's code (an offset added, a
+patch applied: `ClosedOverCell.hand`), and the steps run in a Python loop.
 """
 
 from __future__ import annotations
@@ -359,12 +365,24 @@ class RecurrentThenHead(eqx.Module):
         return self.head(self.recurrent(xs))
 
 
-def test_a_layer_closed_over_by_the_scan_body_is_still_refused():
+STEPS = 4
+BATCH = 5
+CELL = "recurrent/cell"
+
+
+def _recurrent(counted=True):
     keys = jax.random.split(jax.random.key(0), 2)
-    model = RecurrentThenHead(
-        ClosedOverCell(eqx.nn.Linear(3, 3, key=keys[0])),
+    return RecurrentThenHead(
+        ClosedOverCell(eqx.nn.Linear(3, 3, key=keys[0]), counted=counted),
         eqx.nn.Linear(3, 2, key=keys[1]),
     )
+
+
+def test_a_layer_closed_over_by_a_scan_bridge_cannot_count_is_still_refused():
+    # `counted=False`: JAX's own scan, bound at import (`uncounted_scan`),
+    # counts no iterations, so the cell is listed and refused; the rest of
+    # the model still probes. The model's own `jax.lax.scan`: below.
+    model = _recurrent(counted=False)
     probe = bridge.probe(model)
     xs = jax.random.normal(jax.random.key(1), (2, 3))
     refusal = (
@@ -374,17 +392,171 @@ def test_a_layer_closed_over_by_the_scan_body_is_still_refused():
     # Patched, whether selected or not, by a value or a function.
     for patch in (jnp.zeros((3,)), jnp.zeros_like):
         with pytest.raises(ValueError, match=refusal):
-            probe.apply(xs, at="head", patch={"recurrent/cell": patch})
+            probe.apply(xs, at="head", patch={CELL: patch})
         with pytest.raises(ValueError, match=refusal):
-            probe.value_and_grad(jnp.sum, xs, patch={"recurrent/cell": patch})
+            probe.value_and_grad(jnp.sum, xs, patch={CELL: patch})
     # Selected, with its inputs.
     with pytest.raises(ValueError, match=refusal):
-        probe.value_and_grad(
-            jnp.sum, xs, at=["head", "recurrent/cell"], with_inputs=True
-        )
+        probe.value_and_grad(jnp.sum, xs, at=["head", CELL], with_inputs=True)
     # Sites outside the scan still work.
     res = probe.value_and_grad(jnp.sum, xs, at="head", with_inputs=True)
     np.testing.assert_allclose(res.inputs["head"][0], model.recurrent(xs), rtol=1e-5)
+
+
+def _sequences(vmap):
+    """One sequence `(steps, 3)`, or a batch of them under the probe's vmap."""
+    shape = (BATCH, STEPS, 3) if vmap else (STEPS, 3)
+    return jax.random.normal(jax.random.key(1), shape)
+
+
+def _centred_over_the_batch(a):
+    """`_centred` of one example's share of a batch: the batch is the
+    `jax.vmap` named "batch" that `_by_hand` runs."""
+    return a - jax.lax.pmean(a, "batch")
+
+
+def _by_hand(model, xs, offsets, patch=None, patch_fn=None, vmap=False):
+    """Without bridge: the cell's output at step `i` replaced by `patch[i]`
+    (or passed through `patch_fn`: under vmap, one example's), then
+    `offsets[i]` added, in the model's code (`ClosedOverCell.hand`). Returns
+    the model's outputs, and the cell's inputs and outputs at every step
+    from a Python loop over the steps (steps first, as the site)."""
+
+    def one(xs, offsets, patch):
+        def hand(i, out):
+            if patch is not None:
+                out = patch[i]
+            elif patch_fn is not None:
+                out = patch_fn(out)
+            return out + offsets[i]
+
+        cell = model.recurrent.cell
+        h, inputs, outputs = xs[0], [], []
+        for i in range(STEPS):
+            inputs.append(h + xs[i])
+            h = hand(i, cell(inputs[-1]))
+            outputs.append(h)
+        hand_model = RecurrentThenHead(ClosedOverCell(cell, hand), model.head)
+        return hand_model(xs), jnp.stack(inputs), jnp.stack(outputs)
+
+    if not vmap:
+        return one(xs, offsets, patch)
+    rows = None if patch is None else jnp.moveaxis(patch, 1, 0)
+    outputs, inputs, values = jax.vmap(one, axis_name="batch")(xs, offsets, rows)
+    return outputs, jnp.moveaxis(inputs, 1, 0), jnp.moveaxis(values, 1, 0)
+
+
+def _hand_grads(model, xs, vmap, **patch):
+    """`(loss, parameter gradients, the cell's output gradient at every
+    step)`, by plain `eqx.filter_value_and_grad` with respect to the model
+    and offsets added by hand at each step."""
+    offsets = jnp.zeros(xs.shape[:-1] + (3,))
+
+    def loss(model_and_offsets):
+        model, offsets = model_and_offsets
+        return _mlp_loss(_by_hand(model, xs, offsets, vmap=vmap, **patch)[0])
+
+    value, (grads, offset_grads) = eqx.filter_value_and_grad(loss)((model, offsets))
+    return value, grads, jnp.moveaxis(offset_grads, 1, 0) if vmap else offset_grads
+
+
+CLOSED_OVER_SETTINGS = [
+    ("eager", False),
+    ("jit", False),
+    ("eager", True),
+    ("jit", True),
+]
+
+
+@pytest.mark.parametrize("mode, vmap", CLOSED_OVER_SETTINGS)
+def test_a_layer_closed_over_by_the_scan_body_is_a_site_per_step(mode, vmap):
+    """Each step's value and input are the cell's at that step, each step's
+    gradient that of an offset added at that step by hand."""
+    model = _recurrent()
+    xs = _sequences(vmap)
+    probe = bridge.probe(model, vmap=vmap)
+    batch = (BATCH,) if vmap else ()
+    assert probe.sites(xs)[CELL].shape == (STEPS, *batch, 3)
+    res = _run(
+        mode, lambda p, xs: p.value_and_grad(_mlp_loss, xs, with_inputs=True), probe, xs
+    )
+    zeros = jnp.zeros(xs.shape)
+    outputs, inputs, values = _by_hand(model, xs, zeros, vmap=vmap)
+    loss, grads, cell_grads = _hand_grads(model, xs, vmap)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
+    assert_tree_allclose(res.grads, grads)
+    np.testing.assert_allclose(res.activations[CELL], values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.inputs[CELL][0], inputs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.activation_grads[CELL], cell_grads, rtol=1e-5, atol=1e-7
+    )
+    # Outside the scan: the last step's output, into the head.
+    np.testing.assert_allclose(res.activations["recurrent"], values[-1], rtol=1e-5)
+    np.testing.assert_allclose(res.inputs["head"][0], values[-1], rtol=1e-5)
+    np.testing.assert_allclose(res.activations["head"], outputs, rtol=1e-5)
+    np.testing.assert_allclose(
+        res.activation_grads["recurrent"], cell_grads[-1], rtol=1e-5, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("how", ["value", "function"])
+@pytest.mark.parametrize("mode, vmap", CLOSED_OVER_SETTINGS)
+def test_a_layer_closed_over_by_the_scan_body_takes_a_patch_per_step(mode, vmap, how):
+    """A stacked value gives each step its row; a function is applied at
+    each step (under the probe's vmap, to the whole batch); selected or not,
+    with gradients and inputs after the patch."""
+    model = _recurrent()
+    xs = _sequences(vmap)
+    probe = bridge.probe(model, vmap=vmap)
+    batch = (BATCH,) if vmap else ()
+    if how == "value":
+        patch = jax.random.normal(jax.random.key(2), (STEPS, *batch, 3))
+        by_hand = {"patch": patch}
+    else:
+        patch = _centred
+        by_hand = {"patch_fn": _centred_over_the_batch if vmap else _centred}
+
+    res = _run(
+        mode,
+        lambda p, xs: p.value_and_grad(
+            _mlp_loss, xs, patch={CELL: patch}, with_inputs=True
+        ),
+        probe,
+        xs,
+    )
+    zeros = jnp.zeros(xs.shape)
+    outputs, inputs, values = _by_hand(model, xs, zeros, vmap=vmap, **by_hand)
+    loss, grads, cell_grads = _hand_grads(model, xs, vmap, **by_hand)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-5)
+    assert_tree_allclose(res.grads, grads)
+    np.testing.assert_allclose(res.activations[CELL], values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.inputs[CELL][0], inputs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.activation_grads[CELL], cell_grads, rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(res.activations["head"], outputs, rtol=1e-5)
+    if how == "value":
+        np.testing.assert_array_equal(res.activations[CELL], patch)
+        # The cell's output is replaced at every step: its parameters do
+        # not reach the loss.
+        assert not any(jnp.any(g) for g in jax.tree.leaves(res.grads.recurrent))
+    else:
+        # Each step's patched value, centred over the whole batch even where
+        # the probe's vmap gives the model one example.
+        cell = jax.vmap(model.recurrent.cell) if vmap else model.recurrent.cell
+        np.testing.assert_allclose(
+            res.activations[CELL],
+            jax.vmap(lambda h: _centred(cell(h)))(res.inputs[CELL][0]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+    # Patched outside the selection, in the forward pass alone.
+    forward = _run(
+        mode, lambda p, xs: p.apply(xs, at="head", patch={CELL: patch}), probe, xs
+    )
+    assert list(forward.activations) == ["head"]
+    np.testing.assert_allclose(forward.outputs, outputs, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode, remat", [("eager", False), ("jit", True)])

@@ -1,25 +1,31 @@
 """A site bridge cannot express never blocks the others, in every library.
 
 Each case is an unexpressible call (inside a `while_loop`, a scan or vmap
-that broadcasts its parameters; branches and loops of static bounds are
-sites, `tests/test_control_flow.py`) between ordinary layers, a head
-after it. `sites()` lists it with its whole shape (the model's own mapped
-axes in front, a scan's iterations first); selecting or patching it raises
-a `bridge.BridgeError` naming the innermost transform that holds it;
-`at=None` leaves it out, and every other site's values and gradients equal
-independent references (plain `jax.grad` for the parameters, the bias
-identity or a gradient taken by hand for the activations), eager and under
-`jax.jit`. Reverse-mode differentiation through a `while_loop` is JAX's own
-limit: a model with one is checked forward (`probe.apply`).
+that broadcasts its parameters; a `jax.lax.scan` of the model's own code
+only where bridge cannot count its iterations, bound by name at import;
+branches and loops of static bounds are sites, `tests/test_control_flow.py`)
+between ordinary layers, a head after it. `sites()` lists it with its whole
+shape (the model's own mapped axes in front, a scan's iterations first);
+selecting or patching it raises a `bridge.BridgeError` naming the innermost
+transform that holds it; `at=None` leaves it out, and every other site's
+values and gradients equal independent references (plain `jax.grad` for the
+parameters, the bias identity or a gradient taken by hand for the
+activations), eager and under `jax.jit`. Reverse-mode differentiation
+through a `while_loop` is JAX's own limit: a model with one is checked
+forward (`probe.apply`).
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
 
 import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.lax import scan as uncounted_scan
 
 import bridge
 
@@ -484,7 +490,14 @@ def test_equinox_ode_solver_sites_are_listed_batch_first_and_refused_naming_the_
 class EqxModel(eqx.Module):
     """`encoder`, then an RNN cell the scan closes over, then `head`: one
     example (probed with `vmap=True`). (`left` and `right` are the branches
-    of `tests/test_control_flow.py`'s model.)"""
+    of `tests/test_control_flow.py`'s model.)
+
+    `kind` "rnn" scans with `uncounted_scan`, JAX's own scan bound when this
+    module was imported: bridge counts no iterations of it, so `left` is a
+    site it cannot express. "counted_rnn" scans with the model's own
+    `jax.lax.scan`, whose iterations bridge counts while a probe runs:
+    `left` is then a site per step. `hand(step, output)`, where given,
+    stands for `left`'s output at `step`: the references without bridge."""
 
     kind: str = eqx.field(static=True)
     encoder: eqx.nn.Linear
@@ -500,10 +513,15 @@ class EqxModel(eqx.Module):
         self.right = eqx.nn.Linear(4, 4, key=keys[2])
         self.head = eqx.nn.Linear(4, 2, key=keys[3])
 
-    def __call__(self, x):
+    def __call__(self, x, hand: Callable | None = None):
         h = self.encoder(x)
-        step = lambda c, _: (jnp.tanh(self.left(c) + h), None)  # noqa: E731
-        h = jax.lax.scan(step, h, None, length=3)[0]
+        scan = jax.lax.scan if self.kind == "counted_rnn" else uncounted_scan
+        if hand is None:
+            step = lambda c, _: (jnp.tanh(self.left(c) + h), None)  # noqa: E731
+            h = scan(step, h, None, length=3)[0]
+        else:  # the steps' indices as `xs`, for `hand`
+            step = lambda c, i: (jnp.tanh(hand(i, self.left(c)) + h), None)  # noqa: E731
+            h = scan(step, h, jnp.arange(3))[0]
         return self.head(jnp.tanh(h))
 
 
@@ -536,5 +554,51 @@ def test_equinox_refused_site_is_listed_and_the_rest_probes(
         np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
         assert_close(eqx.filter(res.grads, eqx.is_array), grads)
         grad = res.activation_grads
+        assert_close(bias_sum(grad["encoder"], 1), grads.encoder.bias)
+        assert_close(bias_sum(grad["head"], 1), grads.head.bias)
+
+
+@helpers.NEEDS_JAXPR_PARENTS
+def test_equinox_the_same_rnn_in_the_model_s_own_scan_probes_every_site():
+    """With the model's own `jax.lax.scan` (counted while a probe runs),
+    `left` is a site per step: nothing is left out, each step's value is the
+    cell's, each step's gradient that of an offset added there by hand."""
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    model = EqxModel("counted_rnn", jax.random.key(0))
+    probe = bridge.probe(model, vmap=True)
+    assert shapes(probe.sites(x)["left"]) == (3, 5, 4)  # (steps, batch, ...)
+
+    def plain(model_and_offsets):
+        model, offsets = model_and_offsets
+        outputs = jax.vmap(lambda x, o: model(x, lambda i, out: out + o[i]))(x, offsets)
+        return loss_fn(outputs)
+
+    loss, (grads, offset_grads) = eqx.filter_value_and_grad(plain)(
+        (model, jnp.zeros((5, 3, 4)))
+    )
+
+    def values(x):  # `left`'s output at each step of one example, by hand
+        h = model.encoder(x)
+        encoded, out = h, []
+        for _ in range(3):
+            out.append(model.left(h))
+            h = jnp.tanh(out[-1] + encoded)
+        return jnp.stack(out)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x)
+
+    for way in (run, jax.jit(run)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", bridge.BridgeWarning)  # none left out
+            res = way(probe, x)
+        assert set(res.activations) == {"encoder", "left", "head"}
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(eqx.filter(res.grads, eqx.is_array), grads)
+        grad = res.activation_grads
+        assert_close(res.activations["left"], jnp.moveaxis(jax.vmap(values)(x), 1, 0))
+        assert_close(grad["left"], jnp.moveaxis(offset_grads, 1, 0))
+        # `left`'s bias, by the bias identity: summed over steps and batch.
+        assert_close(bias_sum(grad["left"], 2), grads.left.bias)
         assert_close(bias_sum(grad["encoder"], 1), grads.encoder.bias)
         assert_close(bias_sum(grad["head"], 1), grads.head.bias)
