@@ -1465,17 +1465,60 @@ def test_a_tap_in_the_model_scan_is_a_site_per_iteration(mode, build):
 
 
 @NEEDS_JAXPR_PARENTS
-@pytest.mark.xfail(
-    strict=True,
-    raises=bridge.BridgeAssertionError,
-    reason="bridge bug: a forward pass recording a tap in a counted scan over "
-    "stacked layers with the scanned layer's own site gives no recorder for it",
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_forward_pass_records_a_tap_and_the_stacked_layers_of_one_scan(mode):
+    """`apply` records a tap in the model's own scan over stacked layers (a
+    site of the control-flow route) and the scanned layer (a site of the
+    tree route) in one run: both leave through one backward pass, as in
+    `value_and_grad`. Checked against each step computed by hand (the layer
+    sliced out of the stack, the patch applied to its output), unpatched,
+    with a stacked patch value on the tap and with a patch function."""
     model, site, values = _tap_in_stacked_scan()
     x = jax.random.normal(jax.random.key(1), (TAP_BATCH, 3))
-    forward = _run(mode, lambda p, x: p.apply(x), bridge.probe(model, vmap=True), x)
-    assert set(forward.activations) == {"layers", site}
-    _near(forward.activations["layers"], values(x))
-    _near(forward.activations[site], values(x))
+    probe = bridge.probe(model, vmap=True)
+
+    def by_hand(patch=None, patch_fn=None):
+        """`(the layer's output, the tap's value)` at every step, `(steps,
+        batch, 3)`, and the outputs, without bridge."""
+        h, layer_values, tap_values = x, [], []
+        for i in range(TAP_STEPS):
+            layer = jax.tree.map(lambda a, i=i: a[i], model.layers)
+            out = jax.vmap(layer)(h)
+            if patch is not None:
+                h = patch[i]
+            elif patch_fn is not None:
+                h = patch_fn(out)
+            else:
+                h = out
+            layer_values.append(out)
+            tap_values.append(h)
+        return jnp.stack(layer_values), jnp.stack(tap_values), h
+
+    layer_values, tap_values, outputs = by_hand()
+    _near(tap_values, values(x))  # the hand reference is the model's own
+    value = jax.random.normal(jax.random.key(2), tap_values.shape)
+    cases = [
+        ({}, by_hand()),
+        ({site: value}, by_hand(patch=value)),
+        ({site: jnp.negative}, by_hand(patch_fn=jnp.negative)),
+    ]
+    for patch, (layer_values, tap_values, outputs) in cases:
+        values_of = {"layers": layer_values, site: tap_values}
+        stepped = _run(
+            mode,
+            lambda p, x, patch=patch: p.value_and_grad(_mlp_loss, x, patch=patch),
+            probe,
+            x,
+        )
+        for at in (None, ["layers", site]):
+            forward = _run(
+                mode,
+                lambda p, x, at=at, patch=patch: p.apply(x, at=at, patch=patch),
+                probe,
+                x,
+            )
+            assert set(forward.activations) == {"layers", site}
+            _near(forward.outputs, outputs)
+            for name, expected in values_of.items():
+                _near(forward.activations[name], expected)
+                _near(forward.activations[name], stepped.activations[name])

@@ -132,7 +132,10 @@ def run_with_tree_leaves(
     if given:
         # The step's own backward pass records them: their values leave as
         # the gradients of the recorders it differentiates
-        # (`bridge._session.backward.recorders`, `InTransform.backward_recorders`).
+        # (`bridge._session.backward.recorders`, `InTransform.backward_recorders`),
+        # or, in a forward pass that also records sites inside branches and
+        # loops, as the cotangents of the one `jax.vjp` recording them all
+        # (`bridge._session.backward.run_recording`).
         # A site without its recorder would come back as zeros: never.
         missing = [name for name in sites if name not in given]
         if missing:

@@ -285,11 +285,14 @@ def call_model(
         renames=renames_of(discovered),
     )
 
-    in_control_flow = {
-        site.name: site
-        for site in chosen or ()
-        if isinstance(site.origin, backward.InControlFlow)
-    }
+    # The sites recorded through the backward pass: where one is inside
+    # branches and loops, one `jax.vjp` of the model records them all, the
+    # adapters' own routes included (which then take their recorders from
+    # the run as from a differentiated step); else an adapter's route
+    # records its own.
+    recorded_backward = backward.recorded_backward(chosen or ())
+    if not any(isinstance(s.origin, backward.InControlFlow) for s in recorded_backward):
+        recorded_backward = []
 
     def run(
         trainable,
@@ -313,11 +316,11 @@ def call_model(
         """One run recording every selected site; the values inside branches
         and loops leave through the backward pass."""
         arguments = (trainable, dynamic_args, call_kwargs, epsilons, patch_values)
-        if not in_control_flow:
+        if not recorded_backward:
             return run(*arguments, None)
         return backward.run_recording(
             lambda recorders: run(*arguments, recorders),
-            in_control_flow,
+            {site.name: site for site in recorded_backward},
             with_inputs,
             lambda site: (
                 jax.tree.map(lambda s: without_axis(s, site.stacked), site.value_struct)

@@ -28,7 +28,9 @@ it (relu's derivative at 0 becomes 1/2), and Equinox's checkpointed loop
 has a custom backward pass JAX cannot differentiate. An adapter with a
 route of its own that records the same way (Equinox's scanned stacks)
 gives its sites' recorders (`SiteOrigin.backward_recorders`) and takes
-them from the step (`Request.control_flow_recorders`).
+them from the step (`Request.control_flow_recorders`), or from
+`run_recording` where an `apply` records them beside sites in branches and
+loops: one `jax.vjp` for all, never one inside another.
 
 The adapter reads where a call runs (`ControlFlow`, from JAX's trace stack)
 and hands the call to `Session.call_in_control_flow`; the core records a
@@ -274,25 +276,19 @@ def run_recording(
 ) -> tuple[Any, Any, dict, dict, dict]:
     """`run(recorders)` -> `(outputs, state, activations, inputs, ran)`, run
     inside one `jax.vjp` whose pullback brings the values, inputs and
-    where-they-ran of `sites` (`{name: Site}`, each an `InControlFlow`) out
-    of their branches and loops. `without_batch(site)` is the site's abstract
-    value as one trace sees it (one example's, under the probe's vmap)."""
+    where-they-ran of `sites` (`{name: Site}`, each recorded through the
+    backward pass: `recorded_backward`) out of their branches and loops, and
+    out of an adapter's own route (Equinox's scanned stacks), which takes its
+    recorders from the run (`Request.control_flow_recorders`) as from a
+    differentiated step: all of them, or one `jax.vjp` would run inside
+    another. `without_batch(site)` is the site's abstract value as one trace
+    sees it (one example's, under the probe's vmap)."""
 
-    def stacked(origin: InControlFlow, struct: Any) -> Any:
-        return jax.tree.map(
-            lambda s: jnp.zeros((*origin.iterations, *s.shape), s.dtype), struct
-        )
+    def made(site: Any) -> tuple:
+        inputs, ran = site.origin.backward_recorders(site, with_inputs)
+        return zeros_like_struct(without_batch(site)), inputs, ran
 
-    recorders = {
-        name: (
-            zeros_like_struct(without_batch(site)),
-            stacked(site.origin, site.origin.inputs_recorder) if with_inputs else None,
-            jnp.zeros(site.origin.iterations, jnp.float32)
-            if site.origin.in_branch
-            else None,
-        )
-        for name, site in sites.items()
-    }
+    recorders = {name: made(site) for name, site in sites.items()}
 
     def split(recorders: dict) -> tuple[Any, Any]:
         outputs, state, *recorded = run(recorders)
@@ -302,13 +298,7 @@ def run_recording(
         split, recorders, "branches and loops"
     )
     activations, inputs, ran = (dict(part) for part in recorded)
-    for name, site in sites.items():
-        value, site_inputs, site_ran = cotangents[name]
-        activations[name] = value
-        if with_inputs:
-            inputs[name] = jax.tree.map(from_floats, site.origin.inputs, site_inputs)
-        if site_ran is not None:
-            ran[name] = site_ran > 0
+    adopt(cotangents, list(sites.values()), with_inputs, activations, inputs, ran)
     return outputs, state, activations, inputs, ran
 
 
