@@ -21,6 +21,7 @@ number.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from typing import Any
@@ -69,6 +70,25 @@ def transform_call() -> Any:
             return frame
         frame = frame.f_back
     return None
+
+
+_AXES_SCAN_BODY = ("body_fn", os.path.join("flax", "core", "axes_scan.py"))
+
+
+def in_invariants_pass() -> bool:
+    """Whether the innermost `nn.scan` body running now runs in the pass
+    Flax makes over it before the scan (`flax.core.axes_scan`, the body's
+    `init_mode`), to find what it broadcasts: its other values are
+    discarded."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _AXES_SCAN_BODY[0] and code.co_filename.endswith(
+            _AXES_SCAN_BODY[1]
+        ):
+            return frame.f_locals.get("init_mode") is True
+        frame = frame.f_back
+    return False
 
 
 #: Flax's errors where a transform broadcasts `params` that a recording made

@@ -140,8 +140,14 @@ class LinenProbe(ProbeBase):
     ) -> tuple[Any, Any]:
         unexpressible.refuse_patched(session)
         # `{transform: its name}` of the lifted transforms that broadcast
-        # `params`, learnt by discovery (`transforms.Broadcasts`).
-        broadcasting: dict[tuple, str] = {}
+        # `params`, learnt by discovery (`transforms.Broadcasts`); a run
+        # knows those around the sites it selects or patches.
+        broadcasting: dict[tuple, str] = dict(
+            origin.broadcast
+            for site in (*session.selected.values(), *session.patched.values())
+            if (origin := site.origin) is not None
+            and getattr(origin, "broadcast", None) is not None
+        )
 
         def apply(in_params: bool) -> tuple[Any, Any]:
             while True:

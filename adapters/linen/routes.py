@@ -24,12 +24,16 @@ from __future__ import annotations
 
 from bridge.adapter_api import (
     BRANCH,
+    COUNTED_SCAN,
+    JAX_RULES,
+    LOOP_AMONG,
     UNBOUNDED_LOOP,
     Route,
     Rule,
     Session,
     ThroughControlFlow,
     Transform,
+    count_scans_of,
     route,
 )
 
@@ -113,11 +117,36 @@ _IN_LIFTED_BODY = {
     **{jax: RULES[flax] for jax, flax in _LIFTED_LOOPS_AND_BRANCHES.items()},
 }
 
+#: An `nn.scan` that broadcasts `params` (`nn.RNN`'s): the scan counts its
+#: iterations while a probe runs (`count_scans_of`), so a call in its body is
+#: one in a loop of known bounds, each iteration taking its row of the
+#: epsilon by the counter.
+BROADCAST_SCAN = Transform(
+    "nn.scan",
+    Rule.FLOWS,
+    LOOP_AMONG,
+    "move the other transform out of the nn.scan, or unroll the loop",
+    nests=False,
+)
+count_scans_of("flax.core.axes_scan")
+
 #: Flax's own transforms that block: kept where a lifted scope takes the
 #: other traces for its transform's own.
 _FLAX_BLOCKING = frozenset(
     RULES[name] for name in ("nn.scan", "nn.vmap", "nn.while_loop")
 )
+
+
+_COUNTED = JAX_RULES[COUNTED_SCAN]
+
+
+def _broadcasting(name: str, traced: Transform) -> Transform:
+    """The lifted transform `name` that broadcasts `params`, whose trace the
+    router reads as `traced`: a loop of known bounds where it is an `nn.scan`
+    that counts its iterations, else blocking."""
+    if name == "nn.scan" and traced is _COUNTED:
+        return BROADCAST_SCAN
+    return blocking(name)
 
 
 def blocking(name: str) -> Transform:
@@ -162,7 +191,9 @@ class Routes:
         if len(found) == len(traces):  # else one that blocks stands for all
             broadcasting = self.lifted.broadcast_traces
             found = tuple(
-                blocking(broadcasting[id(trace)][1]) if id(trace) in broadcasting else t
+                _broadcasting(broadcasting[id(trace)][1], t)
+                if id(trace) in broadcasting
+                else t
                 for trace, t in zip(traces, found, strict=True)
             )
         if not lifted:
@@ -180,7 +211,10 @@ class Routes:
             )
         found = tuple(
             t
-            if i < inside or t.rule in (Rule.FLOWS, Rule.THROUGH) or t in _FLAX_BLOCKING
+            if i < inside
+            or (t.rule in (Rule.FLOWS, Rule.THROUGH) and t is not _COUNTED)
+            or t in _FLAX_BLOCKING
+            or t is BROADCAST_SCAN
             else own
             for i, t in enumerate(found)
         )

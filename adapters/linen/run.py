@@ -31,7 +31,7 @@ import flax.linen as nn
 
 from bridge.adapter_api import BodyTraces, Mapped, Refused, Session, ThroughControlFlow
 
-from ..shared import guests, jax_internals
+from ..shared import guests, jax_internals, unexpressible
 from . import internals, transforms
 from .jax_transforms import JaxTransforms
 from .routes import Routes
@@ -185,6 +185,14 @@ class Interceptor:
         name = "/".join(path if tap is None else (*path, tap))
         shown = None if method == "__call__" else method
         carries_none = in_params and not module.is_mutable_collection("params")
+        if (
+            lifted
+            and self.lifted.broadcasting_around(unexpressible.traces(self.routes.base))
+            and internals.in_invariants_pass()
+        ):
+            # Flax's pass over an nn.scan's body before the scan, whose values
+            # it discards: the scan's own trace of the body routes the call.
+            return run()
         enclosing = self.routes.enclosing(lifted, carries_none)
         given = id(frame.root) in self.nested
         match self.routes.route(name, enclosing, lifted):
@@ -192,6 +200,9 @@ class Interceptor:
                 # In discovery and in a run alike: a run that took the lifted
                 # route instead would look for an epsilon bridge's collection
                 # does not hold, and write recordings in one branch only.
+                broadcast = self.lifted.broadcasting_around(
+                    unexpressible.traces(self.routes.base)
+                )
                 return session.call_in_control_flow(
                     name,
                     shown,
@@ -199,7 +210,7 @@ class Interceptor:
                     call_args,
                     flow,
                     run,
-                    Origin(path, tap=tap),
+                    Origin(path, tap=tap, broadcast=broadcast),
                 )
             case Refused() as refused:
                 return self.routes.listed(

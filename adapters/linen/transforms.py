@@ -166,7 +166,7 @@ class LiftedTransforms:
         # The transforms known to broadcast `params` (`Broadcasts`), and the
         # traces of their bodies now, by id (the trace kept alive).
         self.broadcasting = broadcasting
-        self.broadcast_traces: dict[int, tuple[Any, str]] = {}
+        self.broadcast_traces: dict[int, tuple[Any, str, tuple]] = {}
         # The traces the lifted transforms' bodies run in, by id (kept
         # alive): what runs inside one of them in a trace of its own is
         # JAX's transform of the model's code, not Flax's.
@@ -197,7 +197,17 @@ class LiftedTransforms:
         self.body_traces[id(trace)] = trace
         broadcast = self.broadcasting.get(key)
         if broadcast is not None:
-            self.broadcast_traces[id(trace)] = (trace, broadcast)
+            self.broadcast_traces[id(trace)] = (trace, broadcast, key)
+
+    def broadcasting_around(self, traces: Any) -> tuple[tuple, str] | None:
+        """`(key, name)` of the innermost transform known to broadcast
+        `params` among `traces` (innermost first): what a run must know to
+        route a call there as discovery did (`Origin.broadcast`)."""
+        for trace in traces:
+            found = self.broadcast_traces.get(id(trace))
+            if found is not None:
+                return found[2], found[1]
+        return None
 
     def uncarried(self, path: tuple[str, ...], tap: str | None) -> None:
         """A call (or a tap) at `path` in a transform that carries neither

@@ -52,6 +52,11 @@ class Origin(SiteOrigin):
 
     `blocked`: why bridge cannot express the call, naming the transform that
     holds it (see `bridge.adapters.shared.unexpressible`); listed only.
+
+    `broadcast`: `(key, name)` of the lifted transform around the call that
+    broadcasts `params` (`transforms.Broadcasts`), which discovery learnt:
+    a run that selects or patches the call must know it too, to route the
+    call as one in a loop (an `nn.scan` counting its iterations).
     """
 
     scope: tuple[str, ...]
@@ -60,6 +65,7 @@ class Origin(SiteOrigin):
     tap: str | None = None
     given: bool = False
     blocked: str | None = None
+    broadcast: tuple | None = None
 
 
 def names_params(mutable: Any) -> bool:

@@ -56,6 +56,17 @@ _original: Callable | None = None
 _RUNNING: contextvars.ContextVar[tuple[tuple[Any, int], ...]] = contextvars.ContextVar(
     "bridge_counted_scans", default=()
 )
+#: The modules of a library whose scans are counted all the same
+#: (`count_scans_of`).
+_COUNTED_LIBRARY_MODULES: set[str] = set()
+
+
+def count_scans_of(module: str) -> None:
+    """Count the scans the library module named `module` calls: an adapter
+    whose library's scan carries none of bridge's state where it shares the
+    parameters between iterations (Linen's `nn.scan` broadcasting `params`,
+    as `nn.RNN` does) routes a call there as one in a loop of known bounds."""
+    _COUNTED_LIBRARY_MODULES.add(module)
 
 
 def running() -> tuple[tuple[Any, int], ...]:
@@ -70,7 +81,8 @@ def _counts(caller: Any) -> bool:
     probe's run."""
     if context.current() is None:
         return False
-    return not is_library_module(caller.f_globals.get("__name__", ""))
+    module = caller.f_globals.get("__name__", "")
+    return module in _COUNTED_LIBRARY_MODULES or not is_library_module(module)
 
 
 def _length(xs: Any, length: int | None) -> int | None:
