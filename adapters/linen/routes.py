@@ -117,11 +117,12 @@ _IN_LIFTED_BODY = {
     **{jax: RULES[flax] for jax, flax in _LIFTED_LOOPS_AND_BRANCHES.items()},
 }
 
-#: An `nn.scan` that broadcasts `params` (`nn.RNN`'s): the scan counts its
-#: iterations while a probe runs (`count_scans_of`), so a call in its body is
-#: one in a loop of known bounds, each iteration taking its row of the
-#: epsilon by the counter.
-BROADCAST_SCAN = Transform(
+#: An `nn.scan` as a loop of known bounds: the scan counts its iterations
+#: while a probe runs (`count_scans_of`), so a call in its body takes its
+#: row of the epsilon by the counter. So is one that broadcasts `params`
+#: (`nn.RNN`'s), which carries none of bridge's state, and one over stacked
+#: layers for a call no carrier takes (a branch in its body).
+SCAN_LOOP = Transform(
     "nn.scan",
     Rule.FLOWS,
     LOOP_AMONG,
@@ -145,7 +146,7 @@ def _broadcasting(name: str, traced: Transform) -> Transform:
     router reads as `traced`: a loop of known bounds where it is an `nn.scan`
     that counts its iterations, else blocking."""
     if name == "nn.scan" and traced is _COUNTED:
-        return BROADCAST_SCAN
+        return SCAN_LOOP
     return blocking(name)
 
 
@@ -176,12 +177,15 @@ class Routes:
             return _IN_LIFTED_BODY
         return RULES
 
-    def enclosing(self, lifted: bool, carries_none: bool) -> tuple[Transform, ...]:
+    def enclosing(
+        self, lifted: bool, carries_none: bool, scans_loop: bool = False
+    ) -> tuple[Transform, ...]:
         """The transforms around the call running now, innermost first: of
         a module in a `lifted` scope (whose transform carries none of
         bridge's collections where `carries_none`: recording in `params`,
         which it does not carry either), or of one in the model's (module
-        docstring)."""
+        docstring). With `scans_loop`, each `nn.scan` that counts its
+        iterations is a loop of known bounds, not a carrier."""
         found = unexpressible.enclosing(self.base, self._rules(lifted))
         if lifted and found and found[-1].name == unexpressible.UNKNOWN_TRANSFORM:
             # The stack is not read to `base` (jax < 0.6.2): the lifted
@@ -214,7 +218,9 @@ class Routes:
             if i < inside
             or (t.rule in (Rule.FLOWS, Rule.THROUGH) and t is not _COUNTED)
             or t in _FLAX_BLOCKING
-            or t is BROADCAST_SCAN
+            or t is SCAN_LOOP
+            else SCAN_LOOP
+            if scans_loop and t is _COUNTED
             else own
             for i, t in enumerate(found)
         )

@@ -185,17 +185,24 @@ class Interceptor:
         name = "/".join(path if tap is None else (*path, tap))
         shown = None if method == "__call__" else method
         carries_none = in_params and not module.is_mutable_collection("params")
-        if (
-            lifted
-            and self.lifted.broadcasting_around(unexpressible.traces(self.routes.base))
-            and internals.in_invariants_pass()
-        ):
-            # Flax's pass over an nn.scan's body before the scan, whose values
-            # it discards: the scan's own trace of the body routes the call.
-            return run()
         enclosing = self.routes.enclosing(lifted, carries_none)
         given = id(frame.root) in self.nested
-        match self.routes.route(name, enclosing, lifted):
+        found = self.routes.route(name, enclosing, lifted)
+        if isinstance(found, Refused) and lifted:
+            if internals.in_invariants_pass():
+                # Flax's pass over an nn.scan's body before the scan, whose
+                # values it discards: the scan's own trace of the body lists
+                # or routes the call.
+                return run()
+            # Where no carrier takes the call (a branch in a scanned stack),
+            # the nn.scans around it, counting their iterations, may still be
+            # loops of known bounds around it.
+            looped = self.routes.enclosing(lifted, carries_none, scans_loop=True)
+            if looped != enclosing:
+                again = self.routes.route(name, looped, lifted)
+                if isinstance(again, ThroughControlFlow):
+                    found = again
+        match found:
             case ThroughControlFlow(flow=flow):
                 # In discovery and in a run alike: a run that took the lifted
                 # route instead would look for an epsilon bridge's collection
