@@ -9,6 +9,9 @@ Each model runs a real recurrent cell of its library (`eqx.nn.GRUCell`,
 offset added by hand to the cell's output at each step (`hand`), a step's
 row taken by the step's index, which the model scans beside its inputs;
 differentiated or pushed forward by plain JAX.
+
+Linen's own `nn.scan` counts its iterations the same way: a branch inside
+a scanned stack is a site per layer, against the stack unrolled by hand.
 """
 
 from __future__ import annotations
@@ -352,3 +355,96 @@ def test_jax_lax_scan_is_jax_s_own_outside_a_probe():
     assert jax.lax.scan is original
     assert in_loss and all(scan is original for scan in in_loss)
     assert _SEEN and all(scan is not original for scan in _SEEN)
+
+
+# -- Linen's own nn.scan: a branch inside a scanned stack ---------------------------
+
+
+class _LinenBranchBlock(nn.Module):
+    """A block of a scanned stack: `left` or `tanh(right)` by `nn.cond` on
+    the sign of the batch's first feature, which differs between layers."""
+
+    @nn.compact
+    def __call__(self, h, _):
+        left, right = nn.Dense(4, name="left"), nn.Dense(4, name="right")
+        if self.is_initializing():
+            left(h), right(h)
+        h = nn.cond(
+            h[..., 0].sum() > 0,
+            lambda _, v: left(v),
+            lambda _, v: jnp.tanh(right(v)),
+            self,
+            h,
+        )
+        return h, None
+
+
+class _LinenBranchStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, name="embed")(x)
+        scan = nn.scan(
+            _LinenBranchBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        h = scan(name="blocks")(h, None)[0]
+        return nn.Dense(2, name="head")(h)
+
+
+def test_a_branch_in_a_linen_scanned_stack_is_a_site_per_layer():
+    """Each layer's branch sites hold that layer's value and gradient where
+    its branch ran, zeros where it did not, and `ran` says which, eager and
+    jitted: against the stack unrolled by hand, each branch computed and
+    picked with `jnp.where`, offsets added per layer."""
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    model = _LinenBranchStack()
+    variables = model.init(jax.random.key(0), x)
+    params = variables["params"]
+    probe = bridge.probe(model, variables)
+    sites = ("blocks/left", "blocks/right")
+    for site in sites:
+        assert probe.sites(x)[site].shape == (3, 2, 4)
+
+    def dense(p, h):
+        return nn.Dense(4).apply({"params": p}, h)
+
+    def unrolled(offsets):
+        h = dense(params["embed"], x)
+        values, taken = {site: [] for site in sites}, []
+        for i in range(3):
+            layer = jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+            left = dense(layer["left"], h)
+            right = dense(layer["right"], h)
+            went_left = h[..., 0].sum() > 0
+            values["blocks/left"].append(left)
+            values["blocks/right"].append(right)
+            taken.append(went_left)
+            h = jnp.where(
+                went_left,
+                left + offsets["blocks/left"][i],
+                jnp.tanh(right + offsets["blocks/right"][i]),
+            )
+        out = nn.Dense(2).apply({"params": params["head"]}, h)
+        return loss_fn(out), (values, jnp.stack(taken))
+
+    zeros = {site: jnp.zeros((3, 2, 4)) for site in sites}
+    (loss, (values, went_left)), grads = jax.value_and_grad(unrolled, has_aux=True)(
+        zeros
+    )
+    assert 0 < int(went_left.sum()) < 3, "both branches must run in some layer"
+    ran = {"blocks/left": went_left, "blocks/right": ~went_left}
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=list(sites))
+
+    for res in (run(probe, x), jax.jit(run)(probe, x)):
+        assert_close(res.loss, loss)
+        for site in sites:
+            np.testing.assert_array_equal(res.ran[site], ran[site])
+            where = ran[site][:, None, None]
+            assert_close(
+                res.activations[site], jnp.where(where, jnp.stack(values[site]), 0)
+            )
+            assert_close(res.activation_grads[site], grads[site])
