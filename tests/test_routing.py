@@ -270,13 +270,23 @@ def _stacked_model(library, kind):
     return bridge.probe(model, model.init(jax.random.key(0), x)), "blocks/lin#1"
 
 
+#: What bridge probes inside a library's stack: a `jax.jit` is traced
+#: through; Linen's `nn.scan` counts its iterations, so a branch or a loop of
+#: known bounds inside it is one inside a loop of known bounds.
+PROBED_IN_A_STACK = {
+    "linen": {"jit", "cond", "fori_loop", "scan"},
+    "nnx": {"jit"},
+    "haiku": {"jit"},
+}
+
+
 @NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("library", ["linen", "nnx", "haiku"])
 @pytest.mark.parametrize("kind", INSIDE_A_STACK)
 def test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router(library, kind):
-    """The layer's site is listed; selecting it raises the router's sentence
-    naming JAX's transform inside the stack's body (a `jax.jit` is traced
-    through: probed). The library's carrier alone would have carried it,
+    """The layer's site is listed; selecting it probes it
+    (`PROBED_IN_A_STACK`) or raises the router's sentence naming JAX's
+    transform inside the stack's body. The library's carrier alone would have carried it,
     and Flax or Haiku failed with their own tracer errors; a `lax.scan` of
     the model's own is told from the library's by the trace the layer's
     parameters belong to."""
@@ -286,10 +296,13 @@ def test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router(library,
     x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", bridge.BridgeWarning)
-        assert site in probe.sites(x)
-    if kind == "jit":
+        listed = probe.sites(x)[site]
+    if kind in PROBED_IN_A_STACK[library]:
         res = probe.value_and_grad(lambda y: jnp.sum(y**2), x, at=[site])
-        assert res.activations[site].shape == (2, 2, 3)
+        # Every layer's calls, the stack's layers first: (2, [2,] 2, 3).
+        assert res.activations[site].shape == listed.shape
+        assert res.activations[site].shape[0] == 2
+        assert res.activation_grads[site].shape == listed.shape
         return
     with pytest.raises(
         bridge.BridgeValueError, match=rf"around site '{re.escape(site)}'"
