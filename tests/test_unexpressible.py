@@ -13,6 +13,13 @@ parameters, the bias identity or a gradient taken by hand for the
 activations), eager and under `jax.jit`. Reverse-mode differentiation
 through a `while_loop` is JAX's own limit: a model with one is checked
 forward (`probe.apply`).
+
+Linen's `nn.scan` that broadcasts `params` (`nn.RNN`'s) is such a case only
+on jax without jaxpr parents (before 0.6.2). On newer jax it counts its steps
+while a probe runs, and a call in its body is a site per step, `(steps,
+batch, ...)`, checked against the steps unrolled in Python by hand: values,
+gradients of an offset per step and of one offset shared by every step,
+patches per step, beside the same checks of every other site.
 """
 
 from __future__ import annotations
@@ -174,7 +181,275 @@ def _linen_plain(module, params, x):
     )(params)
 
 
-def test_linen_rnn_cell_is_listed_and_refused_while_the_rest_probes():
+# With jaxpr parents (jax >= 0.6.2), Linen's `nn.scan` that broadcasts `params`
+# counts its steps while a probe runs: a call in its body is a site per step,
+# checked against the same step unrolled in Python by hand. Without them (the
+# floors), it stays refused.
+WITHOUT_JAXPR_PARENTS = pytest.mark.skipif(
+    helpers.jaxpr_traces_record_their_parent(),
+    reason="jax >= 0.6.2 probes a call in a broadcasting nn.scan per step",
+)
+
+
+def _keep(step, out):
+    return out
+
+
+def _added(offsets, per_step=True):
+    """An edit adding `offsets`: row `step` at each step (`per_step`), else the
+    one offset at every step."""
+    return lambda step, out: jax.tree.map(
+        lambda o, d: o + (d[step] if per_step else d), out, offsets
+    )
+
+
+def _row(value):
+    """An edit replacing the output with row `step` of the stacked `value`."""
+    return lambda step, out: jax.tree.map(lambda v: v[step], value)
+
+
+def _unrolled(step_fn, carry, xs, edits):
+    """`step_fn(carry, x)` over `xs`' axis 1 unrolled in Python, without
+    bridge: at step `t`, `edits[name](t, out)` replaces the output `out` of
+    the submodule `name` that `step_fn` calls (of `step_fn` itself for `""`).
+    Returns the outputs stacked on axis 1 and each edited name's values as
+    they flow on, stacked per step."""
+    seen = {name: [] for name in edits}
+    step = 0
+
+    def edit(name, out):
+        out = edits[name](step, out)
+        seen[name].append(out)
+        return out
+
+    def hand(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        name = context.module.name
+        if context.method_name == "__call__" and name != "" and name in edits:
+            out = edit(name, out)
+        return out
+
+    ys = []
+    with nn.intercept_methods(hand):
+        for step in range(xs.shape[1]):
+            carry, y = step_fn(carry, xs[:, step])
+            if "" in edits:
+                carry, y = edit("", (carry, y))
+            ys.append(y)
+    stacked = {
+        name: jax.tree.map(lambda *v: jnp.stack(v), *outs)
+        for name, outs in seen.items()
+    }
+    return jnp.stack(ys, 1), stacked
+
+
+def _dense(params, h):
+    return nn.Dense(params["bias"].shape[-1]).apply({"params": params}, h)
+
+
+def _rnn_by_hand(params, x, edits):
+    """`LinenRNN`, its cell's steps unrolled (`_unrolled`)."""
+    h = _dense(params["embed"], x)
+    cell = nn.OptimizedLSTMCell(5)
+    carry = cell.initialize_carry(jax.random.key(0), h[:, 0].shape)
+    ys, seen = _unrolled(
+        lambda c, h: cell.apply({"params": params["cell"]}, c, h), carry, h, edits
+    )
+    return _dense(params["head"], ys), seen
+
+
+def _scans_by_hand(params, x, edits):
+    """`LinenScans`, its broadcasting scan's steps unrolled (`_unrolled`), then
+    its stack's layers one by one."""
+    h = _dense(params["embed"], x)
+    h, seen = _unrolled(
+        lambda c, h: _Recurrent().apply({"params": params["recurrent"]}, c, h),
+        jnp.zeros((x.shape[0], 4)),
+        h,
+        edits,
+    )
+    for layer in range(2):
+        layer_params = {k: p[layer] for k, p in params["stack"]["dense"].items()}
+        h = jnp.tanh(_dense(layer_params, h))
+    return _dense(params["head"], h), seen
+
+
+def _per_step_references(by_hand, params, x, names):
+    """By hand, for each of `names`: its values per step; the gradient of the
+    loss with an offset per step added there (`(steps, ...)`); and with one
+    offset added at every step."""
+
+    def hand_loss(edits):
+        return loss_fn(by_hand(params, x, edits)[0])
+
+    _, values = by_hand(params, x, dict.fromkeys(names, _keep))
+    zeros = jax.tree.map(jnp.zeros_like, values)
+    by_step = {
+        name: jax.grad(lambda d, name=name: hand_loss({name: _added(d)}))(zeros[name])
+        for name in names
+    }
+    shared = {
+        name: jax.grad(lambda d, name=name: hand_loss({name: _added(d, False)}))(
+            jax.tree.map(lambda z: z[0], zeros[name])
+        )
+        for name in names
+    }
+    return values, by_step, shared
+
+
+def _assert_per_step(res, references, sites):
+    """`res`'s values and gradients at each of `sites` (`{site: name}`) equal
+    the references by hand per step; summed over the steps, its gradient is
+    that of one offset added at every step."""
+    values, by_step, shared = references
+    for site, name in sites.items():
+        assert_close(res.activations[site], values[name])
+        assert_close(res.activation_grads[site], by_step[name])
+        summed = jax.tree.map(lambda g: g.sum(0), res.activation_grads[site])
+        assert_close(summed, shared[name])
+
+
+def both_ways_whole(run, *args):
+    """`run(*args)` eager and under `jax.jit`, leaving out no site (no
+    `BridgeWarning`)."""
+    results = []
+    for way in (run, jax.jit(run)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", bridge.BridgeWarning)
+            results.append(way(*args))
+    return results
+
+
+@helpers.NEEDS_JAXPR_PARENTS
+def test_linen_rnn_cell_is_a_site_per_step_and_the_rest_probes():
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    module = LinenRNN()
+    probe, params = _linen(module, x)
+    sites = probe.sites(x)
+    # Every step's call, stacked: (steps, batch, features); carry, then output.
+    assert shapes(sites["cell"]) == (((3, 2, 5), (3, 2, 5)), (3, 2, 5))
+    # The optimized cell's `hi` hands out its (kernel, bias), at every step.
+    assert shapes(sites["cell/hi"]) == ((3, 5, 5), (3, 5))
+    references = _per_step_references(_rnn_by_hand, params, x, ["", "hi"])
+    per_step = {"cell": "", "cell/hi": "hi"}
+    loss, grads = _linen_plain(module, params, x)
+    for res in both_ways_whole(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
+        assert set(res.activations) == set(sites)  # nothing left out
+        assert {"embed", "rnn", "head", "cell", "cell/hi"} <= set(sites)
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(res.grads, grads)
+        _assert_per_step(res, references, per_step)
+        grad = res.activation_grads
+        # `hi`'s (kernel, bias) at every step: the parameters, whose gradient
+        # sums the steps'.
+        hi, hi_params = grads["cell"]["hi"], params["cell"]["hi"]
+        every_step = jax.tree.map(
+            lambda p: jnp.broadcast_to(p, (3, *p.shape)),
+            (hi_params["kernel"], hi_params["bias"]),
+        )
+        assert_close(res.activations["cell/hi"], every_step)
+        assert_close(
+            jax.tree.map(lambda g: g.sum(0), grad["cell/hi"]),
+            (hi["kernel"], hi["bias"]),
+        )
+        # The sequence of the steps' outputs, batch first.
+        assert_close(res.activations["rnn"], jnp.moveaxis(references[0][""][1], 0, 1))
+        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
+        assert_close(bias_sum(grad["head"], 2), grads["head"]["bias"])
+
+        def after_rnn(h):
+            return loss_fn(nn.Dense(2).apply({"params": params["head"]}, h))
+
+        by_hand = jax.grad(after_rnn)(res.activations["rnn"])
+        assert_close(grad["rnn"], by_hand)
+
+    # The cell by type: its call and `nn.RNN`'s `scan_fn` around it, each a
+    # site per step whose value and gradient are the cell's.
+    def by_type(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=nn.OptimizedLSTMCell)
+
+    for res in (by_type(probe, x), jax.jit(by_type)(probe, x)):
+        assert set(res.activations) == {"cell", "cell.scan_fn"}
+        _assert_per_step(res, references, {"cell": "", "cell.scan_fn": ""})
+
+    # Patches per step: a function at the cell (each step's carry and output;
+    # the next step reads the patched carry) and a stacked (kernel, bias) at
+    # `hi`, each step's own.
+    hi_value = helpers.random_like(sites["cell/hi"], seed=5)
+    cases = [
+        (
+            {"cell": lambda out: jax.tree.map(lambda v: 2 * v - 0.5, out)},
+            {"": lambda t, out: jax.tree.map(lambda v: 2 * v - 0.5, out), "hi": _keep},
+        ),
+        ({"cell/hi": hi_value}, {"": _keep, "hi": _row(hi_value)}),
+    ]
+    for patch, edits in cases:
+        outputs, values = _rnn_by_hand(params, x, edits)
+
+        def patched(probe, x, patch=patch):
+            return probe.apply(x, at=["cell", "cell/hi"], patch=patch)
+
+        for fwd in (patched(probe, x), jax.jit(patched)(probe, x)):
+            assert_close(fwd.outputs, outputs)
+            assert_close(fwd.activations["cell"], values[""])
+            assert_close(fwd.activations["cell/hi"], values["hi"])
+
+
+@helpers.NEEDS_JAXPR_PARENTS
+def test_linen_broadcast_scan_is_a_site_per_step_beside_a_sliced_scan():
+    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    module = LinenScans()
+    probe, params = _linen(module, x)
+    sites = probe.sites(x)
+    assert shapes(sites["recurrent/mix"]) == (3, 2, 4)  # (steps, batch, features)
+    assert shapes(sites["stack/dense"]) == (2, 2, 3, 4)  # (layers, batch, ...)
+    references = _per_step_references(_scans_by_hand, params, x, ["", "mix"])
+    per_step = {"recurrent": "", "recurrent/mix": "mix"}
+    loss, grads = _linen_plain(module, params, x)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x)
+
+    for res in both_ways_whole(run, probe, x):
+        assert set(res.activations) == {
+            "embed",
+            "recurrent",
+            "recurrent/mix",
+            "stack",
+            "stack/dense",
+            "head",
+        }
+        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+        assert_close(res.grads, grads)
+        _assert_per_step(res, references, per_step)
+        grad = res.activation_grads
+        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
+        # One bias for every step of the broadcasting scan...
+        assert_close(
+            bias_sum(grad["recurrent/mix"], 2), grads["recurrent"]["mix"]["bias"]
+        )
+        # ...and one bias per layer of the sliced stack.
+        layers = grad["stack/dense"].sum(axis=(1, 2))
+        assert_close(layers, grads["stack"]["dense"]["bias"])
+
+    # A stacked patch value at `mix`: each step's own, the next step reading
+    # the carry it made.
+    mix_value = helpers.random_like(sites["recurrent/mix"], seed=6)
+    outputs, values = _scans_by_hand(params, x, {"": _keep, "mix": _row(mix_value)})
+
+    def patched(probe, x):
+        return probe.apply(
+            x, at=["recurrent", "recurrent/mix"], patch={"recurrent/mix": mix_value}
+        )
+
+    for fwd in (patched(probe, x), jax.jit(patched)(probe, x)):
+        assert_close(fwd.outputs, outputs)
+        assert_close(fwd.activations["recurrent"], values[""])
+        assert_close(fwd.activations["recurrent/mix"], mix_value)
+
+
+@WITHOUT_JAXPR_PARENTS
+def test_linen_rnn_cell_is_refused_without_jaxpr_parents_while_the_rest_probes():
     x = jax.random.normal(jax.random.key(1), (2, 3, 4))
     module = LinenRNN()
     probe, params = _linen(module, x)
@@ -204,7 +479,8 @@ def test_linen_rnn_cell_is_listed_and_refused_while_the_rest_probes():
         assert_close(grad["rnn"], by_hand)
 
 
-def test_linen_broadcast_scan_is_refused_and_a_sliced_scan_beside_it_probes():
+@WITHOUT_JAXPR_PARENTS
+def test_linen_broadcast_scan_is_refused_without_jaxpr_parents_beside_a_sliced_scan():
     x = jax.random.normal(jax.random.key(1), (2, 3, 4))
     module = LinenScans()
     probe, params = _linen(module, x)
