@@ -971,6 +971,7 @@ def _tap_in_the_models_scan(x, offsets=None):
     return (y, {"first": first, "t": steps, "last": y}) if offsets else y
 
 
+@NEEDS_JAXPR_PARENTS
 def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration():
     """While a probe runs, the model's own `jax.lax.scan` counts its
     iterations: its body's tap (traced twice) is one site of every iteration,
