@@ -806,6 +806,283 @@ def test_a_tap_in_a_branch_is_a_site_where_the_branch_runs(library):
         assert_close(res.activations["t"], np.where(runs[:, None], jnp.sin(first), 0))
 
 
+# -- Haiku: a branch or a loop inside a layer stack or hk.scan ------------------------
+
+#: Haiku's scans over layers: `hk.experimental.layer_stack`, slicing stacked
+#: parameters, and `hk.scan`, sharing them (forwards and reversed).
+HK_STACKS = ("layer_stack", "hk.scan", "hk.scan-reverse")
+#: What their body runs its layers in, after `pre` (outside any of them): a
+#: branch (Haiku's, JAX's) between `left` (tapped as `t`) and `right`, or a
+#: loop applying `cell` `HK_INNER` times.
+HK_BRANCHES = ("hk.cond", "hk.switch", "lax.cond", "lax.switch")
+HK_LOOPS = ("lax.fori_loop", "lax.scan", "hk.fori_loop", "hk.scan")
+HK_INNER = 2
+HK_CASES = [
+    pytest.param(stack, inner, id=f"{stack}-{inner}")
+    for stack, inners in (
+        ("layer_stack", (*HK_BRANCHES, *HK_LOOPS)),
+        ("hk.scan", (*HK_BRANCHES, *HK_LOOPS)),
+        ("hk.scan-reverse", ("lax.cond", "lax.scan")),
+    )
+    for inner in inners
+]
+
+
+def _hk_loop(inner: str, step: Callable, h: jax.Array) -> jax.Array:
+    if inner == "lax.fori_loop":
+        return jax.lax.fori_loop(0, HK_INNER, lambda _, h: step(h), h)
+    if inner == "hk.fori_loop":
+        return hk.fori_loop(0, HK_INNER, lambda _, h: step(h), h)
+    scan = jax.lax.scan if inner == "lax.scan" else hk.scan
+    return scan(lambda h, _: (step(h), None), h, None, length=HK_INNER)[0]
+
+
+def _hk_branch(inner: str, predicate, go_left, go_right, h):
+    if inner == "hk.cond":
+        return hk.cond(predicate, go_left, go_right, h)
+    if inner == "lax.cond":
+        return jax.lax.cond(predicate, go_left, go_right, h)
+    switch = hk.switch if inner == "hk.switch" else jax.lax.switch
+    return switch(predicate.astype(jnp.int32), [go_right, go_left], h)
+
+
+def _hk_stacked(stack: str, inner: str) -> Callable:
+    """`encoder`, `LAYERS` layers scanned by `stack`, each `pre` then the
+    branch or loop `inner`, then `head`. The branch is taken where the
+    layer's input has a positive first feature (summed over the batch):
+    `left` makes it negative, `right` positive, so the branches alternate
+    between layers."""
+
+    def layers() -> tuple:
+        names = ("cell",) if inner in HK_LOOPS else ("left", "right")
+        return tuple(hk.Linear(WIDTH, name=n) for n in ("pre", *names))
+
+    def body(made: tuple, h: jax.Array) -> jax.Array:
+        if hk.running_init():  # every branch's and loop's parameters
+            for layer in made:
+                layer(h)
+        pre, *rest = made
+        u = jnp.tanh(pre(h))
+        if inner in HK_LOOPS:
+            (cell,) = rest
+            return _hk_loop(inner, lambda h: jnp.tanh(cell(h)), u)
+        left, right = rest
+        return _hk_branch(
+            inner,
+            h[..., 0].sum() > 0,
+            lambda v: -jnp.square(bridge.tap("t", left(v))),
+            lambda v: jnp.square(jnp.tanh(right(v))),
+            u,
+        )
+
+    def function(x):
+        h = hk.Linear(WIDTH, name="encoder")(x)
+        if stack == "layer_stack":
+            h = hk.experimental.layer_stack(LAYERS)(lambda h: body(layers(), h))(h)
+        else:
+            made = layers()
+            h = hk.scan(
+                lambda h, _: (body(made, h), None),
+                h,
+                None,
+                length=LAYERS,
+                reverse=stack == "hk.scan-reverse",
+            )[0]
+        return hk.Linear(OUT, name="head")(h)
+
+    return function
+
+
+def _hk_names(stack: str, inner: str) -> dict[str, str]:
+    """`{short name: site}`: inside a layer stack the sites are named like
+    their parameters."""
+    prefix = "__layer_stack_no_per_layer/" if stack == "layer_stack" else ""
+    shorts = ("pre", "cell") if inner in HK_LOOPS else ("pre", "left", "t", "right")
+    return {short: prefix + short for short in shorts}
+
+
+def _hk_by_hand(stack, inner, params, x, offsets, patch=None):
+    """The stack unrolled in Python by plain JAX, `offsets[short][i]` (and
+    `[i, j]` in a loop) added at iteration `i`'s sites, the branch computed
+    both ways and picked with `jnp.where`; `patch(short, row, value)` gives
+    the value a patched site goes on with. Returns the outputs, each site's
+    values per iteration (offsets added, before any patch), and whether the
+    branch took `left` per iteration."""
+    names = _hk_names(stack, inner)
+    patch = patch or (lambda short, row, value: value)
+
+    def dense(short, i, h):
+        p = params[names.get(short, short)]
+        if stack == "layer_stack" and short in names:
+            p = jax.tree.map(lambda a: a[i], p)
+        return h @ p["w"] + p["b"]
+
+    h = dense("encoder", None, x)
+    values = {short: [None] * LAYERS for short in names}
+    taken = [None] * LAYERS
+    order = range(LAYERS)[::-1] if stack == "hk.scan-reverse" else range(LAYERS)
+    for i in order:  # row `i` is the iteration's entry of xs
+        values["pre"][i] = dense("pre", i, h) + offsets["pre"][i]
+        u = jnp.tanh(patch("pre", (i,), values["pre"][i]))
+        if inner in HK_LOOPS:
+            h = u
+            cells = []
+            for j in range(HK_INNER):
+                cells.append(dense("cell", i, h) + offsets["cell"][i, j])
+                h = jnp.tanh(patch("cell", (i, j), cells[-1]))
+            values["cell"][i] = jnp.stack(cells)
+            continue
+        taken[i] = h[..., 0].sum() > 0
+        values["left"][i] = dense("left", i, u) + offsets["left"][i]
+        left = patch("left", (i,), values["left"][i])
+        values["t"][i] = left + offsets["t"][i]
+        values["right"][i] = dense("right", i, u) + offsets["right"][i]
+        right = jnp.tanh(patch("right", (i,), values["right"][i]))
+        t = patch("t", (i,), values["t"][i])
+        h = jnp.where(taken[i], -jnp.square(t), jnp.square(right))
+    outputs = dense("head", None, h)
+    values = {short: jnp.stack(rows) for short, rows in values.items()}
+    return outputs, values, None if inner in HK_LOOPS else jnp.stack(taken)
+
+
+def _hk_probe(stack, inner, vmap=False):
+    transformed = hk.without_apply_rng(hk.transform(_hk_stacked(stack, inner)))
+    x = jax.random.normal(jax.random.key(1), (BATCH, IN))
+    params = transformed.init(jax.random.key(0), x[0] if vmap else x)
+    return bridge.probe(transformed, params, vmap=vmap), params, x
+
+
+def _hk_zero_offsets(stack, inner, batch=(BATCH,)):
+    def rows(short):
+        return (LAYERS, HK_INNER) if short == "cell" else (LAYERS,)
+
+    return {
+        short: jnp.zeros((*rows(short), *batch, WIDTH))
+        for short in _hk_names(stack, inner)
+    }
+
+
+def _hk_ran(inner, taken):
+    """Where each site ran: a branch's sites where it took their side; no
+    entry for the others."""
+    if inner in HK_LOOPS:
+        return {}
+    return {"left": taken, "t": taken, "right": ~taken}
+
+
+@pytest.mark.parametrize(("stack", "inner"), HK_CASES)
+def test_haiku_a_branch_or_loop_in_a_stack_is_a_site_per_iteration(stack, inner):
+    """Every site in the branch or loop holds each iteration's value and
+    gradient, `(layers, [inner iterations,] batch, width)`, zeros where its
+    branch did not run, and `ran` per iteration; `pre`, carried by Haiku's
+    state, as before: against the stack unrolled by hand, eager and jitted."""
+    probe, params, x = _hk_probe(stack, inner)
+    names = _hk_names(stack, inner)
+    zeros = _hk_zero_offsets(stack, inner)
+
+    def hand_loss(offsets):
+        outputs, values, taken = _hk_by_hand(stack, inner, params, x, offsets)
+        return loss_fn(outputs), (values, taken)
+
+    (loss, (values, taken)), grads = jax.value_and_grad(hand_loss, has_aux=True)(zeros)
+    if taken is not None:
+        assert 0 < int(taken.sum()) < LAYERS, "both branches must run somewhere"
+    ran = _hk_ran(inner, taken)
+    sites = probe.sites(x)
+    for short, name in names.items():
+        assert sites[name].shape == values[short].shape
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=list(names.values()))
+
+    for res in both_ways(run, probe, x):
+        assert_close(res.loss, loss)
+        assert set(res.ran) == {names[short] for short in ran}
+        for short, name in names.items():
+            where = ran.get(short)
+            expected = values[short]
+            if where is not None:
+                np.testing.assert_array_equal(res.ran[name], where)
+                expected = jnp.where(where[:, None, None], expected, 0)
+            assert_close(res.activations[name], expected)
+            assert_close(res.activation_grads[name], grads[short])
+
+
+@pytest.mark.parametrize(
+    ("stack", "inner"),
+    [
+        ("layer_stack", "hk.cond"),
+        ("hk.scan-reverse", "lax.switch"),
+        ("layer_stack", "lax.fori_loop"),
+        ("hk.scan", "lax.scan"),
+    ],
+)
+def test_haiku_a_patch_in_a_stack_applies_per_iteration(stack, inner):
+    """A patch value in the site's stacked shape replaces each iteration's
+    value by its row where the site runs; a patch function applies to each
+    iteration's value: against the stack unrolled by hand, eager and jitted."""
+    probe, params, x = _hk_probe(stack, inner)
+    short = "cell" if inner in HK_LOOPS else "left"
+    site = _hk_names(stack, inner)[short]
+    zeros = _hk_zero_offsets(stack, inner)
+    rows = jax.random.normal(jax.random.key(4), zeros[short].shape)
+    for given, hand in (
+        (rows, lambda s, row, v: rows[row] if s == short else v),
+        (lambda v: 2 * v, lambda s, row, v: 2 * v if s == short else v),
+    ):
+        expected, values, taken = _hk_by_hand(stack, inner, params, x, zeros, hand)
+        want = 2 * values[short] if callable(given) else rows
+        if taken is not None:
+            assert 0 < int(taken.sum()) < LAYERS, "both branches must run somewhere"
+            want = jnp.where(taken[:, None, None], want, 0)
+        for fwd in both_ways(
+            lambda p, x, given=given: p.apply(x, at=[site], patch={site: given}),
+            probe,
+            x,
+        ):
+            assert_close(fwd.outputs, expected)
+            if taken is not None:
+                np.testing.assert_array_equal(fwd.ran[site], taken)
+            assert_close(fwd.activations[site], want)
+
+
+@pytest.mark.parametrize(
+    ("stack", "inner"), [("layer_stack", "hk.cond"), ("hk.scan", "lax.switch")]
+)
+def test_haiku_a_branch_in_a_stack_under_vmap_runs_per_iteration_and_example(
+    stack, inner
+):
+    """With `vmap=True` the predicate is each example's: `ran` is
+    `(layers, batch)`, values and gradients those of the stack unrolled by
+    hand per example."""
+    probe, params, x = _hk_probe(stack, inner, vmap=True)
+    names = _hk_names(stack, inner)
+    zeros = _hk_zero_offsets(stack, inner, batch=())
+
+    def one(x, offsets):
+        return _hk_by_hand(stack, inner, params, x, offsets)
+
+    batched = jax.tree.map(lambda z: jnp.broadcast_to(z, (BATCH, *z.shape)), zeros)
+    _, values, taken = jax.vmap(one)(x, batched)
+    grads = jax.grad(lambda o: loss_fn(jax.vmap(one)(x, o)[0]))(batched)
+    # Iterations first, then the probe's batch axis.
+    values, taken, grads = jax.tree.map(
+        lambda a: jnp.moveaxis(a, 0, 1), (values, taken, grads)
+    )
+    assert bool(taken.any()) and not bool(taken.all())
+    ran = _hk_ran(inner, taken)
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(loss_fn, x, at=list(names.values())), probe, x
+    ):
+        for short, name in names.items():
+            expected = values[short]
+            if short in ran:
+                np.testing.assert_array_equal(res.ran[name], ran[short])
+                expected = jnp.where(ran[short][..., None], expected, 0)
+            assert_close(res.activations[name], expected)
+            assert_close(res.activation_grads[name], grads[short])
+
+
 # -- a branch inside a scan over stacked layers (Equinox's tree route) ----------------
 
 LAYERS = 3

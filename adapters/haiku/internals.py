@@ -41,7 +41,9 @@ from typing import Any
 import haiku as hk
 import jax
 
-from bridge.adapter_api import unsupported
+from bridge.adapter_api import counted_scans, unsupported
+
+from ..shared import jax_internals
 
 #: The modules whose functions are recognised on the call stack.
 _SOURCES = ("stateful", "layer_stack", "transform")
@@ -97,12 +99,14 @@ class Enclosing:
         one another named once.
       scan: `(length, reverse)` of the `hk.scan` whose carry holds the call's
         rows.
+      scan_body: the innermost `hk.scan` body's frame.
     """
 
     body: Any = None
     stack_call: Any = None
     transforms: tuple[str, ...] = ()
     scan: tuple[int, bool] | None = None
+    scan_body: Any = None
 
 
 def _qualnames() -> dict[Any, str]:
@@ -163,6 +167,8 @@ def enclosing(stop: Any) -> Enclosing:
             elif code.co_filename.endswith("stateful.py") and "<locals>" in qualname:
                 named = _TRANSFORM_NAMES.get(qualname.split(".")[0])
                 scans += named == SCAN
+                if named == SCAN and found.scan_body is None:
+                    found.scan_body = frame
         # A transform runs the body from one frame or a few in a row (hk.vmap's
         # `mapped_fun` and `pure_fun`): named once. A layer stack's is one.
         if named is not None and (named == LAYER_STACK or names[-1:] != [named]):
@@ -188,6 +194,26 @@ def enclosing(stop: Any) -> Enclosing:
             found.scan = (int(local["length"]), bool(local["reverse"]))
     found.transforms = tuple(names)
     return found
+
+
+def body_trace(body: Any) -> Any:
+    """The trace a layer stack's or `hk.scan`'s body (its frame, `body`)
+    runs in: that of the iteration counter the scan carries while a probe
+    runs (`bridge.adapter_api.counted_scans`, one of the body's caller's
+    locals), else that of the first tracer among the body's own locals
+    (its carry, its slice of `xs`, the layers' parameters); `None` where
+    neither is found."""
+    caller = body.f_back
+    counter = caller.f_locals.get("counter") if caller is not None else None
+    if counter is not None and any(c is counter for c, _ in counted_scans()):
+        return jax_internals.trace_of(counter)
+    local = body.f_locals
+    names = body.f_code.co_varnames
+    for leaf in jax.tree.leaves([local[name] for name in names if name in local]):
+        trace = jax_internals.trace_of(leaf)
+        if trace is not None:
+            return trace
+    return None
 
 
 def layer_stack_caller() -> Any:

@@ -24,9 +24,11 @@ import jax
 
 from bridge.adapter_api import (
     BRANCH,
+    COUNTED_SCAN,
     TRACED_BOUNDS,
     TRACED_BOUNDS_FIX,
     UNBOUNDED_LOOP,
+    Refused,
     Route,
     Rule,
     Session,
@@ -34,6 +36,7 @@ from bridge.adapter_api import (
     Transform,
     add_epsilon,
     carrier_name,
+    count_scans_of,
     differentiable_part,
     positional_arrays,
 )
@@ -121,48 +124,65 @@ def route(
     the probe's `apply`), and Haiku's, read off the Python call stack
     (`where`), whose own JAX transforms (a layer stack's scan, `hk.remat`'s
     checkpoint) JAX's reading sees too. JAX's decides where Haiku's are none,
-    and where it finds branches and loops of static bounds only (those of
+    and where it finds branches and loops of known bounds only (those of
     `hk.cond`, `hk.switch` and `hk.fori_loop` among them); Haiku's elsewhere,
     with JAX's inside the body of Haiku's innermost, whose trace the
-    `module`'s parameters there belong to."""
+    `module`'s parameters there belong to.
+
+    The scans of a layer stack and of `hk.scan` count their iterations while
+    a probe runs (`count_scans_of`), so JAX's reading takes them for loops
+    of known bounds. Where Haiku's state carries the call (nothing else
+    around it), Haiku's route stands, as it did before they counted; where
+    it does not (a branch or a loop in their body), JAX's: the call is one
+    in loops of known bounds, a site per layer or iteration."""
     found = unexpressible.route(site, base, RULES)
-    if not where.transforms or isinstance(found, ThroughControlFlow):
+    if not where.transforms:
+        return found
+    own_scans = not _COUNTED.isdisjoint(where.transforms)
+    if isinstance(found, ThroughControlFlow) and not own_scans:
         return found
     haiku = [RULES[name] for name in where.transforms]
     body = _BODIES.get(where.transforms[0])
     if body is not None:
         # JAX's own transforms inside the body of Haiku's innermost (a
         # `lax.cond` in a layer stack's): the router weighs them too.
-        # A layer stack slices the module's parameters: they are of its
-        # body's trace (`hk.scan` and `hk.remat` leave them as they are).
-        trace = (
-            _body_trace(module)
-            if where.transforms[0] == internals.LAYER_STACK
-            else None
-        )
-        inside = unexpressible.within(base, RULES, body, trace)
+        inside = unexpressible.within(base, RULES, body, _body_trace(where, module))
         haiku = [*inside, *haiku]
-    return routing_route(site, haiku)
+    carried = routing_route(site, haiku)
+    if isinstance(found, ThroughControlFlow) and isinstance(carried, Refused):
+        return found
+    return carried
 
 
-def _body_trace(module: Any) -> Any:
-    """The trace the parameters of `module` (a Haiku module, or `None` for a
-    tap) belong to where they are tracers: a layer stack's body's, which
-    slices them."""
-    if module is None:
-        return None
-    for value in internals.module_params(module):
-        trace = jax_internals.trace_of(value)
-        if trace is not None:
-            return trace
+#: Haiku's transforms whose scans count their iterations while a probe runs.
+_COUNTED = frozenset({internals.LAYER_STACK, internals.SCAN, internals.SHARED_SCAN})
+count_scans_of("haiku._src.layer_stack")
+count_scans_of("haiku._src.stateful")
+
+
+def _body_trace(where: internals.Enclosing, module: Any) -> Any:
+    """The trace the body of Haiku's innermost transform around the call
+    runs in, where it is a layer stack's or `hk.scan`'s (`None` for
+    `hk.remat`'s, found by JAX's name): a layer stack slices the `module`'s
+    parameters there; else the trace of the scan's counter or carry."""
+    innermost = where.transforms[0]
+    if innermost == internals.LAYER_STACK:
+        if module is not None:
+            for value in internals.module_params(module):
+                trace = jax_internals.trace_of(value)
+                if trace is not None:
+                    return trace
+        return internals.body_trace(where.body) if where.body is not None else None
+    if innermost == internals.SCAN and where.scan_body is not None:
+        return internals.body_trace(where.scan_body)
     return None
 
 
 #: JAX's names of the traces Haiku's carrying transforms run their bodies
 #: in (`unexpressible.within`).
 _BODIES = {
-    internals.LAYER_STACK: frozenset({"scan"}),
-    internals.SCAN: frozenset({"scan"}),
+    internals.LAYER_STACK: frozenset({"scan", COUNTED_SCAN}),
+    internals.SCAN: frozenset({"scan", COUNTED_SCAN}),
     internals.THREADS_STATE: frozenset(
         {"checkpoint / remat", "checkpoint", "jit", "pjit"}
     ),
