@@ -31,8 +31,12 @@ one's positional inputs, stacked like the values. A plain `hk.transform`
 model with such a site runs as the `hk.transform_with_state` of the function
 it wraps (Haiku keeps it on `apply`). `hk.fori_loop`, `hk.while_loop`,
 `hk.vmap`, `hk.cond`, `hk.switch` and a user's `hk.lift` carry state as one
-value for every iteration or example: selecting or patching a site inside
-them raises, naming the transform.
+value for every iteration or example: a site inside them takes the
+control-flow route where JAX's branches and loops of known bounds alone
+enclose it (a layer stack's and `hk.scan`'s scans among them, which count
+their iterations while a probe runs: a branch in a layer stack is a site per
+layer), and selecting or patching one elsewhere raises, naming the
+transform.
 
 The interceptor is `bridge.adapters.haiku.run`; the state route is
 `bridge.adapters.haiku.variables`, through Haiku's lifted transforms

@@ -12,6 +12,13 @@ stacked epsilon and recording and a step counter picks the iteration's row
 carry state as one value for every iteration or example (`hk.vmap`, a user's
 `hk.lift`, ...) block, and so do Haiku's loops and branches, but where the
 JAX loops and branches they run take the control-flow route (`route`).
+
+A layer stack's and `hk.scan`'s own `jax.lax.scan` counts its iterations
+while a probe runs (`count_scans_of`): where their state does not carry a
+call in their body (a branch, a `fori_loop` or the model's own `lax.scan`
+there, or an `hk.scan` nested in another or in a layer stack), the scan is
+a loop of known bounds around it and the call takes the control-flow route,
+a site per layer or iteration (`route`).
 """
 
 from __future__ import annotations
