@@ -901,6 +901,10 @@ def _hk_names(stack: str, inner: str) -> dict[str, str]:
     return {short: prefix + short for short in shorts}
 
 
+def _hk_dense(p: dict, h: jax.Array) -> jax.Array:
+    return h @ p["w"] + jnp.broadcast_to(p["b"], (*h.shape[:-1], p["b"].shape[-1]))
+
+
 def _hk_by_hand(stack, inner, params, x, offsets, patch=None):
     """The stack unrolled in Python by plain JAX, `offsets[short][i]` (and
     `[i, j]` in a loop) added at iteration `i`'s sites, the branch computed
@@ -915,7 +919,7 @@ def _hk_by_hand(stack, inner, params, x, offsets, patch=None):
         p = params[names.get(short, short)]
         if stack == "layer_stack" and short in names:
             p = jax.tree.map(lambda a: a[i], p)
-        return h @ p["w"] + p["b"]
+        return _hk_dense(p, h)
 
     h = dense("encoder", None, x)
     values = {short: [None] * LAYERS for short in names}
@@ -1083,6 +1087,103 @@ def test_haiku_a_branch_in_a_stack_under_vmap_runs_per_iteration_and_example(
             assert_close(res.activation_grads[name], grads[short])
 
 
+#: The model's own branch or loop around a whole layer stack or `hk.scan`.
+HK_AROUND = ("lax.cond", "lax.fori_loop", "lax.scan")
+
+
+def _hk_stack_inside(stack: str, around: str) -> Callable:
+    """`encoder`, then `LAYERS` layers `lin` (then tanh) scanned by `stack`,
+    run by the model's own `around` (`HK_INNER` times in a loop; in a
+    branch where the first feature, summed over the batch, is positive,
+    else `sin`), then `head`."""
+
+    def function(x):
+        if stack == "layer_stack":
+            layers = hk.experimental.layer_stack(LAYERS)(
+                lambda h: jnp.tanh(hk.Linear(WIDTH, name="lin")(h))
+            )
+        else:
+            lin = hk.Linear(WIDTH, name="lin")
+
+            def layers(h):
+                step = lambda h, _: (jnp.tanh(lin(h)), None)  # noqa: E731
+                return hk.scan(step, h, None, length=LAYERS)[0]
+
+        h = hk.Linear(WIDTH, name="encoder")(x)
+        if hk.running_init():  # the parameters, outside JAX's transform
+            h = layers(h)
+        elif around == "lax.cond":
+            h = jax.lax.cond(h[..., 0].sum() > 0, layers, jnp.sin, h)
+        elif around == "lax.fori_loop":
+            h = jax.lax.fori_loop(0, HK_INNER, lambda _, h: layers(h), h)
+        else:
+            h = jax.lax.scan(lambda h, _: (layers(h), None), h, None, length=HK_INNER)
+            h = h[0]
+        return hk.Linear(OUT, name="head")(h)
+
+    return function
+
+
+@pytest.mark.parametrize("around", HK_AROUND)
+@pytest.mark.parametrize("stack", ["layer_stack", "hk.scan"])
+def test_haiku_a_stack_in_the_models_own_loop_is_a_site_per_iteration(stack, around):
+    """A layer inside a layer stack or `hk.scan` that the model's own loop
+    runs is a site per iteration and layer, `(iterations, layers, batch,
+    width)`, in a branch `(layers, batch, width)` with `ran` per layer (Haiku's
+    state, which does not reach inside JAX's loop, carried it before, and
+    the values leaked out of the loop): against the model unrolled by hand,
+    eager and jitted."""
+    transformed = hk.without_apply_rng(hk.transform(_hk_stack_inside(stack, around)))
+    x = jax.random.normal(jax.random.key(1), (BATCH, IN))
+    params = transformed.init(jax.random.key(0), x)
+    site = ("__layer_stack_no_per_layer/" if stack == "layer_stack" else "") + "lin"
+    runs = 1 if around == "lax.cond" else HK_INNER
+
+    def hand(offsets):
+        def layers(h, rows):
+            values = []
+            for i in range(LAYERS):
+                p = params[site]
+                if stack == "layer_stack":
+                    p = jax.tree.map(lambda a, i=i: a[i], p)
+                values.append(_hk_dense(p, h) + rows[i])
+                h = jnp.tanh(values[-1])
+            return h, jnp.stack(values)
+
+        h = _hk_dense(params["encoder"], x)
+        if around == "lax.cond":
+            taken = h[..., 0].sum() > 0
+            ran, values = layers(h, offsets[0])
+            h = jnp.where(taken, ran, jnp.sin(h))
+        else:
+            taken, values = None, []
+            for k in range(HK_INNER):
+                h, rows = layers(h, offsets[k])
+                values.append(rows)
+            values = jnp.stack(values)
+        return loss_fn(_hk_dense(params["head"], h)), (values, taken)
+
+    zeros = jnp.zeros((runs, LAYERS, BATCH, WIDTH))
+    (loss, (values, taken)), grads = jax.value_and_grad(hand, has_aux=True)(zeros)
+    if around == "lax.cond":
+        grads = grads[0]
+    probe = bridge.probe(transformed, params)
+    assert probe.sites(x)[site].shape == values.shape
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=[site])
+
+    for res in both_ways(run, probe, x):
+        assert_close(res.loss, loss)
+        if taken is None:
+            assert res.ran == {}
+        else:
+            np.testing.assert_array_equal(res.ran[site], np.full(LAYERS, taken))
+            values = jnp.where(taken, values, 0)
+        assert_close(res.activations[site], values)
+        assert_close(res.activation_grads[site], grads)
+
+
 # -- a branch inside a scan over stacked layers (Equinox's tree route) ----------------
 
 LAYERS = 3
@@ -1137,6 +1238,171 @@ def test_a_branch_inside_a_scan_over_stacked_layers_runs_per_iteration():
     for res in both_ways(lambda p, x: p.value_and_grad(loss_fn, x), probe, x):
         np.testing.assert_array_equal(res.ran["layers"], taken)
         assert_close(res.activations["layers"], jnp.where(taken[..., None], values, 0))
+        assert_close(res.activation_grads["layers"], grads)
+
+
+# -- NNX: a branch inside an nnx.scan over stacked layers -----------------------------
+
+#: How the body of the NNX stack's scan applies its layer: in a branch
+#: (NNX's, JAX's; `tap` taps the layer's value in a `lax.cond` branch), or
+#: twice in a loop of the model's own (`fori_loop`, `scan`).
+NNX_STACK_BRANCHES = ("cond", "switch", "lax", "lax_switch", "tap")
+NNX_STACK_LOOPS = ("fori_loop", "scan")
+#: The iterations of a loop in the stack's body.
+INNER = 2
+
+
+def _nnx_scanned(kind: str):
+    """`LAYERS` Linears built with `nnx.vmap`, sliced by `nnx.scan`; each
+    layer applied (then tanh) where `h[0] > 0`, `h` negated otherwise (or
+    applied `INNER` times in a loop)."""
+    from flax import nnx
+
+    class NnxScannedBranches(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+            self.layers = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def step(h, layer):
+                def left(layer, v):
+                    return jnp.tanh(layer(v))
+
+                def right(layer, v):
+                    return -v
+
+                predicate = h[0] > 0
+                if kind == "cond":
+                    return nnx.cond(predicate, left, right, layer, h)
+                if kind == "switch":
+                    index = predicate.astype(jnp.int32)
+                    return nnx.switch(index, [right, left], layer, h)
+                if kind == "tap":
+                    return jax.lax.cond(
+                        predicate,
+                        lambda v: jnp.tanh(bridge.tap("t", layer(v))),
+                        jnp.negative,
+                        h,
+                    )
+                if kind == "fori_loop":
+                    return jax.lax.fori_loop(0, INNER, lambda _, v: left(layer, v), h)
+                if kind == "scan":
+                    return jax.lax.scan(
+                        lambda v, _: (left(layer, v), None), h, None, length=INNER
+                    )[0]
+                return branch(
+                    kind, predicate, lambda v: left(layer, v), jnp.negative, h
+                )
+
+            return step(x, self.layers)
+
+    return NnxScannedBranches(nnx.Rngs(0))
+
+
+def _nnx_unrolled(model, x, offsets, patch=None):
+    """The NNX stack unrolled by hand: `offsets` (and `patch`, replacing the
+    value) per layer (per layer and loop iteration, `(LAYERS, INNER, WIDTH)`,
+    for a loop), the branch both computed and picked (`jnp.where`, so the
+    branch not taken gets a zero gradient). The output, whether each layer's
+    branch ran and each layer's value."""
+    kernel, bias = model.layers.kernel[...], model.layers.bias[...]
+    loop = offsets.ndim == 3
+    taken, values = [], []
+    h = x
+    for i in range(LAYERS):
+        if loop:
+            for j in range(INNER):
+                value = h @ kernel[i] + bias[i] + offsets[i, j]
+                values.append(value)
+                h = jnp.tanh(value)
+            continue
+        value = h @ kernel[i] + bias[i] + offsets[i]
+        if patch is not None:
+            value = patch[i]
+        taken.append(h[0] > 0)
+        values.append(value)
+        h = jnp.where(h[0] > 0, jnp.tanh(value), -h)
+    if loop:
+        return h, None, jnp.stack(values).reshape(LAYERS, INNER, WIDTH)
+    return h, jnp.stack(taken), jnp.stack(values)
+
+
+#: One example whose layers take both branches.
+NNX_STACK_X = jnp.array([0.9, -0.4, 0.3, 0.2])
+
+
+@pytest.mark.skipif(not nnx_supported(), reason="this flax has no NNX bridge probes")
+@pytest.mark.parametrize("kind", NNX_STACK_BRANCHES)
+def test_nnx_a_branch_inside_an_nnx_scan_over_stacked_layers_runs_per_iteration(
+    kind,
+):
+    """`ran`, values and gradients per layer, `(LAYERS, ...)`: those of the
+    stack unrolled by hand with offsets, zeros where the branch did not run;
+    eager and jitted."""
+    model = _nnx_scanned(kind)
+    x = NNX_STACK_X
+    offsets = jnp.zeros((LAYERS, WIDTH))
+    out, taken, values = _nnx_unrolled(model, x, offsets)
+    grads = jax.grad(lambda o: loss_fn(_nnx_unrolled(model, x, o)[0]))(offsets)
+    assert bool(taken.any()) and not bool(taken.all())
+    sites = ("layers", "t") if kind == "tap" else ("layers",)
+    probe = bridge.probe(model)
+    assert {s: probe.sites(x)[s].shape for s in sites} == dict.fromkeys(
+        sites, (LAYERS, WIDTH)
+    )
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(loss_fn, x, at=list(sites)), probe, x
+    ):
+        assert_close(res.loss, loss_fn(out))
+        for site in sites:
+            np.testing.assert_array_equal(res.ran[site], taken)
+            assert_close(res.activations[site], jnp.where(taken[:, None], values, 0))
+            assert_close(res.activation_grads[site], grads)
+
+
+@pytest.mark.skipif(not nnx_supported(), reason="this flax has no NNX bridge probes")
+@pytest.mark.parametrize("kind", ("cond", "lax"))
+def test_nnx_a_patch_in_a_branch_inside_an_nnx_scan_applies_per_iteration(kind):
+    """A stacked patch value `(LAYERS, WIDTH)`: each layer's row where its
+    branch runs (which the patch itself decides from the second layer on)."""
+    model = _nnx_scanned(kind)
+    x = NNX_STACK_X
+    patch = jnp.stack([jnp.full((WIDTH,), v) for v in (0.5, -0.7, 0.2)])
+    out, taken, _ = _nnx_unrolled(model, x, jnp.zeros((LAYERS, WIDTH)), patch)
+    assert bool(taken.any()) and not bool(taken.all())
+    probe = bridge.probe(model)
+    for fwd in both_ways(lambda p, x: p.apply(x, patch={"layers": patch}), probe, x):
+        assert_close(fwd.outputs, out)
+        np.testing.assert_array_equal(fwd.ran["layers"], taken)
+        assert_close(fwd.activations["layers"], jnp.where(taken[:, None], patch, 0))
+
+
+@pytest.mark.skipif(not nnx_supported(), reason="this flax has no NNX bridge probes")
+@pytest.mark.parametrize("kind", NNX_STACK_LOOPS)
+def test_nnx_a_loop_inside_an_nnx_scan_over_stacked_layers_is_a_site_per_iteration(
+    kind,
+):
+    """A `fori_loop` or a `lax.scan` of the model's own in the stack's body:
+    `(LAYERS, INNER, WIDTH)`, values and gradients those of the stack
+    unrolled by hand; no `ran` entry (no branch)."""
+    model = _nnx_scanned(kind)
+    x = NNX_STACK_X
+    offsets = jnp.zeros((LAYERS, INNER, WIDTH))
+    out, _, values = _nnx_unrolled(model, x, offsets)
+    grads = jax.grad(lambda o: loss_fn(_nnx_unrolled(model, x, o)[0]))(offsets)
+    probe = bridge.probe(model)
+    assert probe.sites(x)["layers"].shape == (LAYERS, INNER, WIDTH)
+    for res in both_ways(
+        lambda p, x: p.value_and_grad(loss_fn, x, at=["layers"]), probe, x
+    ):
+        assert_close(res.loss, loss_fn(out))
+        assert "layers" not in res.ran
+        assert_close(res.activations["layers"], values)
         assert_close(res.activation_grads["layers"], grads)
 
 

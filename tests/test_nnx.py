@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
     assert_tree_equal,
     left_out_or_refused,
@@ -667,17 +668,9 @@ class TapInScan(ScannedStack):
             (3, 5, 4),
             "nnx.vmap around site 'cell': it broadcasts",
         ),
-        # The counted lax.scan is a loop of known bounds, whose calls bridge
-        # reaches through the backward pass only where no other transform
-        # (here the nnx.scan) encloses it.
-        (
-            NestedCarriedScans,
-            "cell",
-            (3, 2, 5, 4),
-            r"jax\.lax\.scan around site 'cell': a call in a loop runs once per "
-            r"iteration, .* \(it runs inside jax\.lax\.scan inside nnx\.scan\)",
-        ),
-        # JAX's own scan counts nothing: the nnx.scan's carried route refuses.
+        # JAX's own scan counts nothing: the nnx.scan's carried route refuses
+        # (the counted one is a loop of known bounds inside the nnx.scan's,
+        # `test_a_call_in_a_counted_scan_or_a_tap_inside_an_nnx_scan_...`).
         (
             NestedUncountedScans,
             "cell",
@@ -695,18 +688,12 @@ class TapInScan(ScannedStack):
                 reason="nnx.remat(graph_updates=...): flax >= 0.12.6",
             ),
         ),
-        (
-            TapInScan,
-            "hidden",
-            (3, 5, 4),
-            r"nnx.scan around site 'hidden': bridge.tap\('hidden', ...\)",
-        ),
     ],
 )
 def test_a_transform_bridge_cannot_see_through_is_listed_and_refused_naming_it(
     builder, site, shape, message
 ):
-    x = _inputs(3, 5, 4) if builder is not TapInScan else STACK_X
+    x = _inputs(3, 5, 4)
     model = _build(builder)
     probe = bridge.probe(model)
     assert probe.sites(x)[site].shape == shape
@@ -722,6 +709,63 @@ def test_a_transform_bridge_cannot_see_through_is_listed_and_refused_naming_it(
     assert site not in res.activations
     _, plain = plain_step(nnx.clone(model), x)
     assert_tree_allclose(res.grads, plain)
+
+
+def _nested_by_hand(model, xs, offsets):
+    """`NestedCarriedScans` unrolled by hand: the cell's value at each step
+    and inner iteration shifted by `offsets[step, iteration]`; the outputs
+    and those values, `(steps, 2, ...)`."""
+    linear = model.cell.linear
+    carry, ys, values = jnp.zeros(xs.shape[1:]), [], []
+    for step in range(xs.shape[0]):
+        for inner in range(2):
+            carry = jnp.tanh(linear(carry + xs[step])) + offsets[step, inner]
+            values.append(carry)
+        ys.append(carry)
+    return jnp.stack(ys), jnp.stack(values).reshape(offsets.shape)
+
+
+@NEEDS_JAXPR_PARENTS
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_call_in_a_counted_scan_or_a_tap_inside_an_nnx_scan_is_a_site_per_iteration(
+    mode,
+):
+    """While a probe runs, nnx.scan counts its iterations, so a call no
+    carrier takes in its body is one in loops of known bounds: a carried
+    cell in the model's own lax.scan there is a site per step and inner
+    iteration, against the scans unrolled by hand with offsets; a tap in a
+    scanned stack's body holds what the block's own (carried) site holds."""
+    xs = _inputs(3, 5, 4)
+    model = _build(NestedCarriedScans)
+    offsets = jnp.zeros((3, 2, 5, 4))
+    ys, values = _nested_by_hand(model, xs, offsets)
+    grads = jax.grad(lambda o: loss_fn(_nested_by_hand(model, xs, o)[0]))(offsets)
+    probe = bridge.probe(model)
+    assert probe.sites(xs)["cell"].shape == (3, 2, 5, 4)
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=["cell"])
+
+    res = (jax.jit(run) if mode == "jit" else run)(probe, xs)
+    np.testing.assert_allclose(res.loss, loss_fn(ys), rtol=1e-6)
+    np.testing.assert_allclose(res.activations["cell"], values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.activation_grads["cell"], grads, rtol=1e-4, atol=1e-7
+    )
+    assert "cell" not in res.ran
+
+    probe = bridge.probe(_build(TapInScan))
+    assert probe.sites(STACK_X)["hidden"].shape == (3, 5, 4)
+
+    def tapped(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=["blocks", "hidden"])
+
+    res = (jax.jit(tapped) if mode == "jit" else tapped)(probe, STACK_X)
+    for kind in ("activations", "activation_grads"):
+        got = getattr(res, kind)
+        np.testing.assert_allclose(got["hidden"], got["blocks"], rtol=1e-6)
+    fwd = probe.apply(STACK_X, patch={"hidden": jnp.zeros((3, 5, 4))})
+    np.testing.assert_allclose(fwd.activations["hidden"], 0.0)
 
 
 # -- the model's own jits and JAX transforms ------------------------------------

@@ -100,6 +100,8 @@ class Enclosing:
       scan: `(length, reverse)` of the `hk.scan` whose carry holds the call's
         rows.
       scan_body: the innermost `hk.scan` body's frame.
+      scans: how many layer stack and `hk.scan` bodies run the call: each
+        in a `jax.lax.scan` of Haiku's.
     """
 
     body: Any = None
@@ -107,6 +109,7 @@ class Enclosing:
     transforms: tuple[str, ...] = ()
     scan: tuple[int, bool] | None = None
     scan_body: Any = None
+    scans: int = 0
 
 
 def _qualnames() -> dict[Any, str]:
@@ -193,6 +196,7 @@ def enclosing(stop: Any) -> Enclosing:
             local = scan_frame.f_locals
             found.scan = (int(local["length"]), bool(local["reverse"]))
     found.transforms = tuple(names)
+    found.scans = layer_bodies + scans
     return found
 
 

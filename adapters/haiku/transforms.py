@@ -138,16 +138,21 @@ def route(
 
     The scans of a layer stack and of `hk.scan` count their iterations while
     a probe runs (`count_scans_of`), so JAX's reading takes them for loops
-    of known bounds. Where Haiku's state carries the call (nothing else
-    around it), Haiku's route stands, as it did before they counted; where
-    it does not (a branch or a loop in their body), JAX's: the call is one
-    in loops of known bounds, a site per layer or iteration."""
+    of known bounds. Where they are JAX's only loops around the call and
+    Haiku's state carries it, Haiku's route stands, as it did before they
+    counted; where it does not (a branch or a loop in their body, or a
+    stack in the model's own loop), JAX's: the call is one in loops of
+    known bounds, a site per layer or iteration."""
     found = unexpressible.route(site, base, RULES)
     if not where.transforms:
         return found
-    own_scans = not _COUNTED.isdisjoint(where.transforms)
-    if isinstance(found, ThroughControlFlow) and not own_scans:
-        return found
+    if isinstance(found, ThroughControlFlow):
+        loops = unexpressible.enclosing(base, RULES)
+        if sum(t.rule is not Rule.THROUGH for t in loops) > where.scans:
+            # A branch or loop of JAX's besides Haiku's scans, in the body of
+            # Haiku's innermost or around one of them (a layer stack in the
+            # model's own lax.scan), where Haiku's state does not reach.
+            return found
     haiku = [RULES[name] for name in where.transforms]
     body = _BODIES.get(where.transforms[0])
     if body is not None:
@@ -161,8 +166,7 @@ def route(
     return carried
 
 
-#: Haiku's transforms whose scans count their iterations while a probe runs.
-_COUNTED = frozenset({internals.LAYER_STACK, internals.SCAN, internals.SHARED_SCAN})
+# Haiku's scans count their iterations while a probe runs.
 count_scans_of("haiku._src.layer_stack")
 count_scans_of("haiku._src.stateful")
 

@@ -16,6 +16,9 @@
   pushes no update context), and the `broadcast_deque` local of the graph-mode
   wrapper of `nnx.scan` (`scan_broadcasts`: the states it broadcasts, which a
   module carried through the scan has not).
+- `flax.nnx.transforms.iteration`, the module whose code calls
+  `jax.lax.scan` for `nnx.scan` (`SCAN_MODULE`): while a probe runs, bridge
+  counts that scan's iterations (`bridge.adapter_api.count_scans_of`).
 
 At import this module checks that the transform stack exists and raises an
 error naming the supported versions where it does not: an unsupported Flax
@@ -94,6 +97,9 @@ def depth(tag: str) -> int:
 #: The folder of NNX's transforms, and the one of them bridge sees through.
 _NNX_TRANSFORMS = os.path.join("flax", "nnx", "transforms") + os.sep
 _NNX_JIT = "compilation.py"
+
+#: The module of NNX's scan, which calls `jax.lax.scan` by that name.
+SCAN_MODULE = "flax.nnx.transforms.iteration"
 
 #: The file of NNX's scan, whose wrapper splits the modules it broadcasts.
 _NNX_ITERATION = os.path.join("nnx", "transforms", "iteration.py")

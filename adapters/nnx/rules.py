@@ -7,7 +7,9 @@ JAX's transforms are read off JAX's trace stack by their trace names
 update-context tags they push (`internals.active_transforms`), which say
 nothing of where they stand among JAX's traces, so the adapter routes them
 on their own (`enclosing`) and asks JAX's traces where they flow
-(`bridge.adapters.nnx.transforms`).
+(`bridge.adapters.nnx.transforms`). An `nnx.scan` counts its iterations
+while a probe runs, so a call no carrier takes in its body is routed again
+with it a loop of known bounds (`SCAN_LOOP`, `scans_as_loops`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from bridge.adapter_api import (
     BRANCH,
+    COUNTED_SCAN,
     JAX_RULES,
     LOOP_AMONG,
     TRACED_BOUNDS,
@@ -26,8 +29,11 @@ from bridge.adapter_api import (
     Route,
     Rule,
     Transform,
+    count_scans_of,
     route,
 )
+
+from . import internals
 
 
 def _not_ridden(transform: str, per: str = "") -> str:
@@ -100,10 +106,24 @@ RULES: dict[str, Transform] = {
     ),
 }
 
+#: An `nnx.scan` as a loop of known bounds: while a probe runs the scan
+#: counts its iterations (`count_scans_of`), so a call in its body that no
+#: carrier takes (one in a branch or a loop of the model's own there) is one
+#: in a loop of known bounds, taking its row of the epsilon by the counter
+#: (`scans_as_loops`).
+SCAN_LOOP = Transform(
+    "nnx.scan",
+    Rule.FLOWS,
+    LOOP_AMONG,
+    "move the other transform out of the nnx.scan, or unroll the loop",
+    nests=False,
+)
+count_scans_of(internals.SCAN_MODULE)
+
 #: JAX's names of the traces NNX's carrying transforms run their bodies in
-#: (`unexpressible.within`).
+#: (`unexpressible.within`): an `nnx.scan`'s counts its iterations.
 BODIES = {
-    "nnx.scan": frozenset({"scan"}),
+    "nnx.scan": frozenset({"scan", COUNTED_SCAN}),
     "nnx.vmap": frozenset({"vmap"}),
     "nnx.remat": frozenset({"checkpoint / remat", "checkpoint"}),
 }
@@ -180,6 +200,14 @@ def tap_blocked(tag: Any, tap: str) -> Transform:
         "tap the value outside the transform, or select the call of the module "
         "that computes it",
     )
+
+
+def scans_as_loops(enclosing: Iterable[Transform]) -> tuple[Transform, ...]:
+    """`enclosing` (innermost first) with each `nnx.scan` a loop of known
+    bounds (`SCAN_LOOP`): how a call that no carrier takes there is routed
+    again."""
+    scan = RULES["nnx.scan"]
+    return tuple(SCAN_LOOP if t == scan else t for t in enclosing)
 
 
 def in_tree_mode(site: str) -> Route:

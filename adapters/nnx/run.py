@@ -123,10 +123,13 @@ class Run:
 
     def tap(self, session: Session, name: str, value: Any) -> Any:
         """`bridge.tap` in the model's code, routed by JAX's transforms around
-        it (`rules.for_tap`: each reason says the tap is called there). Where
-        they are not branches and loops of static bounds only, NNX's own
-        transforms around it route it: its value is a tracer of their trace,
-        and bridge does not carry taps out of them yet (`rules.tap_blocked`)."""
+        it (`rules.for_tap`: each reason says the tap is called there), among
+        them an `nnx.scan`'s, which counts its iterations while a probe runs
+        (`rules.SCAN_LOOP`): a tap in its body, in a branch there or not, is a
+        site per iteration. Where they are not branches and loops of known
+        bounds only, NNX's own transforms around it route it: its value is a
+        tracer of their trace, and bridge does not carry taps out of them yet
+        (`rules.tap_blocked`)."""
         if self.in_a_shape_pass():
             return value  # no call of the model's: not a site
         self.scan_bodies.traced()

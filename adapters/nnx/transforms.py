@@ -19,6 +19,16 @@ with the router's sentence; inside NNX's branches and loops of static
 bounds alone, where the call runs is read off JAX's traces, as a call
 outside NNX's transforms (`bridge.adapters.nnx.jax_transforms`).
 
+While a probe runs, `nnx.scan` counts its iterations
+(`bridge.adapter_api.count_scans_of`, `rules.SCAN_LOOP`): a call no carrier
+takes in its body (in `nnx.cond`, `nnx.switch`, JAX's `lax.cond`,
+`lax.switch`, `lax.fori_loop` or a `lax.scan` of the model's own there) is
+routed again with each `nnx.scan` around it a loop of known bounds, and is
+then a site per iteration of the session's control-flow route, `(iterations,
+*value shape)`, where a branch did not run zeros (`res.ran` per iteration).
+Where nothing but the nnx.scans stands around the call, their carried route
+stands as before.
+
 `nnx.jit` is traced through: while a probe runs the model's own jits run
 inline, in the probe's trace, and a call on the copy `nnx.jit` merged is a
 call like any other. A module that `nnx.scan` carries rather than slices is
@@ -35,17 +45,27 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BridgeNotImplementedError,
     Carried,
+    Refused,
     Rule,
     ThroughControlFlow,
     Transform,
     add_epsilon,
     carrier_name,
+    counted_scans,
     route,
 )
 
 from ..shared import jax_internals, unexpressible
 from . import carried, internals, rules
 from .variables import PATH_ATTRIBUTE, Origin, Recording, broadcast_error
+
+
+def _counted(trace: Any) -> bool:
+    """Whether `trace` is the body's of a scan that counts its iterations
+    while the probe runs (`counted_scans`)."""
+    return trace is not None and any(
+        jax_internals.trace_of(counter) is trace for counter, _ in counted_scans()
+    )
 
 
 class Lifted:
@@ -96,6 +116,7 @@ class Lifted:
             tags, unexpressible.enclosing(self.run.base, rules.RULES)
         )
         body = rules.BODIES.get(enclosing[0].name) if enclosing else None
+        looped = enclosing  # as the nnx.scans around it, as loops, route it
         if body is not None:
             # JAX's own transforms inside the NNX transform's body (a
             # `lax.cond` in an `nnx.scan`'s): the router weighs them too.
@@ -104,11 +125,31 @@ class Lifted:
             # out, which would take the transform's own for the model's.
             outside = self.run.modules.get(path)
             sliced = outside is not None and not carried.keeps_shape(module, outside)
-            trace = carried.body_trace(module) if sliced else None
-            inside = unexpressible.within(self.run.base, rules.RULES, body, trace)
+            trace = carried.body_trace(module)
+            inside = unexpressible.within(
+                self.run.base, rules.RULES, body, trace if sliced else None
+            )
+            if not sliced and _counted(trace):
+                # Held by a scan counting its iterations (the nnx.scan that
+                # carries or broadcasts the module): as loops, what is inside
+                # its body (the model's own counted scan) is read by its trace.
+                looped = unexpressible.within(self.run.base, rules.RULES, body, trace)
+                looped = (*looped, *enclosing)
+            else:
+                looped = (*inside, *enclosing)
             enclosing = (*inside, *enclosing)
 
         found = route(path, enclosing)
+        if rules.RULES["nnx.scan"] in enclosing and (
+            isinstance(found, Refused) or looped != enclosing
+        ):
+            # Where no carrier takes the call (a branch or a loop of the
+            # model's own in an nnx.scan's body), the nnx.scans around it,
+            # counting their iterations, may be loops of known bounds: the
+            # session's control-flow route, in discovery and in a run alike.
+            again = route(path, rules.scans_as_loops(looped))
+            if isinstance(again, ThroughControlFlow):
+                found = again
         if isinstance(found, ThroughControlFlow):
             # NNX's branches and loops run in JAX's, which say where.
             found = self.run.route(path)
