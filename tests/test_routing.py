@@ -271,12 +271,12 @@ def _stacked_model(library, kind):
 
 
 #: What bridge probes inside a library's stack: a `jax.jit` is traced
-#: through; Linen's `nn.scan` counts its iterations, so a branch or a loop of
-#: known bounds inside it is one inside a loop of known bounds.
+#: through; the library's scan counts its iterations, so a branch or a loop
+#: of known bounds inside it is one inside loops of known bounds.
 PROBED_IN_A_STACK = {
     "linen": {"jit", "cond", "fori_loop", "scan"},
-    "nnx": {"jit"},
-    "haiku": {"jit"},
+    "nnx": {"jit", "cond", "fori_loop", "scan"},
+    "haiku": {"jit", "cond", "fori_loop", "scan"},
 }
 
 
