@@ -158,7 +158,14 @@ def route(
     if body is not None:
         # JAX's own transforms inside the body of Haiku's innermost (a
         # `lax.cond` in a layer stack's): the router weighs them too.
-        inside = unexpressible.within(base, RULES, body, _body_trace(where, module))
+        trace = _body_trace(where, module)
+        inside = unexpressible.within(base, RULES, body, trace)
+        current = jax_internals.current_trace()
+        if not inside and trace is not None and trace is not current:
+            # A trace of JAX's between the call and the body, which this jax
+            # does not read back to the body (< 0.6.2): the innermost, which
+            # it reads, stands for them.
+            inside = unexpressible.enclosing(base, RULES)[:1]
         haiku = [*inside, *haiku]
     carried = routing_route(site, haiku)
     if isinstance(found, ThroughControlFlow) and isinstance(carried, Refused):
