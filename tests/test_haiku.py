@@ -19,6 +19,7 @@ from helpers import (
     NEEDS_JAXPR_PARENTS,
     add_at_float_leaves,
     assert_tree_allclose,
+    jaxpr_traces_record_their_parent,
     leaves_out,
     numpy_snapshot,
     random_like,
@@ -550,6 +551,39 @@ def test_a_layer_stack_in_a_layer_stack_stacks_both_axes():
     np.testing.assert_allclose(
         res.activation_grads[name].sum(axis=2), plain[name]["b"], rtol=1e-5, atol=1e-6
     )
+
+
+def _branch_in_a_layer_stack(kind):
+    def block(h):
+        lin = hk.Linear(8, name="lin")
+        if hk.running_init():
+            return jnp.tanh(lin(h))
+        if kind == "lax.cond":
+            return jax.lax.cond(h.sum() > 0, lin, jnp.sin, h)
+        return jax.lax.scan(lambda h, _: (jnp.tanh(lin(h)), None), h, None, length=2)[0]
+
+    return lambda x: hk.experimental.layer_stack(2)(block)(x)
+
+
+@pytest.mark.skipif(
+    jaxpr_traces_record_their_parent(),
+    reason="jax >= 0.6.2 probes it (tests/test_control_flow.py, Haiku)",
+)
+@pytest.mark.parametrize(
+    ("kind", "named"), [("lax.cond", "jax.lax.cond"), ("lax.scan", "jax.lax.scan")]
+)
+def test_on_old_jax_a_branch_or_loop_in_a_layer_stack_is_refused_naming_it(kind, named):
+    """Where jax does not read the traces around a call back to the layer
+    stack's body (< 0.6.2), a call in JAX's branch or loop there is listed
+    and refused naming it, not carried by Haiku's state out of JAX's trace
+    (an UnexpectedTracerError before)."""
+    x = _inputs(4, 8)
+    transformed = hk.without_apply_rng(hk.transform(_branch_in_a_layer_stack(kind)))
+    probe = bridge.probe(transformed, transformed.init(jax.random.key(0), x))
+    site = f"{STACK}/lin"
+    assert site in probe.sites(x)
+    with pytest.raises(bridge.BridgeValueError, match=rf"{named} around site '{site}'"):
+        probe.value_and_grad(mse, x, at=[site])
 
 
 def recurrent(x, reverse=False):
