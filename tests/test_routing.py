@@ -286,8 +286,9 @@ PROBED_IN_A_STACK = {
 def test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router(library, kind):
     """The layer's site is listed; selecting it probes it
     (`PROBED_IN_A_STACK`) or raises the router's sentence naming JAX's
-    transform inside the stack's body. The library's carrier alone would have carried it,
-    and Flax or Haiku failed with their own tracer errors; a `lax.scan` of
+    transform inside the stack's body. The library's carrier alone would
+    have carried it, and Flax or Haiku failed with their own tracer errors;
+    a `lax.scan` of
     the model's own is told from the library's by the trace the layer's
     parameters belong to."""
     if library == "nnx" and not nnx_supported():

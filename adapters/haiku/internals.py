@@ -65,6 +65,9 @@ _THREADS_STATE = "thread_hk_state_in_kwargs"
 #: them; those that carry bridge's state first.
 LAYER_STACK = "hk.experimental.layer_stack"
 SCAN = "hk.scan"
+#: The modules whose `jax.lax.scan` runs a layer stack and an `hk.scan`
+#: (counted while a probe runs: `transforms.count_scans_of`).
+SCAN_MODULES = ("haiku._src.layer_stack", "haiku._src.stateful")
 THREADS_STATE = "hk.remat or hk.jit"
 CARRYING = frozenset({LAYER_STACK, SCAN, THREADS_STATE})
 LIFT = "hk.lift"

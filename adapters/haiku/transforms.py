@@ -174,8 +174,8 @@ def route(
 
 
 # Haiku's scans count their iterations while a probe runs.
-count_scans_of("haiku._src.layer_stack")
-count_scans_of("haiku._src.stateful")
+for _module in internals.SCAN_MODULES:
+    count_scans_of(_module)
 
 
 def _body_trace(where: internals.Enclosing, module: Any) -> Any:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    NEEDS_JAXPR_PARENTS,
     assert_equals_plain,
     assert_tree_allclose,
     tree_vdot,
@@ -733,18 +734,33 @@ def test_bert_sites_are_what_a_researcher_expects():
     assert sites["encoder"]["embeddings"].shape == (2, 6, 8)
 
 
+@NEEDS_JAXPR_PARENTS
 @pytest.mark.xdist_group("zoo-equinox-rnn-unrolled")
-def test_the_rnn_example_refuses_its_cell_naming_it():
-    """Equinox's RNN example closes over its cell in `lax.scan`: one epsilon
-    would sum every step's gradient, so bridge refuses to select it
-    (documented), though it lists it; `at=None` leaves it out."""
-    zoo = _build("rnn")
-    assert "cell" in zoo.probe().sites(*zoo.args)
-    with pytest.raises(ValueError, match="site 'cell': it is called in every iter"):
-        zoo.probe().value_and_grad(zoo.loss_fn, *zoo.args, at="cell")
-    with pytest.warns(bridge.BridgeWarning, match="'cell'"):
-        every = zoo.probe().value_and_grad(zoo.loss_fn, *zoo.args)
-    assert "cell" not in every.activation_grads
+def test_the_rnn_example_is_a_site_per_step_as_its_unrolled_twin():
+    """Equinox's RNN example closes over its cell in `lax.scan`, which counts
+    its iterations while a probe runs: the cell is one site of every step,
+    `(steps, batch, hidden)`, equal step by step to the unrolled twin's
+    `cell#k` (whose gradients this zoo checks against a `jax.jvp` of the
+    twin with the step's output perturbed by hand), eager and jitted."""
+    scanned, unrolled = _build("rnn"), _build("rnn-unrolled")
+    reference = unrolled.probe().value_and_grad(unrolled.loss_fn, *unrolled.args)
+    steps = ["cell", *(f"cell#{k}" for k in range(1, 5))]
+
+    def run(probe, xs):
+        return probe.value_and_grad(scanned.loss_fn, xs)
+
+    probe = scanned.probe()
+    for res in (run(probe, *scanned.args), jax.jit(run)(probe, *scanned.args)):
+        np.testing.assert_allclose(res.loss, reference.loss, rtol=1e-6)
+        for field in ("activations", "activation_grads"):
+            stacked = jax.tree.leaves(getattr(res, field)["cell"])
+            for step, name in enumerate(steps):
+                twin = jax.tree.leaves(getattr(reference, field)[name])
+                for got, want in zip(stacked, twin, strict=True):
+                    scale = float(np.max(np.abs(want))) or 1.0
+                    np.testing.assert_allclose(
+                        got[step], want, rtol=1e-5, atol=1e-6 * scale
+                    )
 
 
 @pytest.mark.xdist_group("zoo-equinox-rnn-unrolled")
