@@ -192,3 +192,40 @@ NEEDS_JAXPR_PARENTS = pytest.mark.skipif(
     not jaxpr_traces_record_their_parent(),
     reason="sites inside jax.lax.scan / jax.checkpoint / control flow: jax >= 0.6.2",
 )
+
+
+def unrolled_linen_steps(step_fn, carry, xs, edits):
+    """`step_fn(carry, x)` over `xs`' axis 1 unrolled in Python, without
+    bridge: at step `t`, `edits[name](t, out)` replaces the output `out` of
+    the submodule `name` that `step_fn` calls (of `step_fn` itself for `""`).
+    Returns the outputs stacked on axis 1 and each edited name's values as
+    they flow on, stacked per step."""
+    import flax.linen as nn
+
+    seen = {name: [] for name in edits}
+    step = 0
+
+    def edit(name, out):
+        out = edits[name](step, out)
+        seen[name].append(out)
+        return out
+
+    def hand(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        name = context.module.name
+        if context.method_name == "__call__" and name != "" and name in edits:
+            out = edit(name, out)
+        return out
+
+    ys = []
+    with nn.intercept_methods(hand):
+        for step in range(xs.shape[1]):
+            carry, y = step_fn(carry, xs[:, step])
+            if "" in edits:
+                carry, y = edit("", (carry, y))
+            ys.append(y)
+    stacked = {
+        name: jax.tree.map(lambda *v: jnp.stack(v), *outs)
+        for name, outs in seen.items()
+    }
+    return jnp.stack(ys, 1), stacked

@@ -17,6 +17,7 @@ from helpers import (
     leaves_out,
     random_like,
     tree_vdot,
+    unrolled_linen_steps,
     value_and_grad_in,
 )
 
@@ -305,38 +306,11 @@ def test_with_vmap_a_scanned_site_has_the_batch_axis_after_the_iterations():
 
 def unrolled_rnn(cell, params, xs, edits):
     """`nn.RNN(cell)` over `xs` (batch, steps, features) unrolled in Python,
-    without bridge: at step `t`, `edits[name](t, out)` replaces the output
-    `out` of the cell's submodule `name` (of the cell itself for `""`).
-    Returns the outputs `(batch, steps, ...)` and each edited name's values
-    as they flow on, stacked per step: `(steps, ...)`."""
-    seen = {name: [] for name in edits}
-    step = 0
-
-    def edit(name, out):
-        out = edits[name](step, out)
-        seen[name].append(out)
-        return out
-
-    def hand(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        name = context.module.name
-        if context.method_name == "__call__" and name != "" and name in edits:
-            out = edit(name, out)
-        return out
-
+    without bridge (`unrolled_linen_steps`)."""
     carry = cell.initialize_carry(jax.random.key(0), xs[:, 0].shape)
-    ys = []
-    with nn.intercept_methods(hand):
-        for step in range(xs.shape[1]):
-            carry, y = cell.apply({"params": params}, carry, xs[:, step])
-            if "" in edits:
-                carry, y = edit("", (carry, y))
-            ys.append(y)
-    stacked = {
-        name: jax.tree.map(lambda *v: jnp.stack(v), *outs)
-        for name, outs in seen.items()
-    }
-    return jnp.stack(ys, 1), stacked
+    return unrolled_linen_steps(
+        lambda carry, x: cell.apply({"params": params}, carry, x), carry, xs, edits
+    )
 
 
 def keep(step, out):

@@ -208,41 +208,6 @@ def _row(value):
     return lambda step, out: jax.tree.map(lambda v: v[step], value)
 
 
-def _unrolled(step_fn, carry, xs, edits):
-    """`step_fn(carry, x)` over `xs`' axis 1 unrolled in Python, without
-    bridge: at step `t`, `edits[name](t, out)` replaces the output `out` of
-    the submodule `name` that `step_fn` calls (of `step_fn` itself for `""`).
-    Returns the outputs stacked on axis 1 and each edited name's values as
-    they flow on, stacked per step."""
-    seen = {name: [] for name in edits}
-    step = 0
-
-    def edit(name, out):
-        out = edits[name](step, out)
-        seen[name].append(out)
-        return out
-
-    def hand(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        name = context.module.name
-        if context.method_name == "__call__" and name != "" and name in edits:
-            out = edit(name, out)
-        return out
-
-    ys = []
-    with nn.intercept_methods(hand):
-        for step in range(xs.shape[1]):
-            carry, y = step_fn(carry, xs[:, step])
-            if "" in edits:
-                carry, y = edit("", (carry, y))
-            ys.append(y)
-    stacked = {
-        name: jax.tree.map(lambda *v: jnp.stack(v), *outs)
-        for name, outs in seen.items()
-    }
-    return jnp.stack(ys, 1), stacked
-
-
 def _dense(params, h):
     return nn.Dense(params["bias"].shape[-1]).apply({"params": params}, h)
 
@@ -252,7 +217,7 @@ def _rnn_by_hand(params, x, edits):
     h = _dense(params["embed"], x)
     cell = nn.OptimizedLSTMCell(5)
     carry = cell.initialize_carry(jax.random.key(0), h[:, 0].shape)
-    ys, seen = _unrolled(
+    ys, seen = helpers.unrolled_linen_steps(
         lambda c, h: cell.apply({"params": params["cell"]}, c, h), carry, h, edits
     )
     return _dense(params["head"], ys), seen
@@ -262,7 +227,7 @@ def _scans_by_hand(params, x, edits):
     """`LinenScans`, its broadcasting scan's steps unrolled (`_unrolled`), then
     its stack's layers one by one."""
     h = _dense(params["embed"], x)
-    h, seen = _unrolled(
+    h, seen = helpers.unrolled_linen_steps(
         lambda c, h: _Recurrent().apply({"params": params["recurrent"]}, c, h),
         jnp.zeros((x.shape[0], 4)),
         h,
