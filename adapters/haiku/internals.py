@@ -41,7 +41,7 @@ from typing import Any
 import haiku as hk
 import jax
 
-from bridge.adapter_api import counted_scans, unsupported
+from bridge.adapter_api import counter_calling, unsupported
 
 from ..shared import jax_internals
 
@@ -206,13 +206,11 @@ def enclosing(stop: Any) -> Enclosing:
 def body_trace(body: Any) -> Any:
     """The trace a layer stack's or `hk.scan`'s body (its frame, `body`)
     runs in: that of the iteration counter the scan carries while a probe
-    runs (`bridge.adapter_api.counted_scans`, one of the body's caller's
-    locals), else that of the first tracer among the body's own locals
-    (its carry, its slice of `xs`, the layers' parameters); `None` where
-    neither is found."""
-    caller = body.f_back
-    counter = caller.f_locals.get("counter") if caller is not None else None
-    if counter is not None and any(c is counter for c, _ in counted_scans()):
+    runs (`bridge.adapter_api.counter_calling`), else that of the first
+    tracer among the body's own locals (its carry, its slice of `xs`, the
+    layers' parameters); `None` where neither is found."""
+    counter = counter_calling(body)
+    if counter is not None:
         return jax_internals.trace_of(counter)
     local = body.f_locals
     names = body.f_code.co_varnames
