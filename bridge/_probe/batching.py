@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import BridgeValueError
+from .._session.context import PROBE_AXIS
 from .._session.sites import Site, explicit_sharding, is_array, struct_update
 
 #: The axis name of the probe's own `jax.vmap` with `vmap=True`, for models
 #: whose layers reduce over the batch (BatchNorm).
-BATCH_AXIS = "batch"
+BATCH_AXIS = PROBE_AXIS
 
 
 #: The keywords through which the libraries take random keys: Haiku's `rng`,

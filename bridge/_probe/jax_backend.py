@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from .._session import backward, liveness
+from .._session import backward, computation, liveness
 from .._session.naming import renames_of
 from .._session.session import Request, Session
 from .._session.sites import (
@@ -130,6 +130,7 @@ class ProbeBase(ProbeFront):
         )
         (session,) = sessions
         discovered = liveness.in_the_computation(session.discovered(), jaxpr)
+        discovered = computation.located(discovered, jaxpr)
         if self.vmap:
             batch, spec = batch_size(args), batch_sharding(args)
             discovered = [with_batch_axis(site, batch, spec) for site in discovered]
@@ -275,6 +276,14 @@ def call_model(
     (`backward.run_recording`, or the adapter's).
     """
     patches = patches or {}
+    # The sites the computation routes: the run marks them, and its jaxpr
+    # acts on them (`bridge._session.computation`).
+    planted = frozenset(
+        site.name
+        for site in [*(chosen or ()), *discovered]
+        if (site in (chosen or ()) or site.name in patches)
+        and isinstance(site.origin, computation.InComputation)
+    )
     request = Request(
         selected=None if chosen is None else {site.name: site for site in chosen},
         epsilons=dict(epsilons or {}),
@@ -283,6 +292,7 @@ def call_model(
         with_inputs=with_inputs,
         batch_axis=BATCH_AXIS if probe.vmap else None,
         renames=renames_of(discovered),
+        planted=planted,
     )
 
     # The sites recorded through the backward pass: where one is inside
@@ -302,15 +312,44 @@ def call_model(
         patch_values,
         recorders,
     ):
-        session = Session(request.varied(epsilons, patch_values, recorders))
-        if sessions is not None:
-            sessions.append(session)
-        with session.active():
-            outputs, state = probe._run(
-                trainable, rebuild_args(dynamic_args), call_kwargs, session
-            )
-        session.check_reached()
-        return outputs, state, session.activations, session.inputs, session.ran
+        held: list[Session] = []
+
+        def traced():
+            session = Session(request.varied(epsilons, patch_values, recorders))
+            held.append(session)
+            if sessions is not None:
+                sessions.append(session)
+            with session.active():
+                outputs, state = probe._run(
+                    trainable, rebuild_args(dynamic_args), call_kwargs, session
+                )
+            session.check_reached()
+            return outputs, state, session.activations, session.inputs, session.ran
+
+        if not planted:
+            return traced()
+        # One trace of the model to a jaxpr, evaluated again with the
+        # planted sites acted on where the computation holds them.
+        closed, shapes = jax.make_jaxpr(traced, return_shape=True)()
+        recorder = held[-1].recorder
+        outputs, state, activations, inputs, ran = computation.run_planted(
+            closed,
+            shapes,
+            computation.Planted(
+                structures=recorder.structures,
+                epsilons={n: e for n, e in epsilons.items() if n in planted},
+                patch_values={n: v for n, v in patch_values.items() if n in planted},
+                patch_functions={
+                    n: f
+                    for n, f in request.patches.items()
+                    if n in planted and callable(f)
+                },
+                recorded=planted & set(request.selected or ()),
+                act=recorder.act,
+                stacked={site.name: site.stacked for site in discovered},
+            ),
+        )
+        return outputs, state, activations, inputs, ran
 
     def recorded(trainable, dynamic_args, call_kwargs, epsilons, patch_values):
         """One run recording every selected site; the values inside branches

@@ -15,6 +15,11 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+#: The name of the probe's own `jax.vmap` axis with `vmap=True`
+#: (`bridge._probe.batching.BATCH_AXIS`): what the model's own vmaps are told
+#: from.
+PROBE_AXIS = "batch"
+
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "bridge_session", default=None
 )

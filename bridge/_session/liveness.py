@@ -28,27 +28,50 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from .context import PROBE_AXIS
 from .naming import renumbered
 from .sites import Site
 
 site_marker = Primitive("bridge_site")
 site_marker.multiple_results = True
-site_marker.def_impl(lambda *values, name: list(values))
-site_marker.def_abstract_eval(lambda *avals, name: list(avals))
+site_marker.def_impl(lambda *values, **params: list(values))
+site_marker.def_abstract_eval(lambda *avals, **params: list(avals))
 
 
-def _marker_jvp(primals, tangents, *, name):
-    return site_marker.bind(*primals, name=name), list(tangents)
+def _marker_jvp(primals, tangents, **params):
+    return site_marker.bind(*primals, **params), list(tangents)
 
 
-def _marker_batched(values, dims, *, name):
-    return site_marker.bind(*values, name=name), list(dims)
+def _mapped_first(values, dims):
+    """The values with their mapped axis first: a site inside the model's own
+    `jax.vmap` holds every mapped example, mapped axes outermost first."""
+    moved = [
+        value if dim is None else jnp.moveaxis(value, dim, 0)
+        for value, dim in zip(values, dims, strict=True)
+    ]
+    return moved, [None if dim is None else 0 for dim in dims]
+
+
+def _marker_batched(values, dims, **params):
+    values, dims = _mapped_first(values, dims)
+    params = {**params, "mapped": params.get("mapped", 0) + 1}
+    return site_marker.bind(*values, **params), dims
+
+
+def _marker_batched_on_axis(axis_data, values, dims, **params):
+    # `mapped` counts the model's own vmaps around the marker, not the probe's.
+    values, dims = _mapped_first(values, dims)
+    mapped = params.get("mapped", 0) + (axis_data.name != PROBE_AXIS)
+    return site_marker.bind(*values, **{**params, "mapped": mapped}), dims
 
 
 ad.primitive_jvps[site_marker] = _marker_jvp
-batching.primitive_batchers[site_marker] = _marker_batched
+if hasattr(batching, "fancy_primitive_batchers"):  # the axis's name: jax >= 0.4.36
+    batching.fancy_primitive_batchers[site_marker] = _marker_batched_on_axis
+else:  # pragma: no cover
+    batching.primitive_batchers[site_marker] = _marker_batched
 mlir.register_lowering(
-    site_marker, mlir.lower_fun(lambda *values, name: list(values), True)
+    site_marker, mlir.lower_fun(lambda *values, **params: list(values), True)
 )
 
 
@@ -65,7 +88,9 @@ def mark(name: str, value: Any) -> Any:
     positions = [i for i, leaf in enumerate(leaves) if _is_marked(leaf)]
     if not positions:
         return value
-    marked = site_marker.bind(*[leaves[i] for i in positions], name=name)
+    marked = site_marker.bind(
+        *[leaves[i] for i in positions], name=name, part="value", mapped=0
+    )
     for i, leaf in zip(positions, marked, strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)

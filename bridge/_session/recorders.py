@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import BridgeRuntimeError
-from . import backward
+from . import backward, computation
 from .liveness import mark
 from .naming import Call
 from .sites import (
@@ -237,6 +237,10 @@ class RunRecorder(Recorder):
         # Sites recorded through the backward pass (`bridge._session.backward`)
         # must stay reachable from the outputs through a patch.
         self._recording_backward = bool(request.control_flow_recorders)
+        # The sites the computation routes (`bridge._session.computation`):
+        # marked here, acted on where the jaxpr holds them.
+        self._planted = request.planted
+        self.structures: dict[str, computation.Structure] = {}
         self.activations = {}
         self.inputs = {}
         self.ran = {}
@@ -245,9 +249,18 @@ class RunRecorder(Recorder):
 
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         if record and self._with_inputs and call.name in self._selected:
-            self.inputs[call.name] = self._arrays.positional(args)
+            inputs = self._arrays.positional(args)
+            if call.name in self._planted:
+                _, structure = computation.mark(call.name, inputs, computation.INPUTS)
+                self.structures[f"{call.name}/inputs"] = structure
+            else:
+                self.inputs[call.name] = inputs
 
     def exited(self, call, value, perturb, record, patch):
+        if call.name in self._planted:
+            self._reached.add(call.name)
+            value, self.structures[call.name] = computation.mark(call.name, value)
+            return value
         if patch is None:
             patch = self._patches.get(call.name)
         if patch is not None:
@@ -263,6 +276,15 @@ class RunRecorder(Recorder):
                     value = perturb(value)
             if record:
                 self.activations[call.name] = self._arrays.recorded(value)
+        return value
+
+    def act(self, name: str, value: Any, patch: Any, epsilon: Any) -> Any:
+        """Site `name`'s value patched and perturbed where the computation
+        holds it (`bridge._session.computation`)."""
+        if patch is not None:
+            value = self._apply_patch(name, patch, value)
+        if epsilon is not None:
+            value = self._arrays.add_epsilon(value, epsilon)
         return value
 
     def record(self, name: str, value: Any, inputs: tuple | None = None) -> None:

@@ -82,6 +82,9 @@ class Request:
         whose values leave through the backward pass: inside branches and
         loops, and an adapter's own route (`SiteOrigin.backward_recorders`;
         `bridge._session.backward`).
+      planted: the selected and patched sites the computation routes
+        (`bridge._session.computation`): the session marks them, and the
+        jaxpr of the trace acts on them.
     """
 
     selected: Mapping[str, Site] | None = None
@@ -94,6 +97,7 @@ class Request:
     renames: Mapping[str, tuple[str, int]] | None = None
     inside: Inside | None = dataclasses.field(default_factory=context.INSIDE.get)
     control_flow_recorders: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    planted: frozenset[str] = frozenset()
 
     def __post_init__(self):
         if self.selected is None:  # a discovery lists the sites: nothing is asked

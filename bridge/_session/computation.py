@@ -1,0 +1,587 @@
+"""Sites read from the computation JAX builds: one rule per higher-order
+primitive, for every adapter.
+
+An adapter reaches a call and reports it (`Session.enter`/`exit`); where the
+call runs inside transforms of the model's own code that no route of the
+adapter carries, the session binds `site_marker` (an identity primitive
+holding the site's name, `bridge._session.liveness`) on its value and its
+inputs instead of acting in Python. The model is traced once to a jaxpr, and
+`evaluate` runs that jaxpr again with the epsilons and patches planted at the
+markers and the values brought out, crossing each higher-order primitive by
+one rule (`RULES`), as JAX's own interpreters and Oryx's `harvest` do:
+
+- `jit` (`pjit`), `closed_call`: the body evaluated in place;
+- `scan` (which `lax.map`, a static `fori_loop` and every library's scan
+  lower to, however the model spells it): the body scanned again, the
+  site's epsilon and patch value entering as rows of `xs` and its value
+  leaving as rows of `ys` (`(iterations, *value shape)`);
+- `cond` (`switch`): every branch returns every site of every branch, zeros
+  where its own branch does not hold it, and where it ran (`ran`);
+- `remat2` / `checkpoint`: the body checkpointed again with the same policy;
+- `while`, `custom_jvp_call`, `custom_vjp_call`, `shard_map` and any other
+  primitive holding a jaxpr: refused, one sentence each (`refusal_of`).
+
+The model's own `jax.vmap` needs no rule: it is no primitive in the jaxpr.
+The marker's batching rule keeps the mapped value whole, mapped axes first,
+so a site inside it holds every mapped example and its epsilon varies per
+example.
+
+Discovery reads the same jaxpr (`enclosures`): where each marker sits, so a
+site's true shape (stacked over scans, mapped axes first) and its refusal
+are known before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Literal
+
+from .liveness import site_marker
+from .routing import UNBOUNDED_LOOP, refusal
+from .sites import Site, SiteOrigin, differentiable_part
+
+#: The part of a call a marker holds: its value, or its positional inputs
+#: (recorded only: nothing flows on from them).
+VALUE = "value"
+INPUTS = "inputs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Enclosure:
+    """Where a site's marker sits in the computation.
+
+    Attributes:
+      transforms: the higher-order primitives around it, outermost first,
+        each `(primitive name, scan length or branch count)`; `jit` and the
+        other calls evaluated in place are left out.
+      leaves: the marker's operands, abstract, as seen where it is bound
+        (one iteration of the scans around it, mapped axes first).
+      mapped: how many of the model's own vmaps map it (the probe's is not
+        counted).
+    """
+
+    transforms: tuple[tuple[str, int], ...]
+    leaves: tuple[jax.ShapeDtypeStruct, ...]
+    mapped: int = 0
+
+    @property
+    def iterations(self) -> tuple[int, ...]:
+        """The lengths of the scans around the site, outermost first."""
+        return tuple(n for name, n in self.transforms if name == "scan")
+
+    @property
+    def in_branch(self) -> bool:
+        return any(name == "cond" for name, _ in self.transforms)
+
+    def blocked(self, site: str) -> str | None:
+        """The refusal of the site, where a primitive around it has no rule."""
+        for name, _ in reversed(self.transforms):
+            if name not in _EXPRESSED:
+                return refusal_of(name, site)
+        return None
+
+
+#: The primitives a site can sit in (their rules below), and those evaluated
+#: in place, which an `Enclosure` leaves out.
+_IN_PLACE = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_EXPRESSED = frozenset({"scan", "cond", "remat2", "checkpoint"})
+
+#: Why a primitive without a rule holds no site, and the way out.
+_REFUSALS: Mapping[str, tuple[str, str, str]] = {
+    "while": (
+        "jax.lax.while_loop",
+        UNBOUNDED_LOOP,
+        "write the loop as a jax.lax.scan or a jax.lax.fori_loop of static bounds",
+    ),
+    "custom_jvp_call": (
+        "a jax.custom_jvp function",
+        "its derivative is the model's own rule, which never sees bridge's epsilon",
+        "call the layer outside the custom_jvp function",
+    ),
+    "custom_vjp_call": (
+        "a jax.custom_vjp function",
+        "its backward pass is the model's own function, which never sees "
+        "bridge's epsilon",
+        "call the layer outside the custom_vjp function",
+    ),
+    "shard_map": (
+        "jax.shard_map",
+        "bridge does not carry an epsilon into a shard_map's body yet",
+        "call the layer outside the shard_map",
+    ),
+}
+_REFUSALS = {
+    **_REFUSALS,
+    "custom_vjp_call_jaxpr": _REFUSALS["custom_vjp_call"],  # jax < 0.7
+}
+
+
+def refusal_of(primitive: str, site: str) -> str:
+    """The one sentence refusing a site inside `primitive`."""
+    transform, why, fix = _REFUSALS.get(
+        primitive,
+        (
+            f"JAX's {primitive}",
+            "bridge has no rule to carry an epsilon through it",
+            "call the layer outside it",
+        ),
+    )
+    return refusal(site, transform, why, fix)
+
+
+# -- reading the computation -----------------------------------------------------
+
+
+def _sub_jaxprs(params: Mapping[str, Any]) -> Iterable[tuple[Any, tuple]]:
+    """`(jaxpr, consts)` of each jaxpr among an equation's parameters."""
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(item, "eqns"):
+                yield item, ()
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+                yield item.jaxpr, tuple(item.consts)
+
+
+def _extent(eqn: Any) -> int:
+    if eqn.primitive.name == "scan":
+        return int(eqn.params["length"])
+    if eqn.primitive.name == "cond":
+        return len(eqn.params["branches"])
+    return 0
+
+
+def enclosures(closed_jaxpr: Any) -> dict[str, Enclosure]:
+    """`{site name: Enclosure}` of every value marker in the jaxpr."""
+    found: dict[str, Enclosure] = {}
+
+    def walk(jaxpr: Any, around: tuple[tuple[str, int], ...]) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is site_marker:
+                if eqn.params.get("part", VALUE) == VALUE:
+                    found[eqn.params["name"]] = Enclosure(
+                        around,
+                        tuple(
+                            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                            for v in eqn.invars
+                        ),
+                        eqn.params.get("mapped", 0),
+                    )
+                continue
+            name = eqn.primitive.name
+            inner = around if name in _IN_PLACE else (*around, (name, _extent(eqn)))
+            for sub, _ in _sub_jaxprs(eqn.params):
+                walk(sub, inner)
+
+    walk(closed_jaxpr.jaxpr, ())
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class InComputation(SiteOrigin):
+    """The origin of a site the computation routes: a call the adapter
+    reported inside transforms of the model's own code (`enclosure`), which
+    no route of the adapter's carries. `blocked`: its refusal, where a
+    primitive around it has no rule."""
+
+    enclosure: Enclosure
+    blocked: str | None = None
+
+
+def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
+    """The sites of a discovery, each one the adapter gave no origin of its
+    own and that sits inside a transform of the model's code (or its own
+    `jax.vmap`) given its true shape there, read from the jaxpr: the
+    iterations of the scans around it first, then the model's mapped axes,
+    then the value; and its refusal where a primitive around it has no
+    rule. Other sites are returned as they are."""
+    found = enclosures(closed_jaxpr)
+    placed = []
+    for site in sites:
+        enclosure = found.get(site.traced_as or site.name)
+        if (
+            site.origin is not None
+            or enclosure is None
+            or not (enclosure.transforms or enclosure.mapped)
+        ):
+            placed.append(site)
+            continue
+        leaves, treedef = jax.tree.flatten(site.struct)
+        floats = iter(enclosure.leaves)
+        iterations = enclosure.iterations
+        whole = []
+        for leaf in leaves:
+            if leaf is not None and jnp.issubdtype(leaf.dtype, jnp.inexact):
+                marked = next(floats)
+                # Past the probe's own batch axis, where it maps the value.
+                kept = enclosure.mapped + len(leaf.shape)
+                shape = marked.shape[len(marked.shape) - kept :]
+                leaf = jax.ShapeDtypeStruct((*iterations, *shape), leaf.dtype)
+            whole.append(leaf)
+        placed.append(
+            dataclasses.replace(
+                site,
+                struct=jax.tree.unflatten(treedef, whole),
+                stacked=len(iterations),
+                origin=InComputation(enclosure, enclosure.blocked(site.name)),
+            )
+        )
+    return placed
+
+
+def _names_in(jaxpr: Any, cache: dict[int, frozenset[str]]) -> frozenset[str]:
+    """The names of the markers in `jaxpr` and the jaxprs inside it."""
+    key = id(jaxpr)
+    if key not in cache:
+        names: set[str] = set()
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is site_marker:
+                names.add(eqn.params["name"])
+            for sub, _ in _sub_jaxprs(eqn.params):
+                names |= _names_in(sub, cache)
+        cache[key] = frozenset(names)
+    return cache[key]
+
+
+# -- planting ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """A marked value's pytree: its array leaves are the marker's operands,
+    the other leaves (kept here) are the model's Python objects."""
+
+    treedef: Any
+    leaves: tuple
+    arrays: tuple[int, ...]
+
+    @classmethod
+    def of(cls, value: Any) -> Structure:
+        leaves, treedef = jax.tree.flatten(value)
+        arrays = tuple(i for i, leaf in enumerate(leaves) if _is_array(leaf))
+        kept = tuple(None if i in arrays else leaf for i, leaf in enumerate(leaves))
+        return cls(treedef, kept, arrays)
+
+    def array_leaves(self, value: Any) -> list[Any]:
+        leaves = jax.tree.leaves(value)
+        return [leaves[i] for i in self.arrays]
+
+    def rebuild(self, arrays: Iterable[Any]) -> Any:
+        leaves = list(self.leaves)
+        for i, array in zip(self.arrays, arrays, strict=True):
+            leaves[i] = array
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def mark(name: str, value: Any, part: str = VALUE) -> tuple[Any, Structure]:
+    """`value` with its array leaves passed through the marker of site
+    `name`'s `part`, and its `Structure`."""
+    structure = Structure.of(value)
+    arrays = structure.array_leaves(value)
+    if not arrays:
+        return value, structure
+    marked = site_marker.bind(*arrays, name=name, part=part, mapped=0)
+    return structure.rebuild(marked), structure
+
+
+@dataclasses.dataclass(frozen=True)
+class Planted:
+    """What a run asks of the markers, and how each site's value is rebuilt.
+
+    Attributes:
+      structures: `{name: Structure}` of each marked value, and of each
+        marked call's inputs under `name + "/inputs"`.
+      epsilons: `{name: epsilon}`, the floating leaves' epsilon of the part
+        of the computation evaluated now (one iteration's row in a scan).
+      patch_values: `{name: value}`, likewise.
+      patch_functions: `{name: function of the original value}`.
+      recorded: the names whose value (and inputs) are recorded.
+      act: `(name, value, patch, epsilon) -> value`: the patch applied and
+        checked as the session applies it, and the epsilon added.
+      stacked: `{name: how many leading axes are iterations}`.
+    """
+
+    structures: Mapping[str, Structure]
+    epsilons: Mapping[str, Any]
+    patch_values: Mapping[str, Any]
+    patch_functions: Mapping[str, Callable]
+    recorded: frozenset[str]
+    act: Callable[[str, Any, Any, Any], Any]
+    stacked: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    names_cache: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def asked(self) -> frozenset[str]:
+        return (
+            frozenset(self.recorded)
+            | set(self.patch_values)
+            | set(self.patch_functions)
+        )
+
+    def inner(self, epsilons: Mapping[str, Any], patch_values: Mapping[str, Any]):
+        return dataclasses.replace(self, epsilons=epsilons, patch_values=patch_values)
+
+    def here(self, jaxpr: Any) -> frozenset[str]:
+        """The asked names inside `jaxpr`."""
+        return _names_in(jaxpr, self.names_cache) & self.asked
+
+
+@dataclasses.dataclass
+class Records:
+    """What a part of the computation brings out: `{name: value}`,
+    `{name: inputs}` and `{name: where it ran}`."""
+
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ran: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def as_tree(self) -> tuple[dict, dict, dict]:
+        return self.values, self.inputs, self.ran
+
+    @classmethod
+    def of_tree(cls, tree: tuple[dict, dict, dict]) -> Records:
+        return cls(*map(dict, tree))
+
+    def update(self, other: Records) -> None:
+        for mine, theirs in zip(self.as_tree(), other.as_tree(), strict=True):
+            clash = set(mine) & set(theirs)
+            if clash:
+                raise AssertionError(f"site {sorted(clash)[0]!r} recorded twice")
+            mine.update(theirs)
+
+
+def evaluate(
+    jaxpr: Any, consts: Iterable[Any], args: Iterable[Any], planted: Planted
+) -> tuple[list[Any], Records]:
+    """Run `jaxpr` on `args` with `planted` acted out at its markers:
+    `(outputs, Records)`."""
+    env: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args, strict=True):
+        env[var] = value
+    records = Records()
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive is site_marker:
+            outvals = _at_marker(eqn.params, invals, planted, records)
+        else:
+            rule = RULES.get(eqn.primitive.name)
+            inside = any(True for _ in _sub_jaxprs(eqn.params)) and any(
+                planted.here(sub) for sub, _ in _sub_jaxprs(eqn.params)
+            )
+            if inside:
+                if rule is None:
+                    raise AssertionError(
+                        f"no rule carries a site through {eqn.primitive.name}: "
+                        "discovery should have refused it"
+                    )
+                outvals, inner = rule(eqn, invals, planted)
+                records.update(inner)
+            else:
+                outvals = _bind(eqn, invals)
+        if not eqn.primitive.multiple_results:
+            outvals = [outvals]
+        for var, value in zip(eqn.outvars, outvals, strict=True):
+            env[var] = value
+    return [read(v) for v in jaxpr.outvars], records
+
+
+def _bind(eqn: Any, invals: list[Any]) -> Any:
+    """The equation bound again as the model's code bound it."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: tuple = ()
+    if isinstance(params, tuple):  # jax < 0.5: (subfuns, params)
+        subfuns, params = params
+    return eqn.primitive.bind(*subfuns, *invals, **params)
+
+
+def _at_marker(
+    params: Mapping[str, Any], invals: list[Any], planted: Planted, records: Records
+) -> list[Any]:
+    name = params["name"]
+    if params.get("part", VALUE) == INPUTS:
+        if name in planted.recorded:
+            structure = planted.structures[f"{name}/inputs"]
+            records.inputs[name] = structure.rebuild(invals)
+        return invals
+    if name not in planted.asked:
+        return invals
+    structure = planted.structures[name]
+    value = structure.rebuild(invals)
+    patch = planted.patch_values.get(name, planted.patch_functions.get(name))
+    value = planted.act(name, value, patch, planted.epsilons.get(name))
+    if name in planted.recorded:
+        records.values[name] = value
+    return structure.array_leaves(value)
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array) or hasattr(leaf, "aval")
+
+
+def _split(mapping: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    return {name: mapping[name] for name in names if name in mapping}
+
+
+# -- one rule per higher-order primitive ---------------------------------------------
+
+
+def _in_place(eqn, invals, planted):
+    (sub, consts), *_ = _sub_jaxprs(eqn.params)
+    return evaluate(sub, consts, invals, planted)
+
+
+def _scan(eqn, invals, planted):
+    params = eqn.params
+    body = params["jaxpr"]
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    consts = invals[:num_consts]
+    init = invals[num_consts : num_consts + num_carry]
+    xs = invals[num_consts + num_carry :]
+    names = planted.here(body.jaxpr)
+    epsilons = _split(planted.epsilons, names)
+    patch_values = _split(planted.patch_values, names)
+
+    def step(carry, sliced):
+        x, epsilon_rows, patch_rows = sliced
+        outputs, records = evaluate(
+            body.jaxpr,
+            body.consts,
+            [*consts, *carry, *x],
+            planted.inner(epsilon_rows, patch_rows),
+        )
+        return outputs[:num_carry], (outputs[num_carry:], records.as_tree())
+
+    carry, (ys, records) = jax.lax.scan(
+        step,
+        list(init),
+        (list(xs), epsilons, patch_values),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params.get("unroll", 1),
+    )
+    return [*carry, *ys], Records.of_tree(records)
+
+
+def _cond(eqn, invals, planted):
+    branches = eqn.params["branches"]
+    index, *operands = invals
+    names = frozenset().union(*(planted.here(b.jaxpr) for b in branches))
+    epsilons = _split(planted.epsilons, names)
+    patch_values = _split(planted.patch_values, names)
+
+    def run_branch(branch, operands, epsilons, patch_values):
+        outputs, records = evaluate(
+            branch.jaxpr, branch.consts, operands, planted.inner(epsilons, patch_values)
+        )
+        return outputs, records.as_tree()
+
+    # What each branch records, abstractly: every branch must return every
+    # branch's records, zeros where its own does not hold the site.
+    shapes = [
+        jax.eval_shape(
+            lambda *a, b=branch: run_branch(b, *a)[1], operands, epsilons, patch_values
+        )
+        for branch in branches
+    ]
+    every: tuple[dict, dict, dict] = ({}, {}, {})
+    for recorded in shapes:
+        for mine, theirs in zip(every, recorded, strict=True):
+            mine.update(theirs)
+    values_of, inputs_of, ran_of = every
+    held = sorted({*values_of, *inputs_of})
+
+    def full(branch, own):
+        def run(operands, epsilons, patch_values):
+            outputs, (values, inputs, ran) = run_branch(
+                branch, operands, epsilons, patch_values
+            )
+            mine = {*own[0], *own[1]}
+            return outputs, (
+                {n: values.get(n, _zeros(values_of[n])) for n in values_of},
+                {n: inputs.get(n, _zeros(inputs_of[n])) for n in inputs_of},
+                {
+                    # Where a site in a branch inside this one ran: where both did.
+                    n: ran[n]
+                    if n in ran
+                    else jnp.full(
+                        ran_of[n].shape if n in ran_of else (), n in mine, jnp.bool_
+                    )
+                    for n in held
+                },
+            )
+
+        return run
+
+    outputs, records = jax.lax.switch(
+        index,
+        [full(b, own) for b, own in zip(branches, shapes, strict=True)],
+        operands,
+        epsilons,
+        patch_values,
+    )
+    return outputs, Records.of_tree(records)
+
+
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def _checkpoint(eqn, invals, planted):
+    params = eqn.params
+    body = params["jaxpr"]
+    names = planted.here(body)
+    epsilons = _split(planted.epsilons, names)
+    patch_values = _split(planted.patch_values, names)
+
+    def run(invals, epsilons, patch_values):
+        outputs, records = evaluate(
+            body, (), invals, planted.inner(epsilons, patch_values)
+        )
+        return outputs, records.as_tree()
+
+    outputs, records = jax.checkpoint(
+        run, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
+    )(list(invals), epsilons, patch_values)
+    return outputs, Records.of_tree(records)
+
+
+#: `primitive name -> rule(eqn, invals, planted) -> (outputs, Records)`.
+RULES: Mapping[str, Callable] = {
+    "jit": _in_place,
+    "pjit": _in_place,
+    "closed_call": _in_place,
+    "core_call": _in_place,
+    "scan": _scan,
+    "cond": _cond,
+    "remat2": _checkpoint,
+    "checkpoint": _checkpoint,
+}
+
+
+def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
+    """`closed_jaxpr` (a trace returning `(outputs, state, activations,
+    inputs, ran)`, abstractly `shapes`) evaluated with `planted` acted on:
+    the planted sites' records joined to the session's."""
+    flat, records = evaluate(closed_jaxpr.jaxpr, closed_jaxpr.consts, (), planted)
+    outputs, state, activations, inputs, ran = jax.tree.unflatten(
+        jax.tree.structure(shapes), flat
+    )
+    for name, value in records.values.items():
+        activations[name] = differentiable_part(value)
+    inputs.update(records.inputs)
+    for name, where in records.ran.items():
+        # A site in a scan inside a branch ran at every iteration where the
+        # branch did.
+        leaf = jax.tree.leaves(records.values.get(name, records.inputs.get(name)))[0]
+        ran[name] = jnp.broadcast_to(where, leaf.shape[: planted.stacked[name]])
+    return outputs, state, activations, inputs, ran
