@@ -36,10 +36,11 @@ class Dense:
 
 
 def dense(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    return x @ params["w"] + params["b"]
+    y = x @ params["w"]
+    return y + params["b"].reshape((1,) * (y.ndim - 1) + (-1,))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Model:
     """`forward(layers, x)`, `layers[name](h)` calling the layer `name`."""
 
