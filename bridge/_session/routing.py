@@ -6,7 +6,9 @@ model stand the transforms of the model's code, JAX's and the library's. Each
 has one rule (`Rule`), as JAX's own interpreters keep one rule per primitive:
 
 - `THROUGH`: bridge traces through it (a `jax.jit` inside the model, which
-  runs inline while a probe runs).
+  runs inline while a probe runs, and so opens no trace: a trace JAX names
+  `jit` left around a call is one the model's code makes of a function
+  apart, `TRACED_APART`, which blocks).
 - `MAPS`: the model's own `jax.vmap`, whose value bridge hands out whole, its
   mapped axis first.
 - `FLOWS`: a branch (`cond`, `switch`) or a loop of known bounds (a
@@ -47,9 +49,12 @@ from .backward import COUNTED_SCAN
 __all__ = [
     "BRANCH",
     "CLOSED_OVER_LOOP",
+    "CONVERTED",
+    "CONVERTED_FIX",
     "JAX_RULES",
     "LOOP_AMONG",
     "PLAIN",
+    "TRACED_APART",
     "TRACED_BOUNDS",
     "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",
@@ -107,6 +112,26 @@ CLOSED_OVER_LOOP = (
     "iteration and their gradients would be summed"
 )
 
+#: A call inside a function closure-converted (`jax.closure_convert`,
+#: `equinox.filter_closure_convert`, as solver libraries convert the function
+#: they solve): the conversion traces the function once, and every call of
+#: the converted function runs that one trace. A site there would be one
+#: trace standing for several calls (`f(f(h))`), whose gradients one epsilon
+#: would sum, so it is refused rather than probed.
+CONVERTED = (
+    "the conversion traces the function once, into a jaxpr that every call of "
+    "the converted function runs: a value there belongs to the conversion's "
+    "own trace, and one epsilon would serve every call of the converted "
+    "function and sum their gradients"
+)
+CONVERTED_FIX = "call the layer outside the converted function and pass its output in"
+
+#: The name of a trace JAX names `jit` around a call while the model's own
+#: `jax.jit`s run inline (`bridge._session.jit`), which open none: one the
+#: model's code makes of a function apart (`jax.make_jaxpr`, a
+#: `jax.jit(...).trace`), or a closure conversion the reader does not name.
+TRACED_APART = "jit (traced apart)"
+
 #: Why a call inside a transform that carries none of bridge's state cannot
 #: be a site, where the adapter has nothing more precise to say.
 UNCARRIED = (
@@ -160,7 +185,7 @@ class Transform:
     takes_mapped: bool = False
 
 
-#: JAX's transforms (a trace's name, as `bridge.adapters.shared.routes`
+#: JAX's transforms (a trace's name, as `bridge.adapters.shared.unexpressible`
 #: reads it) and their rules; an adapter adds its library's and gives its
 #: own way out where JAX's is not its users'.
 JAX_RULES: Mapping[str, Transform] = {
@@ -220,6 +245,15 @@ JAX_RULES: Mapping[str, Transform] = {
     ),
     "checkpoint / remat": Transform("jax.checkpoint", Rule.BLOCKS),
     "checkpoint": Transform("jax.checkpoint", Rule.BLOCKS),  # jax < 0.5
+    "closure_convert": Transform(
+        "jax.closure_convert", Rule.BLOCKS, CONVERTED, CONVERTED_FIX
+    ),
+    TRACED_APART: Transform(
+        "a trace of a function the model's code makes apart (jax.make_jaxpr, "
+        "a closure conversion)",
+        Rule.BLOCKS,
+        fix="call the layer outside that function",
+    ),
 }
 JAX_RULES = {**JAX_RULES, "while_cond": JAX_RULES["while_body"]}
 
