@@ -42,7 +42,7 @@ bridge does not know is added from outside with this module alone, as
       loss or None)` and `_abstract_loss(self, outputs, loss_fn)`: the loss
       on the outputs the `Discovery` kept, `UNCHECKED_LOSS` where it cannot
       be told without a real run (check the real loss with `check_loss`);
-    - `_forward(self, plan) -> (outputs, activations, state)` and
+    - `_forward(self, plan) -> (outputs, activations, state, ran)` and
       `_differentiate(self, loss_fn, plan, has_aux, with_inputs) ->
       ProbeResult`: the real run of a checked `CallPlan`, dicts in any order.
 
@@ -154,10 +154,11 @@ breaks it breaks a tested API, not an adapter's private import:
   `current_session()` (the session tracing the model now, or `None`),
   `positional_arrays(args)` (a call's inputs as a recording keeps them);
 - sites and values: `Site`, `SiteOrigin`, `Arrays` (a framework's values as
-  the core sees them), `key_name`, `strip_call_index`, `carrier_name`,
-  `is_carrier_name`, `add_epsilon`, `abstract`, `is_array`,
-  `differentiable_part`, `merge_differentiable`, `zeros_like_struct`,
-  `without_axis`;
+  the core sees them), `register_norms` (how `ProbeResult.norms()` takes the
+  norms of a framework's values that are not JAX arrays), `key_name`,
+  `strip_call_index`, `carrier_name`, `is_carrier_name`, `add_epsilon`,
+  `abstract`, `is_array`, `differentiable_part`, `merge_differentiable`,
+  `zeros_like_struct`, `without_axis`;
 - porting (`transfer`/`compare`): `PortingSide` and `PortableProbe` (what
   porting needs of an adapter and of its probe), `Layer` (with `tied`, the
   path of the module whose tensors a tied layer holds, left unpaired); the
@@ -219,6 +220,7 @@ from ._probe.discovery_cache import DiscoveryOwner as DiscoveryOwner
 from ._probe.front import CallPlan as CallPlan
 from ._probe.front import ProbeFront as ProbeFront
 from ._probe.jax_backend import ProbeBase as ProbeBase
+from ._probe.norms import register_norms as register_norms
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
 from ._session.backward import BOUNDED_WHILE as BOUNDED_WHILE
@@ -236,14 +238,18 @@ from ._session.context import tapping_a_local as tapping_a_local
 from ._session.cotangent_floats import Encoding as Encoding
 from ._session.cotangent_floats import as_floats as as_floats
 from ._session.cotangent_floats import from_floats as from_floats
+from ._session.jit import inlining as inlining_jits
 from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
 from ._session.routing import BRANCH as BRANCH
 from ._session.routing import CLOSED_OVER_LOOP as CLOSED_OVER_LOOP
+from ._session.routing import CONVERTED as CONVERTED
+from ._session.routing import CONVERTED_FIX as CONVERTED_FIX
 from ._session.routing import JAX_RULES as JAX_RULES
 from ._session.routing import LOOP_AMONG as LOOP_AMONG
 from ._session.routing import PLAIN as PLAIN
+from ._session.routing import TRACED_APART as TRACED_APART
 from ._session.routing import TRACED_BOUNDS as TRACED_BOUNDS
 from ._session.routing import TRACED_BOUNDS_FIX as TRACED_BOUNDS_FIX
 from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
@@ -294,12 +300,14 @@ __all__ = [
     "Carried",
     "UNCARRIED",
     "counted_scans",
+    "inlining_jits",
     "count_scans_of",
     "counter_calling",
     "PLAIN",
     "LOOP_AMONG",
     "JAX_RULES",
     "Arrays",
+    "register_norms",
     "AsGiven",
     "BATCH_AXIS",
     "BRANCH",
@@ -312,6 +320,8 @@ __all__ = [
     "BridgeTypeError",
     "BridgeValueError",
     "CLOSED_OVER_LOOP",
+    "CONVERTED",
+    "CONVERTED_FIX",
     "Call",
     "BRANCHES",
     "CallPlan",
@@ -337,6 +347,7 @@ __all__ = [
     "Session",
     "Site",
     "SiteOrigin",
+    "TRACED_APART",
     "TRACED_BOUNDS",
     "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",

@@ -88,7 +88,7 @@ class ActivationProbe(Protocol):
           patch: as for `value_and_grad`.
 
         Returns:
-          A `bridge.ForwardResult(outputs, activations, state)`.
+          A `bridge.ForwardResult(outputs, activations, state, ran)`.
         """
         ...
 
