@@ -185,15 +185,29 @@ def test_register_adapter_rejects_bad_arguments(matches, factory, message):
 def test_an_unsupported_model_names_the_four_libraries_and_how_to_pass_each():
     with pytest.raises(TypeError, match="cannot probe a model of type object") as info:
         bridge.probe(object())
-    message = str(info.value)
-    for expected in (
-        "Flax Linen: bridge.probe(module, variables)",
-        "Flax NNX: bridge.probe(module)",
-        "Equinox: bridge.probe(module)",
-        "Haiku: bridge.probe(hk.transform(f), params)",
-        "register_adapter",
-    ):
-        assert expected in message
+    # A short first line, then one line per library, each with every fact.
+    assert str(info.value).splitlines() == [
+        "bridge.probe cannot probe a model of type object.",
+        "Supported libraries, and how to pass a model of each:",
+        "  Flax Linen: bridge.probe(module, variables) with variables = "
+        "module.init(key, x)",
+        "  Flax NNX: bridge.probe(module) with an nnx.Module",
+        "  Equinox: bridge.probe(module), or bridge.probe(module, state) for a "
+        "model with an eqx.nn.State",
+        "  Haiku: bridge.probe(hk.transform(f), params), or "
+        "bridge.probe(hk.transform_with_state(f), params, state)",
+        "  PyTorch: bridge.probe(module) with a torch.nn.Module",
+        "  Hugging Face: bridge.probe(model) with a Flax or PyTorch model object",
+        "A new library can be added with bridge.register_adapter.",
+    ]
+    # What the user probably meant comes second, on its own line.
+    with pytest.raises(TypeError) as info:
+        bridge.probe(Chain)
+    assert str(info.value).splitlines()[:3] == [
+        "bridge.probe cannot probe a model of type type.",
+        "`model` is the class Chain itself: pass an instance, e.g. Chain(...).",
+        "Supported libraries, and how to pass a model of each:",
+    ]
 
 
 def test_vmap_must_be_a_bool():
@@ -442,6 +456,7 @@ def test_the_top_level_is_the_user_api_and_adapter_authors_have_their_module():
         "LogitsComparison",
         "PairComparison",
         "ProbeResult",
+        "SiteNorms",
         "SiteSource",
         "__version__",
         "adapter_api",

@@ -963,7 +963,9 @@ def test_a_source_that_no_longer_compiles_is_refused(tmp_path, monkeypatch):
     model = LinenModel()
     variables = model.init(jax.random.key(0), X)
     with pytest.raises(
-        bridge.BridgeError, match="bridge cannot rewrite scaled"
+        bridge.BridgeError,
+        match=r"scaled no longer matches its source file .*: the file does not "
+        r"compile now .* Re-import it: importlib.reload\(edited_model\)",
     ) as error:
         bridge.probe(model, variables, inside=edited.scaled)
     assert isinstance(error.value, ValueError)

@@ -26,7 +26,7 @@ from .._session.sites import (
     without_axis,
     zeros_like_struct,
 )
-from . import discovery_cache
+from . import discovery_cache, reverse_mode
 from .batching import (
     BATCH_AXIS,
     batch_axis_to,
@@ -187,12 +187,19 @@ class ProbeBase(ProbeFront):
                 loss = backward.reaching_every_output(loss, (outputs, state))
             return loss, (aux, activations, inputs, state, ran)
 
-        (
-            (loss, (aux, activations, inputs, state, ran)),
-            (grads, activation_grads, values),
-        ) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
-            self._trainable(), epsilons, recorders
-        )
+        try:
+            (
+                (loss, (aux, activations, inputs, state, ran)),
+                (grads, activation_grads, values),
+            ) = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+                self._trainable(), epsilons, recorders
+            )
+        except ValueError as error:
+            # JAX's refusal to go back through a while loop, in bridge's words.
+            refusal = reverse_mode.through_a_while_loop(error)
+            if refusal is None:
+                raise
+            raise refusal from error
         backward.adopt(values, recorded, with_inputs, activations, inputs, ran)
         return ProbeResult(
             loss=loss,
@@ -282,7 +289,7 @@ def call_model(
         site.name
         for site in [*(chosen or ()), *discovered]
         if (site in (chosen or ()) or site.name in patches)
-        and isinstance(site.origin, computation.InComputation)
+        and site.computed is not None
     )
     request = Request(
         selected=None if chosen is None else {site.name: site for site in chosen},
@@ -347,6 +354,7 @@ def call_model(
                 recorded=planted & set(request.selected or ()),
                 act=recorder.act,
                 stacked={site.name: site.stacked for site in discovered},
+                dead=frozenset(site.name for site in discovered if site.dead),
             ),
         )
         return outputs, state, activations, inputs, ran

@@ -21,16 +21,17 @@ from .._session.inside import Inside, check_carried
 from .front import ProbeFront
 from .protocol import ActivationProbe
 
+#: How to pass each supported library's model: one line each in the error
+#: for a model bridge cannot probe.
 _SUPPORTED = (
-    "Flax Linen: bridge.probe(module, variables) with variables = "
-    "module.init(key, x); "
-    "Flax NNX: bridge.probe(module) with an nnx.Module; "
+    "Flax Linen: bridge.probe(module, variables) with variables = module.init(key, x)",
+    "Flax NNX: bridge.probe(module) with an nnx.Module",
     "Equinox: bridge.probe(module), or bridge.probe(module, state) for a model "
-    "with an eqx.nn.State; "
+    "with an eqx.nn.State",
     "Haiku: bridge.probe(hk.transform(f), params), or "
-    "bridge.probe(hk.transform_with_state(f), params, state); "
-    "PyTorch: bridge.probe(module) with a torch.nn.Module; "
-    "Hugging Face: bridge.probe(model) with a Flax or PyTorch model object"
+    "bridge.probe(hk.transform_with_state(f), params, state)",
+    "PyTorch: bridge.probe(module) with a torch.nn.Module",
+    "Hugging Face: bridge.probe(model) with a Flax or PyTorch model object",
 )
 
 
@@ -159,11 +160,16 @@ def probe(
             created._looking_inside(rewrites)
             check_carried(created)  # a rebuilt probe looks inside too
             return created
-    raise BridgeTypeError(
-        f"bridge.probe cannot probe a model of type {type(model).__qualname__}."
-        f"{_misuse_hint(model)} Supported libraries — "
-        f"{_SUPPORTED}. A new library can be added with bridge.register_adapter."
-    )
+    # A short first line, what the user probably meant, then one line per
+    # library: read at a glance in a traceback.
+    lines = [
+        f"bridge.probe cannot probe a model of type {type(model).__qualname__}.",
+        _misuse_hint(model).strip(),
+        "Supported libraries, and how to pass a model of each:",
+        *(f"  {line}" for line in _SUPPORTED),
+        "A new library can be added with bridge.register_adapter.",
+    ]
+    raise BridgeTypeError("\n".join(line for line in lines if line))
 
 
 def _misuse_hint(model: Any) -> str:
