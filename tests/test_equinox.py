@@ -9,6 +9,7 @@ loss whose gradient is known in closed form) or are Equinox's own
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 
@@ -456,16 +457,9 @@ def _stacked_linears(key):
 @pytest.mark.parametrize(
     "model, site, message",
     [
-        # Scans bridge cannot count (`uncounted_scan`): with the model's own
-        # `jax.lax.scan` both are sites per iteration (for the cell,
-        # tests/test_equinox_scan_interventions.py; for the tap,
+        # A scan JAX's own scan bound at import runs is read from the
+        # computation (`uncounted_scan`: tests/test_closed_over_scans.py,
         # test_a_tap_in_the_model_scan_is_a_site_per_iteration).
-        pytest.param(
-            ClosedOverCell(eqx.nn.Linear(3, 3, key=jax.random.key(0)), counted=False),
-            "cell",
-            "the scan does not slice its parameters",
-            marks=NEEDS_JAXPR_PARENTS,
-        ),
         pytest.param(
             eqx.nn.MLP(3, 2, 4, 3, scan=True, key=jax.random.key(0))
             if _MLP_SCANS
@@ -476,14 +470,8 @@ def _stacked_linears(key):
                 not _MLP_SCANS, reason="eqx.nn.MLP(scan=True): equinox >= 0.13.5"
             ),
         ),
-        pytest.param(
-            TapInScan(_stacked_linears(jax.random.key(0)), counted=False),
-            "h",
-            r"jax.lax.scan around site 'h'.*bridge.tap",
-            marks=NEEDS_JAXPR_PARENTS,
-        ),
     ],
-    ids=["closed_over", "vmap_in_scan", "tap"],
+    ids=["vmap_in_scan"],
 )
 def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, site, message):
     # A jax.jit inside the model is traced through: tests/test_equinox_jit.py.
@@ -1285,55 +1273,46 @@ class TapInTransform(eqx.Module):
         return self.last(_tapped_in(self.kind, self.first(x), self.hand))
 
 
-@NEEDS_JAXPR_PARENTS
-@pytest.mark.parametrize(
-    "kind, word, shape",
-    [
-        ("checkpoint", "checkpoint", (3, 4)),
-        # A scan bridge cannot count: the model's own `jax.lax.scan` makes
-        # the tap a site per step (test_a_tap_in_the_model_scan_is_...).
-        ("uncounted_scan", "scan", (2, 3, 4)),
-    ],
-)
-def test_a_tap_inside_a_transform_is_listed_and_refused_only_when_selected(
-    kind, word, shape
-):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tap_inside_jax_checkpoint_is_a_site(mode):
+    """A tap inside the model's own `jax.checkpoint` is read from the
+    computation (the body checkpointed again, with its policy): its value,
+    and its gradient and `first`'s against offsets added by hand."""
     keys = jax.random.split(jax.random.key(0), 3)
     model = TapInTransform(
-        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.Linear(4, 2, key=keys[1]), kind
+        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.Linear(4, 2, key=keys[1]), "checkpoint"
     )
     x = jax.random.normal(keys[2], (3, 3))
     probe = bridge.probe(model, vmap=True)
     sites = probe.sites(x)
     assert list(sites) == ["first", "t", "last"]
-    assert sites["t"].shape == shape  # a scan's steps first, the batch next
+    assert sites["t"].shape == (3, 4)
 
     def loss(y):
         return jnp.sum(y**2)
 
-    with leaves_out("t"):
-        res = probe.value_and_grad(loss, x)  # `at=None` leaves the tap out
-    assert set(res.activations) == {"first", "last"}
+    res = _run(mode, lambda p, x: p.value_and_grad(loss, x), probe, x)
 
-    # The reference, plain JAX: an offset added to `first`'s output.
-    def reference(params, offset):
+    # The reference, plain JAX: offsets added to `first`'s output and the tap.
+    def reference(params, offsets):
         m = eqx.combine(params, eqx.filter(model, eqx.is_array, inverse=True))
-        first = jax.vmap(m.first)(x) + offset
-        return loss(jax.vmap(lambda h: m.last(_tapped_in(kind, h)))(first)), first
+        first = jax.vmap(m.first)(x)
+        tapped = jnp.sin(first + offsets["first"])
+        return loss(jax.vmap(m.last)(tapped + offsets["t"])), (first, tapped)
 
     params = eqx.filter(model, eqx.is_array)
-    (value, first), (grads, offset_grad) = jax.value_and_grad(
+    zeros = {"first": jnp.zeros((3, 4)), "t": jnp.zeros((3, 4))}
+    (value, (first, tapped)), (grads, offset_grads) = jax.value_and_grad(
         reference, argnums=(0, 1), has_aux=True
-    )(params, jnp.zeros((3, 4)))
+    )(params, zeros)
     np.testing.assert_allclose(res.loss, value, rtol=1e-6)
     np.testing.assert_allclose(res.activations["first"], first, rtol=1e-6)
-    np.testing.assert_allclose(res.activation_grads["first"], offset_grad, rtol=1e-5)
+    np.testing.assert_allclose(res.activations["t"], tapped, rtol=1e-6)
+    for site in ("first", "t"):
+        np.testing.assert_allclose(
+            res.activation_grads[site], offset_grads[site], rtol=1e-5, atol=1e-6
+        )
     assert_tree_allclose(res.grads, grads, rtol=1e-5)
-    refusal = rf"\b{word}\b.*'t'|'t'.*\b{word}\b"
-    with pytest.raises(bridge.BridgeError, match=refusal):
-        probe.value_and_grad(loss, x, at="t")
-    with pytest.raises(bridge.BridgeError, match=refusal):
-        probe.value_and_grad(loss, x, patch={"t": jnp.negative})
 
 
 # -- a tap in the model's own jax.lax.scan: a site per iteration ----------------
@@ -1342,11 +1321,11 @@ def test_a_tap_inside_a_transform_is_listed_and_refused_only_when_selected(
 TAP_BATCH, TAP_STEPS = 5, 2
 
 
-def _tap_in_stacked_scan() -> tuple[eqx.Module, str, Callable]:
+def _tap_in_stacked_scan(counted: bool = True) -> tuple[eqx.Module, str, Callable]:
     """`TapInScan` (a tap after each of two stacked layers), its site, and
     the tap's value at every iteration without bridge, `(steps, batch,
     ...)`, each layer sliced out of the stack by hand."""
-    model = TapInScan(_stacked_linears(jax.random.key(0)))
+    model = TapInScan(_stacked_linears(jax.random.key(0)), counted=counted)
 
     def values(x):
         h, out = x, []
@@ -1358,12 +1337,16 @@ def _tap_in_stacked_scan() -> tuple[eqx.Module, str, Callable]:
     return model, "h", values
 
 
-def _tap_in_closed_over_scan() -> tuple[eqx.Module, str, Callable]:
+def _tap_in_closed_over_scan(
+    counted: bool = True,
+) -> tuple[eqx.Module, str, Callable]:
     """`TapInTransform` with a tap the body of a length-2 `jax.lax.scan`
     (no `xs`) closes over, its site, and its values without bridge."""
     keys = jax.random.split(jax.random.key(0), 2)
     model = TapInTransform(
-        eqx.nn.Linear(3, 4, key=keys[0]), eqx.nn.Linear(4, 2, key=keys[1]), "scan"
+        eqx.nn.Linear(3, 4, key=keys[0]),
+        eqx.nn.Linear(4, 2, key=keys[1]),
+        "scan" if counted else "uncounted_scan",
     )
 
     def values(x):
@@ -1402,15 +1385,26 @@ def _twice_cos(v):
 @NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize(
     "build",
-    [_tap_in_stacked_scan, _tap_in_closed_over_scan],
-    ids=["stacked_layers", "closed_over"],
+    [
+        _tap_in_stacked_scan,
+        _tap_in_closed_over_scan,
+        functools.partial(_tap_in_stacked_scan, counted=False),
+        functools.partial(_tap_in_closed_over_scan, counted=False),
+    ],
+    ids=[
+        "stacked_layers",
+        "closed_over",
+        "stacked_layers_scan_bound_at_import",
+        "closed_over_scan_bound_at_import",
+    ],
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tap_in_the_model_scan_is_a_site_per_iteration(mode, build):
     """The model's own `jax.lax.scan` counts its iterations while a probe
-    runs: a tap its body runs is a site per iteration, `(steps, batch,
-    ...)`, whose gradients are those of offsets added by hand at each step,
-    and which takes a stacked patch value (a row per step) or a patch
+    runs, and JAX's scan bound at import is the same `scan` in the
+    computation: a tap its body runs is a site per iteration, `(steps,
+    batch, ...)`, whose gradients are those of offsets added by hand at each
+    step, and which takes a stacked patch value (a row per step) or a patch
     function (applied at every step)."""
     model, site, values = build()
     x = jax.random.normal(jax.random.key(1), (TAP_BATCH, 3))

@@ -328,14 +328,14 @@ def test_linen_rnn_cell_is_a_site_per_step_and_the_rest_probes():
         by_hand = jax.grad(after_rnn)(res.activations["rnn"])
         assert_close(grad["rnn"], by_hand)
 
-    # The cell by type: its call and `nn.RNN`'s `scan_fn` around it, each a
-    # site per step whose value and gradient are the cell's.
+    # The cell by type: its call alone (`nn.RNN`'s `scan_fn` around it is the
+    # scan's function, no site), a site per step.
     def by_type(probe, x):
         return probe.value_and_grad(loss_fn, x, at=nn.OptimizedLSTMCell)
 
     for res in (by_type(probe, x), jax.jit(by_type)(probe, x)):
-        assert set(res.activations) == {"cell", "cell.scan_fn"}
-        _assert_per_step(res, references, {"cell": "", "cell.scan_fn": ""})
+        assert set(res.activations) == {"cell"}
+        _assert_per_step(res, references, {"cell": ""})
 
     # Patches per step: a function at the cell (each step's carry and output;
     # the next step reads the patched carry) and a stacked (kernel, bias) at
@@ -734,10 +734,10 @@ class EqxModel(eqx.Module):
     of `tests/test_control_flow.py`'s model.)
 
     `kind` "rnn" scans with `uncounted_scan`, JAX's own scan bound when this
-    module was imported: bridge counts no iterations of it, so `left` is a
-    site it cannot express. "counted_rnn" scans with the model's own
-    `jax.lax.scan`, whose iterations bridge counts while a probe runs:
-    `left` is then a site per step. `hand(step, output)`, where given,
+    module was imported, which counts no iterations, but which is the same
+    `scan` in the computation: `left` is a site per step there too.
+    "counted_rnn" scans with the model's own `jax.lax.scan`, whose
+    iterations bridge counts while a probe runs. `hand(step, output)`, where given,
     stands for `left`'s output at `step`: the references without bridge."""
 
     kind: str = eqx.field(static=True)
@@ -766,46 +766,16 @@ class EqxModel(eqx.Module):
         return self.head(jnp.tanh(h))
 
 
-@pytest.mark.parametrize(
-    "kind, refused, shape, transform",
-    [
-        # (steps, batch, ...)
-        ("rnn", ["left"], (3, 5, 4), "jax.lax.scan around site 'left'"),
-    ],
-)
-def test_equinox_refused_site_is_listed_and_the_rest_probes(
-    kind, refused, shape, transform
-):
+@helpers.NEEDS_JAXPR_PARENTS
+@pytest.mark.parametrize("kind", ["counted_rnn", "rnn"])
+def test_equinox_the_same_rnn_in_the_model_s_own_scan_probes_every_site(kind):
+    """With the model's own `jax.lax.scan` (counted while a probe runs), or
+    JAX's scan bound at import (the same `scan` in the computation, where
+    the core reads it), `left` is a site per step: nothing is left out, each
+    step's value is the cell's, each step's gradient that of an offset added
+    there by hand."""
     x = jax.random.normal(jax.random.key(1), (5, 3))
     model = EqxModel(kind, jax.random.key(0))
-    probe = bridge.probe(model, vmap=True)
-    sites = probe.sites(x)
-    for site in refused:
-        assert shapes(sites[site]) == shape
-        assert_refused(probe, (x,), site, f"through {transform}")
-
-    def plain(model):
-        return loss_fn(jax.vmap(model)(x))
-
-    loss, grads = eqx.filter_value_and_grad(plain)(model)
-    for res in both_ways(
-        lambda p, x: p.value_and_grad(loss_fn, x), probe, x, leaves_out=refused
-    ):
-        assert set(res.activations) == {"encoder", "head"}
-        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
-        assert_close(eqx.filter(res.grads, eqx.is_array), grads)
-        grad = res.activation_grads
-        assert_close(bias_sum(grad["encoder"], 1), grads.encoder.bias)
-        assert_close(bias_sum(grad["head"], 1), grads.head.bias)
-
-
-@helpers.NEEDS_JAXPR_PARENTS
-def test_equinox_the_same_rnn_in_the_model_s_own_scan_probes_every_site():
-    """With the model's own `jax.lax.scan` (counted while a probe runs),
-    `left` is a site per step: nothing is left out, each step's value is the
-    cell's, each step's gradient that of an offset added there by hand."""
-    x = jax.random.normal(jax.random.key(1), (5, 3))
-    model = EqxModel("counted_rnn", jax.random.key(0))
     probe = bridge.probe(model, vmap=True)
     assert shapes(probe.sites(x)["left"]) == (3, 5, 4)  # (steps, batch, ...)
 

@@ -36,6 +36,7 @@ from bridge.adapter_api import (
     COUNTED_SCAN,
     FORI_LOOP,
     JAX_RULES,
+    TRACED_APART,
     BridgeValueError,
     ControlFlow,
     Refused,
@@ -45,6 +46,7 @@ from bridge.adapter_api import (
     ThroughControlFlow,
     Transform,
     counted_scans,
+    inlining_jits,
     is_array,
 )
 from bridge.adapter_api import route as routing_route
@@ -92,7 +94,9 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     Equinox loop named as one (the checkpointed kind's `jit`:
     `CHECKPOINTED_WHILE`; the bounded kind's nest of `cond`, `scan` and
     `checkpoint`: `BOUNDED_WHILE`; a scan of the model's code that counts
-    its iterations, `COUNTED_SCAN`); the traces;
+    its iterations, `COUNTED_SCAN`), a `jit` left where the model's jax.jits
+    run inline named after what made it (`equinox_loops.closure_converted`,
+    else `TRACED_APART`); the traces;
     and `{id of a loop's counter's trace: (step, max_steps, runs)}`. `None`
     where the trace stack cannot be read to `base`."""
     transforms = transform_names(base)
@@ -123,7 +127,19 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
             loops[id(stack[position])] = (counter, length, None)
             within[position] = COUNTED_SCAN
     transforms = tuple(within.get(i, name) for i, name in enumerate(transforms))
+    if inlining_jits() and any(t in _JITS for t in transforms):
+        # The model's jax.jits run inline and open no trace: a `jit` left is
+        # one the model's code makes of a function apart, which blocks.
+        converted = equinox_loops.closure_converted(stack, transforms)
+        transforms = tuple(
+            converted.get(id(trace), TRACED_APART) if t in _JITS else t
+            for trace, t in zip(stack, transforms, strict=True)
+        )
     return transforms, stack, loops
+
+
+#: JAX's names of a `jax.jit`'s trace.
+_JITS = frozenset({"jit", "pjit"})
 
 
 def control_flow(base: Any) -> ControlFlow | None:
@@ -277,12 +293,13 @@ def listed(session: Session, call: Any, value: Any, base: Any, stop: Any) -> Any
     """Finish a refused call: discovery lists it with its whole value, the
     model's own vmaps' axes in front (outermost first), stacked over the
     iterations of the scans around it (outermost first, read up to the frame
-    `stop`: see `iterations`); a run changes nothing (a selected or patched
-    refused site was refused before the run). Returns the value the model
-    goes on with, `value` itself."""
+    `stop`: see `iterations`); a run changes nothing, except where the core
+    routes the site through the computation (`bridge._session.computation`),
+    which the value the session returns carries on. Returns the value the
+    model goes on with."""
     if not session.recorder.learns_sites():
-        session.exit(call, value, perturb=lambda v: v, record=False)
-        return value
+        # Where the computation routes the site, the value goes on marked.
+        return session.exit(call, value, perturb=lambda v: v, record=False)
     sizes = mapped_sizes(base) or ()
     whole = _broadcast(value, sizes)
     session.exit(call, whole, perturb=lambda v: v, record=False)

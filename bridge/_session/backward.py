@@ -13,9 +13,12 @@ step the recorders are differentiated beside the epsilons, so the step's
 own backward pass brings the values out as their gradients (`recorders`,
 `adopt`), and reaches every output for it (`reaching_every_output`); in a
 forward-only run (`apply`) one `jax.vjp` of the model (`run_recording`)
-pulls them out. Where a branch did not run, its backward pass never
-reaches `record`: the value, the inputs and the ones stay zeros, so the
-ones say where it ran (`ProbeResult.ran`). Under a `vmap` whose predicate
+pulls them out (no number of that backward pass is read but what `record`
+gives, so a `lax.while_loop` the model runs after the sites, which JAX
+cannot transpose, passes zeros back there: `recording_pullback`). Where a
+branch did not run, its backward pass never reaches `record`: the value,
+the inputs and the ones stay zeros, so the ones say where it ran
+(`ProbeResult.ran`). Under a `vmap` whose predicate
 varies, JAX runs every branch and selects each operand's gradient by the
 predicate, so this holds per example. Equinox's checkpointed while loop is
 such a loop too (`CHECKPOINTED_WHILE`): its steps take their rows by its
@@ -51,6 +54,7 @@ import jax.numpy as jnp
 
 from .._errors import BridgeValueError
 from .cotangent_floats import Encoding, as_floats, from_floats
+from .recording_pullback import while_loops_pass_zeros
 from .sites import (
     JAX_ARRAYS,
     SiteOrigin,
@@ -308,8 +312,10 @@ def recorded_backward(sites: Sequence[Any]) -> list:
     return [
         site
         for site in sites
+        # The computation routes a site it took from an adapter's route.
+        if site.computed is None
         # A third-party adapter's origin may be any value.
-        if callable(getattr(site.origin, "backward_recorders", None))
+        and callable(getattr(site.origin, "backward_recorders", None))
         and site.origin.backward_recorders(site, False) is not None
     ]
 
@@ -391,7 +397,9 @@ def pulled_out(
 ) -> tuple[Any, Any, Any]:
     """`run(recorders) -> (outputs, aux)` inside one `jax.vjp`, pulled back
     from the sum of the floating leaves of `outputs`: `(outputs, aux,
-    cotangents of recorders)`, the cotangents what `record` put there.
+    cotangents of recorders)`, the cotangents what `record` put there
+    (whatever reached it: a `lax.while_loop` on the way passes zeros back,
+    `bridge._session.recording_pullback`).
     `where` (the transforms the sites are in) and `model` name them in the
     error raised where the outputs hold no floating-point array."""
 
@@ -411,7 +419,10 @@ def pulled_out(
         return sum(floats, jnp.zeros(())), (outputs, aux)
 
     total, pullback, (outputs, aux) = jax.vjp(forward, recorders, has_aux=True)
-    (cotangents,) = pullback(jnp.ones_like(total))
+    # Only the recorders' cotangents are read, which `record` gives whatever
+    # reaches it: a while loop after the sites passes zeros back.
+    with while_loops_pass_zeros():
+        (cotangents,) = pullback(jnp.ones_like(total))
     return outputs, aux, cotangents
 
 

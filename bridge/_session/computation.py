@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import Literal
 
+from .._errors import BridgeAssertionError, BridgeRuntimeError
+from . import liveness
 from .liveness import site_marker
 from .routing import UNBOUNDED_LOOP, refusal
 from .sites import Site, SiteOrigin, differentiable_part
@@ -182,13 +184,10 @@ def enclosures(closed_jaxpr: Any) -> dict[str, Enclosure]:
 
 
 @dataclasses.dataclass(frozen=True)
-class InComputation(SiteOrigin):
-    """The origin of a site the computation routes: a call the adapter
-    reported inside transforms of the model's own code (`enclosure`), which
-    no route of the adapter's carries. `blocked`: its refusal, where a
-    primitive around it has no rule."""
+class NoRule(SiteOrigin):
+    """The origin of a site the adapter reported without a route of its own,
+    inside a primitive no rule crosses: `blocked` is its refusal."""
 
-    enclosure: Enclosure
     blocked: str | None = None
 
 
@@ -198,17 +197,35 @@ def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
     `jax.vmap`) given its true shape there, read from the jaxpr: the
     iterations of the scans around it first, then the model's mapped axes,
     then the value; and its refusal where a primitive around it has no
-    rule. Other sites are returned as they are."""
+    rule. A site an adapter's own route refused is the computation's where a
+    rule crosses every primitive around it. Other sites are returned as they
+    are."""
     found = enclosures(closed_jaxpr)
     placed = []
     for site in sites:
         enclosure = found.get(site.traced_as or site.name)
-        if (
-            site.origin is not None
-            or enclosure is None
-            or not (enclosure.transforms or enclosure.mapped)
-        ):
+        if enclosure is None or not (enclosure.transforms or enclosure.mapped):
             placed.append(site)
+            continue
+        if site.origin is not None:
+            # An adapter's route refused it at one of JAX's transforms: the
+            # computation takes it where a rule crosses every primitive
+            # around it and no vmap of the model's maps it. (A refusal at a
+            # library's lifted transform, or under a vmap, stays: the
+            # adapter's route there carries state of its own until the
+            # adapter reports every call plainly.) The adapter listed it
+            # whole already.
+            if (
+                _refused_around_jax(site.refused)
+                and not enclosure.mapped
+                and enclosure.blocked(site.name) is None
+            ):
+                site = dataclasses.replace(site, computed=enclosure)
+            placed.append(site)
+            continue
+        blocked = enclosure.blocked(site.name)
+        if blocked is not None:
+            placed.append(dataclasses.replace(site, origin=NoRule(blocked)))
             continue
         leaves, treedef = jax.tree.flatten(site.struct)
         floats = iter(enclosure.leaves)
@@ -227,10 +244,16 @@ def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
                 site,
                 struct=jax.tree.unflatten(treedef, whole),
                 stacked=len(iterations),
-                origin=InComputation(enclosure, enclosure.blocked(site.name)),
+                computed=enclosure,
             )
         )
     return placed
+
+
+def _refused_around_jax(sentence: str | None) -> bool:
+    """Whether an adapter's refusal (`routing.refusal`'s sentence) names one
+    of JAX's own transforms."""
+    return bool(sentence) and sentence.startswith("bridge cannot see through jax.")
 
 
 def _names_in(jaxpr: Any, cache: dict[int, frozenset[str]]) -> frozenset[str]:
@@ -303,6 +326,7 @@ class Planted:
       act: `(name, value, patch, epsilon) -> value`: the patch applied and
         checked as the session applies it, and the epsilon added.
       stacked: `{name: how many leading axes are iterations}`.
+      dead: the sites discovery found dead (their value reaches no output).
     """
 
     structures: Mapping[str, Structure]
@@ -312,6 +336,7 @@ class Planted:
     recorded: frozenset[str]
     act: Callable[[str, Any, Any, Any], Any]
     stacked: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    dead: frozenset[str] = frozenset()
     names_cache: dict = dataclasses.field(default_factory=dict, compare=False)
 
     @property
@@ -350,7 +375,7 @@ class Records:
         for mine, theirs in zip(self.as_tree(), other.as_tree(), strict=True):
             clash = set(mine) & set(theirs)
             if clash:
-                raise AssertionError(f"site {sorted(clash)[0]!r} recorded twice")
+                raise BridgeAssertionError(f"site {sorted(clash)[0]!r} recorded twice")
             mine.update(theirs)
 
 
@@ -380,7 +405,7 @@ def evaluate(
             )
             if inside:
                 if rule is None:
-                    raise AssertionError(
+                    raise BridgeAssertionError(
                         f"no rule carries a site through {eqn.primitive.name}: "
                         "discovery should have refused it"
                     )
@@ -572,6 +597,7 @@ def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
     """`closed_jaxpr` (a trace returning `(outputs, state, activations,
     inputs, ran)`, abstractly `shapes`) evaluated with `planted` acted on:
     the planted sites' records joined to the session's."""
+    _check_carried_on(closed_jaxpr, planted)
     flat, records = evaluate(closed_jaxpr.jaxpr, closed_jaxpr.consts, (), planted)
     outputs, state, activations, inputs, ran = jax.tree.unflatten(
         jax.tree.structure(shapes), flat
@@ -585,3 +611,20 @@ def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
         leaf = jax.tree.leaves(records.values.get(name, records.inputs.get(name)))[0]
         ran[name] = jnp.broadcast_to(where, leaf.shape[: planted.stacked[name]])
     return outputs, state, activations, inputs, ran
+
+
+def _check_carried_on(closed_jaxpr: Any, planted: Planted) -> None:
+    """Raise where a planted site's marked value is not what the model goes
+    on with (an adapter that passed the unmarked value on): its epsilon
+    would reach nothing, a silent zero. Discovery found it live."""
+    present, live = liveness.present_and_live(closed_jaxpr)
+    if live is None:
+        return
+    for name in sorted(planted.asked - planted.dead):
+        if name in present and name not in live:
+            raise BridgeRuntimeError(
+                f"Site {name!r} is routed through the computation, but the value "
+                "its adapter passed on is not the one bridge marked: its gradient "
+                "would be a silent zero. The adapter must go on with the value "
+                "`session.exit` returns."
+            )

@@ -109,6 +109,26 @@ class Request:
     def discovering(self) -> bool:
         return self.selected is None
 
+    def as_adapters_see_it(self) -> Request:
+        """This request without the sites the computation routes (`planted`),
+        which are the core's: no route of an adapter's takes them."""
+        if not self.planted:
+            return self
+        planted = self.planted
+
+        def kept(asked: Mapping[str, Any] | None) -> dict[str, Any] | None:
+            if asked is None:
+                return None
+            return {name: v for name, v in asked.items() if name not in planted}
+
+        return dataclasses.replace(
+            self,
+            selected=kept(self.selected),
+            epsilons=kept(self.epsilons),
+            patches=kept(self.patches),
+            patched=kept(self.patched),
+        )
+
     def patch_values(self) -> dict[str, Any]:
         """The patches given as values (not functions): a `vmap`ped run maps
         them with the inputs."""
@@ -149,7 +169,8 @@ class Session:
             if request.discovering
             else RunRecorder(request)
         )
-        self.carrier = Carrier(request, self.recorder)
+        self._seen = request.as_adapters_see_it()
+        self.carrier = Carrier(self._seen, self.recorder)
         self.taps = Taps()
         # `enter` and `exit` run at every call of the model: bound once.
         self._name_call = self.naming.enter
@@ -159,21 +180,26 @@ class Session:
 
     # -- what was asked ------------------------------------------------------
 
+    # A site the computation routes is the core's (`Request.planted`): what
+    # an adapter reads of the request leaves it out (`Request.as_adapters_see_it`),
+    # so no route of the adapter's takes it; the recorder marks it where the
+    # adapter reports it.
+
     @property
     def selected(self) -> Mapping[str, Site]:
-        return self.request.selected or _EMPTY
+        return self._seen.selected or _EMPTY
 
     @property
     def epsilons(self) -> Mapping[str, Any]:
-        return self.request.epsilons
+        return self._seen.epsilons
 
     @property
     def patches(self) -> Mapping[str, Any]:
-        return self.request.patches
+        return self._seen.patches
 
     @property
     def patched(self) -> Mapping[str, Site]:
-        return self.request.patched
+        return self._seen.patched
 
     @property
     def with_inputs(self) -> bool:

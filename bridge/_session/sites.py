@@ -128,6 +128,10 @@ class Site:
       traced_as: the name the call is counted under while the model is
         traced, where that differs from `name`: a trace JAX discarded (a
         scan body traced twice) came first and is no site.
+      computed: where the computation routes the site, an
+        `bridge._session.computation.Enclosure` (the transforms around it in
+        the jaxpr): a run marks it and acts on it there; `None` where the
+        session acts on it where the adapter reports it.
     """
 
     name: str
@@ -140,6 +144,7 @@ class Site:
     stacked: int = 0
     dead: bool = False
     traced_as: str | None = None
+    computed: Any = None
 
     @property
     def value_struct(self) -> Any:
@@ -154,7 +159,10 @@ class Site:
     def refused(self) -> str | None:
         """Why bridge cannot express this site (its origin's `blocked`): the
         error raised where it is selected or patched; `None` for a site
-        that probes as usual."""
+        that probes as usual (the computation routes a site an adapter's
+        own route refused, where it can)."""
+        if self.computed is not None:
+            return None
         return getattr(self.origin, "blocked", None) or None
 
 
