@@ -25,7 +25,7 @@ import flax.linen as nn
 from bridge.adapter_api import current_session
 
 from ..shared import guests
-from .transforms import body_of, entering_linen_lifted_scope
+from .transforms import body_of, entering_linen_lifted_scope, runs_lifted_function
 
 
 class _LinenGuest(guests.Guest):
@@ -54,6 +54,7 @@ class _LinenGuest(guests.Guest):
             module.path == ()
             or method == "setup"
             or (method.startswith("_") and method != "__call__")
+            or runs_lifted_function(context)  # `nn.RNN`'s `scan_fn`
         ):
             return self._pass(frame, run)
         lifted = root is not frame.apply_root

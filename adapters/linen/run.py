@@ -35,7 +35,7 @@ from ..shared import guests, jax_internals, unexpressible
 from . import internals, transforms
 from .jax_transforms import JaxTransforms
 from .routes import Routes
-from .transforms import LiftedTransforms, body_of
+from .transforms import LiftedTransforms, body_of, runs_lifted_function
 from .variables import (
     EPSILON_COLLECTION,
     RECORDING_COLLECTION,
@@ -124,7 +124,15 @@ class Interceptor:
         frame = Frame(module, root, path, BodyTraces(self.session))
         self.stack.append(frame)
         try:
-            return self._call(next_fun, call_args, call_kwargs, module, method, frame)
+            return self._call(
+                next_fun,
+                call_args,
+                call_kwargs,
+                module,
+                method,
+                frame,
+                runs_lifted_function(context),
+            )
         except ValueError as error:
             # Flax refuses, after tracing a lifted body, a recording in
             # broadcast `params`: the transform this call entered last.
@@ -135,7 +143,9 @@ class Interceptor:
         finally:
             self.stack.pop()
 
-    def _call(self, next_fun, call_args, call_kwargs, module, method, frame):
+    def _call(
+        self, next_fun, call_args, call_kwargs, module, method, frame, lifted_function
+    ):
         def run():
             return guests.call_module("linen", module, next_fun, call_args, call_kwargs)
 
@@ -143,6 +153,10 @@ class Interceptor:
             frame.path == ()
             or method == "setup"
             or (method.startswith("_") and method != "__call__")
+            # `nn.RNN`'s `scan_fn`, an `nn.cond` branch: the transform's
+            # function, not the module's call (its frame still names the
+            # `bridge.tap`s made in it).
+            or lifted_function
         ):
             return run()  # a root `nnx.bridge.ToLinen`'s NNX submodules are sites
         return self._site(run, call_args, module, method, frame)

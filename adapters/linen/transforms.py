@@ -30,6 +30,7 @@ stack (`internals.transform_call`). What this reads of Flax's internals is in
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -95,6 +96,39 @@ def body_of(context: Any) -> Any:
     function = getattr(context, "orig_method", None)
     function = getattr(function, "func", function)
     return getattr(function, "__func__", function)
+
+
+def runs_lifted_function(context: Any) -> bool:
+    """Whether an intercepted Linen call runs a function a lifted transform was
+    given rather than a method of the module: `nn.RNN`'s `scan_fn`, the body
+    of `nn.scan(f)`, `nn.vmap(f)`, `nn.remat(f)`, `nn.jit(f)` or
+    `nn.map_variables(f)`, the branches of `nn.cond` and `nn.switch`, the
+    functions of `nn.while_loop`. Flax calls such a function as a method of
+    the module it hands it (`nn.intercept_methods` sees
+    `OptimizedLSTMCell_0.scan_fn`), but it is the transform's function, not a
+    call of the module's: no site, while the calls it makes are. A method of
+    the module's class called through a lifted transform (`@nn.remat` on
+    `__call__`, `nn.scan(Cell.__call__)`) is a site as ever.
+
+    A method is what the class holds under the call's name, or a function
+    one of the class's attributes wraps, through `__wrapped__` (Flax's
+    method wrappers and lifted decorators set it): a user's decorator may
+    give the function it returns a name of its own (`inner`). Flax calls a
+    function of no class as a method only in its lifted transforms (and in
+    its check of a `setup`, at path `()`, which is no site)."""
+    cls = type(context.module)
+    if callable(inspect.getattr_static(cls, context.method_name, None)):
+        return False
+    function = body_of(context)
+    for name in dir(cls):
+        attribute = inspect.getattr_static(cls, name, None)
+        seen = set()  # a wrapper chain that loops back ends there
+        while attribute is not None and id(attribute) not in seen:
+            if attribute is function:
+                return False
+            seen.add(id(attribute))
+            attribute = getattr(attribute, "__wrapped__", None)
+    return True
 
 
 #: The Python frame of the lifted transform's call each `BodyTraces` saw begin
