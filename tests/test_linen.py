@@ -14,7 +14,6 @@ from helpers import (
     NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
     jaxpr_traces_record_their_parent,
-    leaves_out,
     random_like,
     tree_vdot,
     unrolled_linen_steps,
@@ -811,7 +810,9 @@ class InJaxTransforms(nn.Module):
         ys = jax.vmap(self.inner)(pair)
         ys = offset(self.offsets, "inner", ys)  # the mapped value, axis first
         h = jnp.tanh(ys[0] - ys[1])
-        h = jax.checkpoint(lambda h: bridge.tap("remat", jnp.sin(h)))(h)
+        h = jax.checkpoint(
+            lambda h: offset(self.offsets, "remat", bridge.tap("remat", jnp.sin(h)))
+        )(h)
         step_offsets = (self.offsets or {}).get("step")
 
         def step(carry, i):
@@ -853,58 +854,29 @@ def test_a_module_in_the_models_own_vmap_holds_the_mapped_value():
         np.testing.assert_allclose(res.loss, loss_along(0.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "site, transform, counted, probed",
-    [
-        # The model's own lax.scan counts its iterations: `step` probes
-        # (where this jax records the traces a call is in).
-        pytest.param(
-            "remat",
-            "jax.checkpoint",
-            True,
-            {"inner", "step", "head"},
-            marks=NEEDS_JAXPR_PARENTS,
-        ),
-        # JAX's own scan, bound at import, counts none: `step` is refused,
-        # and `at=None` leaves out `remat` too.
-        ("step", "jax.lax.scan", False, {"inner", "head"}),
-    ],
-)
-def test_a_tap_in_jax_checkpoint_or_lax_scan_is_listed_and_refused(
-    site, transform, counted, probed
-):
-    x = jax.random.normal(jax.random.key(0), (4, 5))
-    model = InJaxTransforms(counted=counted)
-    variables = model.init(jax.random.key(1), x)
-    probe = bridge.probe(model, variables)
-    assert list(probe.sites(x)) == ["inner", "remat", "step", "head"]
-    with pytest.raises(bridge.BridgeError, match=f"{transform} around site '{site}'"):
-        probe.value_and_grad(mse, x, at=site)
-    with leaves_out(site):
-        res = jax.jit(lambda probe, x: probe.value_and_grad(mse, x))(probe, x)
-    assert set(res.activations) == probed
-    assert not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(res))
-
-
 @NEEDS_JAXPR_PARENTS
+@pytest.mark.parametrize("counted", [True, False], ids=["lax.scan", "bound_at_import"])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration(mode):
+def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration(mode, counted):
     """While a probe runs, the model's own `jax.lax.scan` counts its
-    iterations: its body's tap (traced twice) is one site of every iteration,
-    `(iterations, batch, width)`. Its values are the scan's own `ys`; its
-    gradients, those of offsets the model adds by hand (plain `jax.grad`),
-    row `i` at the iteration over `i`, and summed over the iterations, that
-    of one offset shared by all; the sites around it and the parameters'
-    gradients are plain Linen's."""
+    iterations, and JAX's scan bound at import is the same `scan` in the
+    computation: its body's tap (traced twice) is one site of every
+    iteration, `(iterations, batch, width)`. Its values are the scan's own
+    `ys`; its gradients, those of offsets the model adds by hand (plain
+    `jax.grad`), row `i` at the iteration over `i`, and summed over the
+    iterations, that of one offset shared by all; the tap inside
+    `jax.checkpoint`, the sites around it and the parameters' gradients are
+    plain Linen's."""
     x = jax.random.normal(jax.random.key(0), (4, 5))
     variables = InJaxTransforms().init(jax.random.key(1), x)
-    probe = bridge.probe(InJaxTransforms(), variables)
+    probe = bridge.probe(InJaxTransforms(counted=counted), variables)
     sites = probe.sites(x)
+    assert list(sites) == ["inner", "remat", "step", "head"]
     assert sites["step"].shape == (SCAN_STEPS, 4, 3)
-    at = ["inner", "step", "head"]  # `remat`, in jax.checkpoint, is refused
+    at = ["inner", "remat", "step", "head"]
 
     def reference(params, offsets):
-        y, sown = InJaxTransforms(offsets).apply(
+        y, sown = InJaxTransforms(offsets, counted).apply(
             {"params": params}, x, mutable="intermediates"
         )
         return mse(y), {"step": sown["intermediates"]["step"][0], "head": y}
