@@ -409,10 +409,20 @@ CORE_INTERNALS = {
     # `scan` (`jax._src.interpreters.partial_eval.dce_jaxpr`), with a
     # public-API fallback.
     CORE / "_session" / "liveness.py",
+    # JAX's transpose of a while loop, zeros in the pullback that records
+    # sites in branches and loops (`jax._src.interpreters.ad`,
+    # `jax._src.lax.control_flow.loops.while_p`).
+    CORE / "_session" / "recording_pullback.py",
 }
 INTERNALS = {
     *ADAPTERS.glob("*/internals.py"),
     ADAPTERS / "shared" / "jax_internals.py",
+    # Equinox's while loops and closure conversion found by the frames of
+    # their private files, by every library's adapter (a model of any library
+    # may run them): outside `adapters/equinox/`, whose package imports
+    # Equinox. It goes when the core reads these loops from the computation
+    # (docs/architecture.md, "Sites read from the computation").
+    ADAPTERS / "shared" / "equinox_loops.py",
     *CORE_INTERNALS,
 }
 
@@ -586,11 +596,35 @@ def _private_uses(source: str, own: _Own) -> list[tuple[int, str]]:
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and id(node) not in docstrings
-            and _LIBRARY_PATH.fullmatch(node.value)
-            and any(map(_private, node.value.split(".")))
+            and _LIBRARY_PATH.fullmatch(_as_dotted(node.value))
+            and any(map(_private, _as_dotted(node.value).split(".")))
         ):
             found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.Call) and _joined_library_path(node.args):
+            # A path spelled in pieces: `os.path.join("equinox", "_ad.py")`.
+            found.append((node.lineno, ast.unparse(node)))
     return sorted(found)
+
+
+def _as_dotted(text: str) -> str:
+    """`equinox/internal/_loop/common.py` as `equinox.internal._loop.common`."""
+    return text.removesuffix(".py").replace("/", ".").replace("\\", ".")
+
+
+def _joined_library_path(arguments: list[ast.expr]) -> bool:
+    """Whether string constants given as a call's arguments join into a
+    library's private module path."""
+    pieces = [
+        argument.value
+        for argument in arguments
+        if isinstance(argument, ast.Constant) and isinstance(argument.value, str)
+    ]
+    if len(pieces) < 2 or len(pieces) != len(arguments):
+        return False
+    dotted = _as_dotted("/".join(pieces))
+    return bool(_LIBRARY_PATH.fullmatch(dotted)) and any(
+        map(_private, dotted.split("."))
+    )
 
 
 def test_the_private_name_reader_finds_each_kind_of_use():
@@ -637,6 +671,8 @@ def test_the_private_name_reader_finds_each_kind_of_use():
         pjit._infer_params = wrapper
         klass.__module__.startswith("equinox._module")
         module._helper  # bridge's name, but `module` is no module of bridge
+        os.path.join("equinox", "internal", "_loop", "common.py")
+        frame.f_code.co_filename.endswith("equinox/_ad.py")
         # Not uses: bridge's own names, public ones, Python's frames, prose.
         from . import porting
         import bridge.adapters.shared as shared
@@ -663,6 +699,8 @@ def test_the_private_name_reader_finds_each_kind_of_use():
         (11, "pjit._infer_params"),
         (12, "'equinox._module'"),
         (13, "module._helper"),
+        (14, "os.path.join('equinox', 'internal', '_loop', 'common.py')"),
+        (15, "'equinox/_ad.py'"),
     ]
 
 
