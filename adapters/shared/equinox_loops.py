@@ -34,7 +34,11 @@ trace JAX opens (`blocking`): a checkpointed loop without `max_steps` (its
 body's trace is a `jit`), the bounded kind's nest (named, and never the
 blocker: what holds the loop is), an optimistix solve (it traces the
 function it solves once, in `equinox.filter_closure_convert`'s `jit`), and a
-diffrax solve whose adjoint runs it in a plain `while_loop`.
+diffrax solve whose adjoint runs it in a plain `while_loop`. A function
+converted with `equinox.filter_closure_convert` elsewhere (lineax's
+function operators, a model's own) is traced once, in the `jit` trace of
+`jax.make_jaxpr`, and run as that trace at every call: `closure_converted`
+names that trace, which blocks (`bridge.adapter_api.CONVERTED`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from typing import Any
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
+    CONVERTED,
+    CONVERTED_FIX,
     LOOP_AMONG,
     Rule,
     Transform,
@@ -87,6 +93,9 @@ UNBOUNDED = "equinox.internal.while_loop (checkpointed, no max_steps)"
 #: The bounded kind's nest as a refusal names it (`describe`) where a call
 #: there is refused for what holds the loop: the loop itself is routed.
 BOUNDED = 'equinox.internal.while_loop (kind="bounded")'
+#: A function converted with `equinox.filter_closure_convert` outside a loop
+#: or solve named otherwise (`closure_converted`).
+CLOSURE_CONVERTED = "equinox.filter_closure_convert"
 #: The rules of the loops with a bound, as `unexpressible.enclosing` names
 #: them: branches and loops of known bounds alone around a call route it
 #: through the session's control flow; among other transforms they block.
@@ -104,6 +113,9 @@ RULES = {
         LOOP_AMONG,
         "move the other transform out of the loop",
         nests=False,
+    ),
+    CLOSURE_CONVERTED: Transform(
+        CLOSURE_CONVERTED, Rule.BLOCKS, CONVERTED, CONVERTED_FIX
     ),
 }
 _SOLVE_WHY = (
@@ -241,6 +253,25 @@ def blocking(traces: list[Any], names: list[str]) -> dict[int, str]:
                 if id(trace) in index and names[index[id(trace)]] == "while_body":
                     found[id(trace)] = f"diffrax.diffeqsolve (adjoint={adjoint})"
             unsolved = []
+        frame = frame.f_back
+    return found
+
+
+def closure_converted(traces: list[Any], names: tuple[str, ...]) -> dict[int, str]:
+    """`id(trace)` to `CLOSURE_CONVERTED` for each trace among `traces`
+    (innermost first, JAX naming them `names`) that
+    `equinox.filter_closure_convert` traces a function in, but the body of a
+    checkpointed while loop (`running`): each conversion running now, read
+    from the Python call stack, takes the innermost `jit` not taken yet."""
+    found: dict[int, str] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _is(frame, _CLOSURE_CONVERT) and not (
+            frame.f_back is not None and _is(frame.f_back, _CHECKPOINTED)
+        ):
+            trace = _innermost_jit(traces, list(names), found)
+            if trace is not None:
+                found[id(trace)] = CLOSURE_CONVERTED
         frame = frame.f_back
     return found
 

@@ -214,6 +214,15 @@ def traced_through() -> Iterator[bool]:
         _release()
 
 
+def inlining() -> bool:
+    """Whether the model's jitted functions run inline in this thread now:
+    then none of them opens a trace of its own, and a trace JAX names `jit`
+    around a call is one the model's code makes apart (`jax.make_jaxpr`,
+    `equinox.filter_closure_convert`, a `jax.jit(...).trace`), which no
+    value of the call leaves (`bridge._session.routing.TRACED_APART`)."""
+    return bool(getattr(_ACTIVE, "depth", 0))
+
+
 def inlining_supported() -> bool:
     """Whether this JAX lets bridge run the model's `jax.jit`s inline."""
     with _LOCK:
