@@ -69,6 +69,24 @@ def _inputs(*shape, seed=1):
 X = _inputs(5, 4)
 
 
+def assert_stacked_dense_site(res, site, kernel, bias, bias_grad):
+    """A dense layer's site inside a scan over stacked layers, by identities
+    bridge does not compute: each layer's value is its recorded inputs times
+    its kernel plus its bias, and its bias's gradient (plain JAX's) is its
+    activation gradient summed over the batch."""
+    (inputs,) = res.inputs[site]
+    assert res.activations[site].shape[0] == kernel.shape[0]
+    for i in range(kernel.shape[0]):
+        expected = inputs[i] @ kernel[i] + bias[i][None]
+        scale = float(jnp.max(jnp.abs(expected)))
+        np.testing.assert_allclose(
+            res.activations[site][i], expected, rtol=1e-5, atol=1e-6 * scale
+        )
+        np.testing.assert_allclose(
+            res.activation_grads[site][i].sum(0), bias_grad[i], rtol=1e-4, atol=1e-6
+        )
+
+
 # -- the test's own hooks: recordings and offsets, per library ------------------
 
 
@@ -773,7 +791,7 @@ class ScannedStack(nnx.Module):
         return self.head(body(self.blocks, x))
 
 
-def test_linen_inside_nnx_scan_is_listed_and_refused_where_selected():
+def test_linen_inside_nnx_scan_is_a_site_of_every_layer():
     model = ScannedStack(nnx.Rngs(0))
     x = X[:, :3]
     probe = bridge.probe(model)
@@ -782,10 +800,22 @@ def test_linen_inside_nnx_scan_is_listed_and_refused_where_selected():
     # The NNX sites are as before: the ToNNX holds every iteration.
     result = probe.value_and_grad(loss_fn, x, at=["blocks/enc", "head"])
     assert result.activation_grads["blocks/enc"].shape == (2, 5, 3)
-    with pytest.raises(ValueError, match=r"'blocks/enc/Dense_0'.*inside nnx\.scan"):
-        probe.value_and_grad(loss_fn, x, at="blocks/enc/Dense_0")
-    with pytest.raises(ValueError, match=r"inside nnx\.scan"):
-        probe.apply(x, patch={"blocks/enc/Dense_1": jnp.zeros_like})
+    # A Linen layer inside the ToNNX inside nnx.scan is read from the
+    # computation: every layer's value and gradient.
+    dense = nnx.state(model)["blocks"]["enc"]["Dense_0"]
+    plain = nnx.grad(lambda m: loss_fn(m(x)))(nnx.clone(model))
+    for mode in ("eager", "jit"):
+        step = lambda p, x: p.value_and_grad(  # noqa: E731
+            loss_fn, x, at="blocks/enc/Dense_0", with_inputs=True
+        )
+        res = (jax.jit(step) if mode == "jit" else step)(probe, x)
+        assert_stacked_dense_site(
+            res,
+            "blocks/enc/Dense_0",
+            get_value(dense["kernel"]),
+            get_value(dense["bias"]),
+            get_value(plain["blocks"]["enc"]["Dense_0"]["bias"]),
+        )
 
 
 class LinenScanBody(nn.Module):
@@ -807,7 +837,7 @@ class LinenScanned(nn.Module):
         return nn.Dense(4)(x)
 
 
-def test_a_linen_lifted_transform_inside_to_nnx_is_refused_where_selected():
+def test_a_linen_lifted_transform_inside_to_nnx_is_a_site_of_every_layer():
     model = nnx.bridge.ToNNX(LinenScanned(), rngs=nnx.Rngs(0))
     holder = nnx.Sequential(model, nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
     nnx.bridge.lazy_init(holder, X)
@@ -822,10 +852,17 @@ def test_a_linen_lifted_transform_inside_to_nnx_is_refused_where_selected():
     ]
     result = probe.value_and_grad(loss_fn, X, at=["layers/0/Dense_0", "layers/1"])
     assert set(result.activation_grads) == {"layers/0/Dense_0", "layers/1"}
-    with pytest.raises(
-        ValueError, match=r"inside nn\.scan in the Flax Linen module's own code"
-    ):
-        probe.value_and_grad(loss_fn, X, at="layers/0/ScanLinenScanBody_0/Dense_0")
+    site = "layers/0/ScanLinenScanBody_0/Dense_0"
+    res = probe.value_and_grad(loss_fn, X, at=site, with_inputs=True)
+    dense = nnx.state(holder)["layers"][0]["ScanLinenScanBody_0"]["Dense_0"]
+    plain = nnx.grad(lambda m: loss_fn(m(X)))(nnx.clone(holder))
+    assert_stacked_dense_site(
+        res,
+        site,
+        get_value(dense["kernel"]),
+        get_value(dense["bias"]),
+        get_value(plain["layers"][0]["ScanLinenScanBody_0"]["Dense_0"]["bias"]),
+    )
 
 
 class ToLinenScanBody(nn.Module):
@@ -847,7 +884,7 @@ class LinenScanOfToLinen(nn.Module):
         return nn.Dense(2)(x)
 
 
-def test_nnx_inside_to_linen_inside_nn_scan_is_refused_where_selected():
+def test_nnx_inside_to_linen_inside_nn_scan_is_a_site_of_every_layer():
     model = LinenScanOfToLinen()
     variables = model.init(jax.random.key(0), X)
     probe = bridge.probe(model, variables)
@@ -864,8 +901,16 @@ def test_nnx_inside_to_linen_inside_nn_scan_is_refused_where_selected():
         variables["params"]
     )
     assert_tree_allclose(result.grads, plain, rtol=1e-4, atol=1e-6)
-    with pytest.raises(ValueError, match=r"inside nn\.scan in the Flax Linen model"):
-        probe.value_and_grad(loss_fn, X, at="ScanToLinenScanBody_0/ToLinen_0/*")
+    site = "ScanToLinenScanBody_0/ToLinen_0/linear"
+    res = probe.value_and_grad(loss_fn, X, at=site, with_inputs=True)
+    layer = variables["params"]["ScanToLinenScanBody_0"]["ToLinen_0"]["linear"]
+    assert_stacked_dense_site(
+        res,
+        site,
+        layer["kernel"],
+        layer["bias"],
+        plain["ScanToLinenScanBody_0"]["ToLinen_0"]["linear"]["bias"],
+    )
 
 
 class NnxWithEquinox(nnx.Module):
@@ -917,17 +962,20 @@ class NnxWithHaikuStack(nnx.Module):
         return HAIKU_STACKED.apply(_values(self.params), x)
 
 
-def test_a_haiku_transform_inside_a_guest_is_refused_where_selected():
+def test_a_haiku_transform_inside_a_guest_is_a_site_of_every_layer():
     probe = bridge.probe(NnxWithHaikuStack())
     # Named like their parameters: `__layer_stack_no_per_layer/linear`.
     assert list(probe.sites(X)) == ["linear", "__layer_stack_no_per_layer/linear"]
     result = probe.value_and_grad(loss_fn, X, at="linear")
     assert result.activation_grads["linear"].shape == (5, 6)
-    with pytest.raises(
-        ValueError,
-        match=r"layer_stack \(or hk\.lift\) in the Haiku module's own code",
-    ):
-        probe.value_and_grad(loss_fn, X, at="__layer_stack_no_per_layer/*")
+    site = "__layer_stack_no_per_layer/linear"
+    res = probe.value_and_grad(loss_fn, X, at=site, with_inputs=True)
+    model = NnxWithHaikuStack()
+    layer = _values(model.params)[site]
+    plain = nnx.grad(lambda m: loss_fn(m(X)))(model)
+    assert_stacked_dense_site(
+        res, site, layer["w"], layer["b"], get_value(plain["params"][site]["b"])
+    )
 
 
 class HaikuScanBody(nn.Module):
@@ -949,7 +997,7 @@ class LinenScanOfHaiku(nn.Module):
         return nn.Dense(2)(scan()(x, None)[0])
 
 
-def test_a_guest_inside_the_hosts_lifted_transform_is_refused_where_selected():
+def test_a_guest_inside_the_hosts_lifted_transform_is_a_site_of_every_layer():
     model = LinenScanOfHaiku()
     variables = model.init(jax.random.key(0), X)
     probe = bridge.probe(model, variables)
@@ -961,9 +1009,27 @@ def test_a_guest_inside_the_hosts_lifted_transform_is_refused_where_selected():
     ]
     result = probe.value_and_grad(loss_fn, X, at=["ScanHaikuScanBody_0", "Dense_0"])
     assert result.activation_grads["ScanHaikuScanBody_0"][0].shape == (2, 5, 4)
-    with pytest.raises(
-        ValueError,
-        match=r"'ScanHaikuScanBody_0/mlp': a Haiku module .* inside nn\.scan in "
-        r"the Flax Linen model's own code",
-    ):
-        probe.value_and_grad(loss_fn, X, at="ScanHaikuScanBody_0/mlp")
+    # The Haiku module inside nn.scan is read from the computation: each
+    # layer's value and gradient, against the layers unrolled by hand.
+    res = probe.value_and_grad(loss_fn, X, at="ScanHaikuScanBody_0/mlp")
+    params = variables["params"]
+
+    def unrolled(params, offsets):
+        h, outputs = X, []
+        for i in range(2):
+            layer = jax.tree.map(lambda a, i=i: a[i], params["ScanHaikuScanBody_0"])
+            out = HAIKU_MLP.apply(layer["haiku"], h) + offsets[i]
+            outputs.append(out)
+            h = h + out[..., :1]
+        dense = params["Dense_0"]
+        return loss_fn(h @ dense["kernel"] + dense["bias"][None]), jnp.stack(outputs)
+
+    value = res.activations["ScanHaikuScanBody_0/mlp"]
+    (loss, outputs), grad = jax.value_and_grad(unrolled, argnums=1, has_aux=True)(
+        params, jnp.zeros(value.shape)
+    )
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    np.testing.assert_allclose(value, outputs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.activation_grads["ScanHaikuScanBody_0/mlp"], grad, rtol=1e-5, atol=1e-7
+    )

@@ -43,6 +43,7 @@ from jax.extend.core import Literal
 
 from .._errors import BridgeAssertionError, BridgeRuntimeError
 from . import liveness
+from .backward import InControlFlow
 from .liveness import site_marker
 from .routing import UNBOUNDED_LOOP, refusal
 from .sites import Site, SiteOrigin, differentiable_part
@@ -206,6 +207,18 @@ def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
         enclosure = found.get(site.traced_as or site.name)
         if enclosure is None or not (enclosure.transforms or enclosure.mapped):
             placed.append(site)
+            continue
+        if (
+            isinstance(site.origin, InControlFlow)
+            and not enclosure.mapped
+            and enclosure.blocked(site.name) is None
+            and enclosure.iterations == site.origin.iterations
+        ):
+            # Branches and loops of known bounds: read from the computation,
+            # whose `scan` and `cond` rules bring the value (and where it
+            # ran) out with no backward pass, not through `backward`'s
+            # route, which differentiates the model even in `apply`.
+            placed.append(dataclasses.replace(site, computed=enclosure))
             continue
         if site.origin is not None:
             # An adapter's route refused it at one of JAX's transforms: the

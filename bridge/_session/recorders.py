@@ -248,13 +248,16 @@ class RunRecorder(Recorder):
         self._reached: set[str] = set()
 
     def entered(self, call: Call, args: tuple, record: bool) -> None:
-        if record and self._with_inputs and call.name in self._selected:
-            inputs = self._arrays.positional(args)
-            if call.name in self._planted:
-                _, structure = computation.mark(call.name, inputs, computation.INPUTS)
-                self.structures[f"{call.name}/inputs"] = structure
-            else:
-                self.inputs[call.name] = inputs
+        if not (self._with_inputs and call.name in self._selected):
+            return
+        inputs = self._arrays.positional(args)
+        if call.name in self._planted:
+            # The computation's site: its inputs are marked where they are,
+            # whatever route the adapter would record them by.
+            _, structure = computation.mark(call.name, inputs, computation.INPUTS)
+            self.structures[f"{call.name}/inputs"] = structure
+        elif record:
+            self.inputs[call.name] = inputs
 
     def exited(self, call, value, perturb, record, patch):
         if call.name in self._planted:
