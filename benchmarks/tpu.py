@@ -13,8 +13,13 @@ interleaved (the order rotated every repeat):
   (`models.py`), returning the activations it perturbs and their gradients;
 - `one`: `probe.value_and_grad` at one site;
 - `all`: every site, activations and activation gradients returned;
-- `norms`: every site, reduced inside the step to two norms per site;
-- `hand_norms`: the hand trick's arrays reduced the same way.
+- `norms`: every site, reduced inside the step by `res.norms()` to two norms
+  per site, returned as one `(sites, 2)` float32 array;
+- `hand_norms`: the hand trick's arrays reduced the same way, to one array.
+
+Not in the default set: `norms_per_site` (`--steps ...,norms_per_site`),
+the same norms returned as one scalar each, as the rows of 2026-12-05 and
+2026-12-06 measured `norms` (the host's cost per returned buffer).
 
 Each row (appended to `DIR/rows.jsonl` as it is measured, so a run cut short
 keeps what it measured): median runtime, compile seconds (lower + compile,
@@ -58,7 +63,14 @@ DTYPES = {
 
 
 def norms(res: bridge.ProbeResult) -> tuple:
-    """What a gradient-flow diagnostic keeps: two numbers per site."""
+    """What a gradient-flow diagnostic keeps: two numbers per site, as one
+    array (`res.norms()`), beside the loss and the parameter gradients."""
+    return res.loss, res.grads, res.norms()
+
+
+def norms_per_site(res: bridge.ProbeResult) -> tuple:
+    """The same norms, one returned scalar each (what `norms` measured before
+    `res.norms()`): one output buffer per site and column."""
     return (
         res.loss,
         res.grads,
@@ -69,20 +81,29 @@ def norms(res: bridge.ProbeResult) -> tuple:
     )
 
 
+def stacked_norms(activations, gradients) -> jax.Array:
+    """The hand trick's arrays reduced as `res.norms()` reduces a probe's
+    (the same norm of each, `l2_norm`): one float32 `(sites, 2)` array, a row
+    per perturbed array (the gradients' leaves in their own order: the cost,
+    not the pairing, is what is measured)."""
+    from bridge._probe.norms import l2_norm
+
+    def column(tree):
+        return jnp.stack([l2_norm(leaf) for leaf in jax.tree.leaves(tree)])
+
+    activations, gradients = column(activations), column(gradients)
+    if activations.shape != gradients.shape:  # no pairs: one column of both
+        return jnp.concatenate([activations, gradients])
+    return jnp.stack([activations, gradients], axis=-1)
+
+
 def hand_norms(hand):
     """The hand trick reduced as `norms` reduces a probe's result: what the
     norms row costs when the epsilons are written by hand."""
 
     def step(*args):
         (loss, activations), (grads, activation_grads) = hand(*args)
-        return (
-            loss,
-            grads,
-            jax.tree.map(
-                lambda a: jnp.linalg.norm(a.astype(jnp.float32)),
-                (activations, activation_grads),
-            ),
-        )
+        return loss, grads, stacked_norms(activations, activation_grads)
 
     return step
 
@@ -127,6 +148,7 @@ def library_steps(
         "all": lambda p, x: p.value_and_grad(loss, x),
         "norms": lambda p, x: norms(p.value_and_grad(loss, x)),
         "hand_norms": hand_norms(workload.hand),
+        "norms_per_site": lambda p, x: norms_per_site(p.value_and_grad(loss, x)),
     }
     first = dict.fromkeys(steps, probe) | {
         "plain": workload.params,
@@ -171,6 +193,7 @@ def hf_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
         "one": probed(f"transformer/h/{depth - 1}/mlp"),
         "all": probed(None),
         "norms": probed(None, norms),
+        "norms_per_site": probed(None, norms_per_site),
     }
     steps["hand_norms"] = hand_norms(steps["hand"])
     return (
@@ -435,6 +458,7 @@ def main() -> None:
                         "returned_bytes": returned,
                         "build_and_discovery_s": build,
                         "hand_returns": "activations and gradients",
+                        "norms_returns": "one (sites, 2) array (res.norms())",
                         **versions,
                         "rows": rows,
                     }

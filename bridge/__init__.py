@@ -22,6 +22,7 @@ from ._porting.report import ComparisonReport as ComparisonReport
 from ._porting.report import LogitsComparison as LogitsComparison
 from ._porting.report import PairComparison as PairComparison
 from ._porting.transfer import transfer as transfer
+from ._probe.norms import SiteNorms as SiteNorms
 from ._probe.protocol import ActivationProbe as ActivationProbe
 from ._probe.registry import probe as probe
 from ._probe.registry import register_adapter as register_adapter
@@ -48,6 +49,7 @@ __all__ = [
     "LogitsComparison",
     "PairComparison",
     "ProbeResult",
+    "SiteNorms",
     "SiteSource",
     "__version__",
     "adapter_api",

@@ -13,9 +13,9 @@ bundled digits (8×8 images as 64 features, no download) with the same SGD:
 
 Every layer is a ``Block`` module, so the probe's sites ``block``, ``block_1``,
 … hold the hidden state after each layer, and ``res.activation_grads`` holds
-the gradient of the loss with respect to it. The norms are taken inside the
-jitted training step, so only 20 numbers per step leave it — and the same probed
-pass gives the parameter gradients for the update. The figure
+the gradient of the loss with respect to it. ``res.norms()`` takes their norms
+inside the jitted training step, so one array of 20 numbers per step leaves it
+— and the same probed pass gives the parameter gradients for the update. The figure
 (``docs/gradient_flow.png``) plots ``‖d loss / d h_ℓ‖`` against depth ℓ at
 several points of training.
 
@@ -113,10 +113,9 @@ def train(model, train_x, train_y, test_x, test_y, desc):
             x,
             at=Block,  # every Block call: the hidden state after each layer
         )
-        # Sites in call order; jit would hand the dict back with sorted keys.
-        sites = list(res.activation_grads)
-        sites.sort(key=lambda site: 0 if site == "block" else int(site.split("_")[1]))
-        norms = jnp.stack([jnp.linalg.norm(res.activation_grads[s]) for s in sites])
+        # Every Block reduced to its norms in the step, one row per layer in
+        # call order: one array leaves the step, not one number per layer.
+        norms = res.norms().gradient  # ‖d loss / d h_ℓ‖, (DEPTH,)
         updates, opt_state = optimizer.update(res.grads, opt_state)
         return optax.apply_updates(params, updates), opt_state, res.loss, norms
 

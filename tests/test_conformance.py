@@ -139,6 +139,31 @@ def test_activations_equal_the_library_own_recording(case, mode):
         assert_tree_allclose(res.activations[name], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_norms_are_those_of_the_recorded_values(case, mode):
+    """`res.norms()`: one row per site, in the order of `res.activations`, the
+    norms of its activation and gradient (every floating leaf together),
+    against numpy's in float64; taken under `jax.jit` too."""
+    res = full_result(case, mode)
+    norms = res.norms() if mode == "eager" else jax.jit(lambda r: r.norms())(res)
+    assert norms.names == tuple(res.activations)
+    assert np.asarray(norms.values).dtype == np.float32
+
+    def norm(value):
+        leaves = [
+            np.asarray(leaf, np.float64)
+            for leaf in jax.tree.leaves(value)
+            if jnp.issubdtype(leaf.dtype, jnp.inexact)
+        ]
+        return np.sqrt(sum(np.sum(np.square(leaf)) for leaf in leaves))
+
+    expected = [
+        [norm(res.activations[name]), norm(res.activation_grads[name])]
+        for name in norms.names
+    ]
+    np.testing.assert_allclose(norms.values, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_bias_gradient_is_the_output_gradient_summed_over_broadcast_axes(case):
     if not case.bias_sites:
         pytest.skip("no biased layer called once")

@@ -1,5 +1,7 @@
-"""PyTorch tensors as the arrays of bridge's core (`TORCH_ARRAYS`), and the
-conversions between torch tensors and JAX values at the probe's boundary."""
+"""PyTorch tensors as the arrays of bridge's core (`TORCH_ARRAYS`), their
+norms (`tensor_norms`, what `ProbeResult.norms()` takes of a PyTorch
+probe's result), and the conversions between torch tensors and JAX values at the
+probe's boundary."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from bridge.adapter_api import Arrays, BridgeAssertionError, BridgeTypeError
+from bridge.adapter_api import (
+    Arrays,
+    BridgeAssertionError,
+    BridgeTypeError,
+    register_norms,
+)
 
 from . import internals
 
@@ -122,6 +129,42 @@ class TorchArrays(Arrays):
 
 
 TORCH_ARRAYS = TorchArrays()
+
+
+@torch.no_grad()
+def tensor_norms(columns: list[list[Any]]) -> torch.Tensor:
+    """`(sites, len(columns))` float32, on the values' device: the L2 norm of
+    each site's value in each column, over all of its floating leaves
+    together. Each leaf's norm is `torch.linalg.vector_norm`'s, upcast to
+    float32 first (bfloat16 and float16 before squaring); a pytree site's is
+    the norm of its leaves' norms, which is the norm of them all."""
+    sites = len(columns[0]) if columns else 0
+    norms = [_norm(column[i]) for i in range(sites) for column in columns]
+    if not norms:
+        return torch.zeros((0, len(columns)), dtype=torch.float32)
+    device = next((n.device for n in norms if n.device.type != "cpu"), None)
+    norms = [n if device is None else n.to(device) for n in norms]
+    return torch.stack(norms).reshape(sites, len(columns))
+
+
+def _norm(value: Any) -> torch.Tensor:
+    leaves = [leaf for leaf in jax.tree.leaves(jax_tree(value)) if inexact(leaf)]
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    each = [
+        torch.linalg.vector_norm(leaf)
+        if leaf.is_complex()
+        else torch.linalg.vector_norm(
+            leaf, dtype=torch.promote_types(leaf.dtype, torch.float32)
+        )
+        for leaf in leaves
+    ]
+    device = each[0].device
+    together = torch.stack([n.to(device, torch.float32) for n in each])
+    return together[0] if len(each) == 1 else torch.linalg.vector_norm(together)
+
+
+register_norms(torch.Tensor, tensor_norms)
 
 
 def fake_like(mode: Any, struct: jax.ShapeDtypeStruct) -> torch.Tensor:

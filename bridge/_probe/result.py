@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .norms import FORWARD_COLUMNS, GRADIENT_COLUMNS, SiteNorms, site_norms
+
 if TYPE_CHECKING:
     from .._session.sites import Site
 
@@ -42,6 +44,31 @@ class ProbeResult(NamedTuple):
     inputs: dict[str, tuple] | None
     ran: dict[str, Any]
 
+    def norms(self) -> SiteNorms:
+        """Every site reduced to two float32 norms, as one `(sites, 2)` array.
+
+        Column 0 is the L2 norm of the site's activation, column 1 that of its
+        activation gradient, each over all of the site's elements (every
+        floating leaf of a pytree site together; bfloat16 upcast before
+        squaring, and no overflow where the norm is a float32 number). Rows
+        follow `activations`: call order, their names in `.names`, static.
+        Taken inside a jitted step, the norms leave it as one buffer instead
+        of one per site, and XLA frees each activation and gradient once it
+        is reduced: what a gradient-flow monitor keeps, at plain's cost.
+
+        Example:
+          >>> @jax.jit
+          ... def step(probe, x):
+          ...     res = probe.value_and_grad(loss_fn, x)
+          ...     return res.grads, res.norms()
+          >>> grads, norms = step(probe, x)
+          >>> dict(zip(norms.names, norms.gradient.tolist()))
+        """
+        names = list(self.activations)
+        return site_norms(
+            (self.activations, self.activation_grads), names, GRADIENT_COLUMNS
+        )
+
 
 class ForwardResult(NamedTuple):
     """The result of `ActivationProbe.apply`: a forward pass, no gradients.
@@ -58,6 +85,11 @@ class ForwardResult(NamedTuple):
     activations: dict[str, Any]
     state: Any
     ran: dict[str, Any]
+
+    def norms(self) -> SiteNorms:
+        """Every site's activation reduced to its float32 L2 norm, as one
+        `(sites, 1)` array (`ProbeResult.norms` without the gradient column)."""
+        return site_norms((self.activations,), list(self.activations), FORWARD_COLUMNS)
 
 
 def in_order(values: dict[str, Any], chosen: Sequence[Site]) -> dict[str, Any]:
