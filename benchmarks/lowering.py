@@ -1,0 +1,92 @@
+"""Lowering time of a probed step against plain `jax.value_and_grad`'s.
+
+`jax.jit(step).lower(...)` is the Python tracing a user waits for at every
+new shape, before XLA's compile (which `benchmarks/tpu.py` and
+`benchmarks/real_size.py` time with it). For each of the five benchmark
+models at GPT-2 small's shape (the four libraries' transformers of
+`benchmarks/models.py` and Hugging Face's Flax GPT-2), the steps `plain`,
+`one` (one site) and `all` (every site) are lowered `--rounds` times,
+interleaved, each time a fresh function (no cache of JAX's serves it), the
+discovery cache kept after the first round as in a training loop; the
+fastest of each is reported, and its ratio to `plain`'s.
+
+    python benchmarks/lowering.py --out DIR [--models ...] [--rounds 3]
+
+Writes `DIR/lowering.jsonl` (one row per model and variant) and prints a
+table. Tracing time depends on the host: run it where users run (NOTES:
+2 CPU cores and a 13-core host disagree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tpu  # noqa: E402  (the benchmark models' steps)
+
+VARIANTS = ("plain", "one", "all")
+
+
+def lower_once(step, first, x) -> float:
+    fresh = lambda *a: step(*a)  # noqa: E731  (a new function: no cache hit)
+    gc.collect()
+    start = time.perf_counter()
+    jax.jit(fresh).lower(first, *x)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default="equinox,haiku,linen,nnx,hf")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--size", default="2x128")
+    parser.add_argument("--width-depth", default="768x12")
+    options = parser.parse_args()
+    batch, tokens = map(int, options.size.split("x"))
+    width, depth = map(int, options.width_depth.split("x"))
+    os.makedirs(options.out, exist_ok=True)
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {host}")
+    for name in options.models.split(","):
+        if name == "hf":
+            steps, first, x, _, _ = tpu.hf_steps(batch, tokens, "float32", width, depth)
+        else:
+            steps, first, x, _, _ = tpu.library_steps(
+                name, batch, tokens, "float32", width, depth
+            )
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for _ in range(options.rounds):
+            for variant in VARIANTS:
+                times[variant].append(lower_once(steps[variant], first[variant], x))
+        best = {v: min(t) for v, t in times.items()}
+        row = {
+            "model": name,
+            "size": options.size,
+            "backend": jax.default_backend(),
+            "host": host,
+            "jax": jax.__version__,
+            "lower_s": best,
+            "ratio": {v: best[v] / best["plain"] for v in VARIANTS},
+            "all_rounds_s": times,
+        }
+        with open(os.path.join(options.out, "lowering.jsonl"), "a") as file:
+            file.write(json.dumps(row) + "\n")
+        print(
+            f"{name:8s} plain {best['plain']:.2f} s  one {row['ratio']['one']:.2f}x"
+            f"  all {row['ratio']['all']:.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
