@@ -220,6 +220,27 @@ def memory_table(runs: pathlib.Path) -> list[str]:
     return lines
 
 
+def lowering_table(folder: pathlib.Path) -> list[str]:
+    """`benchmarks/lowering.py`'s rows, the latest per model and backend."""
+    latest: dict = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            latest[(row["backend"], row["model"])] = row
+    if not latest:
+        return []
+    lines = [
+        "| backend | model | plain (s) | one site | every site |",
+        "|---|---|---|---|---|",
+    ]
+    for (backend, model), row in sorted(latest.items()):
+        lines.append(
+            f"| {backend} | {model} | {row['lower_s']['plain']:.2f} | "
+            f"{row['ratio']['one']:.2f}× | {row['ratio']['all']:.2f}× |"
+        )
+    return lines
+
+
 def failures(records: list[dict]) -> list[str]:
     lines = []
     for record in records:
@@ -306,6 +327,18 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "memory is their outputs, the hand trick's as bridge's.",
             "",
         ] + memory
+    lowering = lowering_table(runs / "lowering")
+    if lowering:
+        out += [
+            "",
+            "## Lowering alone",
+            "",
+            "`python benchmarks/lowering.py` on the chip's host (13 quiet "
+            "cores): `jax.jit(step).lower(...)`, Python tracing before XLA's "
+            "compile, of fresh functions, three rounds interleaved, the fastest "
+            "of each; plain in seconds, the probed steps as ratios to it.",
+            "",
+        ] + lowering
     failed = failures(records)
     if failed:
         out += ["", "## Did not run", ""] + failed
