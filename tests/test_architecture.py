@@ -413,6 +413,10 @@ CORE_INTERNALS = {
     # sites in branches and loops (`jax._src.interpreters.ad`,
     # `jax._src.lax.control_flow.loops.while_p`).
     CORE / "_session" / "recording_pullback.py",
+    # JAX's source locations and name stacks, kept when the computation
+    # binds a model's equation again (`jax._src.source_info_util`), as
+    # `jax.core.eval_jaxpr` keeps them.
+    CORE / "_session" / "computation.py",
 }
 INTERNALS = {
     *ADAPTERS.glob("*/internals.py"),

@@ -378,31 +378,6 @@ def _recurrent(counted=True):
     )
 
 
-def test_a_layer_closed_over_by_a_scan_bridge_cannot_count_is_still_refused():
-    # `counted=False`: JAX's own scan, bound at import (`uncounted_scan`),
-    # counts no iterations, so the cell is listed and refused; the rest of
-    # the model still probes. The model's own `jax.lax.scan`: below.
-    model = _recurrent(counted=False)
-    probe = bridge.probe(model)
-    xs = jax.random.normal(jax.random.key(1), (2, 3))
-    refusal = (
-        r"bridge cannot see through jax.lax.scan around site 'recurrent/cell': it "
-        "is called in every iteration, but the scan does not slice its parameters"
-    )
-    # Patched, whether selected or not, by a value or a function.
-    for patch in (jnp.zeros((3,)), jnp.zeros_like):
-        with pytest.raises(ValueError, match=refusal):
-            probe.apply(xs, at="head", patch={CELL: patch})
-        with pytest.raises(ValueError, match=refusal):
-            probe.value_and_grad(jnp.sum, xs, patch={CELL: patch})
-    # Selected, with its inputs.
-    with pytest.raises(ValueError, match=refusal):
-        probe.value_and_grad(jnp.sum, xs, at=["head", CELL], with_inputs=True)
-    # Sites outside the scan still work.
-    res = probe.value_and_grad(jnp.sum, xs, at="head", with_inputs=True)
-    np.testing.assert_allclose(res.inputs["head"][0], model.recurrent(xs), rtol=1e-5)
-
-
 def _sequences(vmap):
     """One sequence `(steps, 3)`, or a batch of them under the probe's vmap."""
     shape = (BATCH, STEPS, 3) if vmap else (STEPS, 3)
@@ -468,11 +443,17 @@ CLOSED_OVER_SETTINGS = [
 ]
 
 
+#: The model's own `jax.lax.scan` (counted while a probe runs), or JAX's
+#: scan bound at import (read from the computation): the same site.
+SCANS = pytest.mark.parametrize("counted", [True, False], ids=["counted", "imported"])
+
+
+@SCANS
 @pytest.mark.parametrize("mode, vmap", CLOSED_OVER_SETTINGS)
-def test_a_layer_closed_over_by_the_scan_body_is_a_site_per_step(mode, vmap):
+def test_a_layer_closed_over_by_the_scan_body_is_a_site_per_step(mode, vmap, counted):
     """Each step's value and input are the cell's at that step, each step's
     gradient that of an offset added at that step by hand."""
-    model = _recurrent()
+    model = _recurrent(counted=counted)
     xs = _sequences(vmap)
     probe = bridge.probe(model, vmap=vmap)
     batch = (BATCH,) if vmap else ()
@@ -499,13 +480,16 @@ def test_a_layer_closed_over_by_the_scan_body_is_a_site_per_step(mode, vmap):
     )
 
 
+@SCANS
 @pytest.mark.parametrize("how", ["value", "function"])
 @pytest.mark.parametrize("mode, vmap", CLOSED_OVER_SETTINGS)
-def test_a_layer_closed_over_by_the_scan_body_takes_a_patch_per_step(mode, vmap, how):
+def test_a_layer_closed_over_by_the_scan_body_takes_a_patch_per_step(
+    mode, vmap, how, counted
+):
     """A stacked value gives each step its row; a function is applied at
     each step (under the probe's vmap, to the whole batch); selected or not,
     with gradients and inputs after the patch."""
-    model = _recurrent()
+    model = _recurrent(counted=counted)
     xs = _sequences(vmap)
     probe = bridge.probe(model, vmap=vmap)
     batch = (BATCH,) if vmap else ()

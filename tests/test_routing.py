@@ -8,6 +8,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
 
@@ -274,9 +275,9 @@ def _stacked_model(library, kind):
 #: through; the library's scan counts its iterations, so a branch or a loop
 #: of known bounds inside it is one inside loops of known bounds.
 PROBED_IN_A_STACK = {
-    "linen": {"jit", "cond", "fori_loop", "scan"},
-    "nnx": {"jit", "cond", "fori_loop", "scan"},
-    "haiku": {"jit", "cond", "fori_loop", "scan"},
+    "linen": {"jit", "cond", "fori_loop", "scan", "checkpoint"},
+    "nnx": {"jit", "cond", "fori_loop", "scan", "checkpoint"},
+    "haiku": {"jit", "cond", "fori_loop", "scan", "checkpoint"},
 }
 
 
@@ -304,6 +305,15 @@ def test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router(library,
         assert res.activations[site].shape == listed.shape
         assert res.activations[site].shape[0] == 2
         assert res.activation_grads[site].shape == listed.shape
+        if kind == "checkpoint":
+            # Read from the computation (the body checkpointed again): each
+            # layer's value is the same layer's first call's, on the same
+            # input, which the library's own route records.
+            first = site.removesuffix("#1")
+            both = probe.value_and_grad(lambda y: jnp.sum(y**2), x, at=[first, site])
+            np.testing.assert_allclose(
+                both.activations[site], both.activations[first], rtol=1e-6
+            )
         return
     with pytest.raises(
         bridge.BridgeValueError, match=rf"around site '{re.escape(site)}'"

@@ -355,6 +355,7 @@ def call_model(
                 act=recorder.act,
                 stacked={site.name: site.stacked for site in discovered},
                 dead=frozenset(site.name for site in discovered if site.dead),
+                patched=bool(request.patches),
             ),
         )
         return outputs, state, activations, inputs, ran

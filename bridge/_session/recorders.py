@@ -324,14 +324,24 @@ class RunRecorder(Recorder):
     def learns_sites(self) -> bool:
         return False
 
+    # A site the computation routes is acted on where the jaxpr holds it:
+    # the adapter's route needs, keeps and carries nothing of it (it still
+    # reports the call, whose value `exited` marks).
+
     def needs_value(self, name: str) -> bool:
+        if name in self._planted:
+            return False
         return name in self._selected or name in self._patches
 
     def keeps(self, name: str) -> bool:
-        return name in self._selected
+        return name in self._selected and name not in self._planted
 
     def keeps_any(self, where: Callable[[Site], bool]) -> bool:
-        return any(where(site) for site in self._selected.values())
+        return any(
+            where(site)
+            for name, site in self._selected.items()
+            if name not in self._planted
+        )
 
     def kept_part(self, value: Any) -> Any:
         return differentiable_part(value)
