@@ -1516,3 +1516,40 @@ def test_a_forward_pass_records_a_tap_and_the_stacked_layers_of_one_scan(mode):
             for name, expected in values_of.items():
                 _near(forward.activations[name], expected)
                 _near(forward.activations[name], stepped.activations[name])
+
+
+class CheckpointInScan(eqx.Module):
+    """A cell the model's own `jax.lax.scan` closes over, called inside a
+    `jax.checkpoint` in the body; `hand` unrolls it with offsets."""
+
+    cell: eqx.nn.Linear
+
+    def __call__(self, xs):
+        def body(h, x):
+            h = jax.checkpoint(lambda h: jnp.tanh(self.cell(h + x)))(h)
+            return h, h
+
+        return jax.lax.scan(body, jnp.zeros(3), xs)[1].sum()
+
+    def hand(self, xs, offsets):
+        h, total = jnp.zeros(3), 0.0
+        for i in range(xs.shape[0]):
+            h = jnp.tanh(self.cell(h + xs[i]) + offsets[i])
+            total = total + h.sum()
+        return total
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_inside_the_models_scan_is_read_from_the_computation(mode):
+    """Once refused: the call in `jax.checkpoint` inside the scan's body is a
+    site per step, each step's gradient the hand offset's."""
+    model = CheckpointInScan(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
+    xs = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    probe = bridge.probe(model)
+    assert probe.sites(xs)["cell"].shape == (4, 3)
+    res = _run(
+        mode, lambda p, xs: p.value_and_grad(jnp.square, xs, at="cell"), probe, xs
+    )
+    grad = jax.grad(lambda o: model.hand(xs, o) ** 2)(jnp.zeros((4, 3)))
+    np.testing.assert_allclose(res.activation_grads["cell"], grad, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.loss, model(xs) ** 2, rtol=1e-6)
