@@ -1273,6 +1273,7 @@ class TapInTransform(eqx.Module):
         return self.last(_tapped_in(self.kind, self.first(x), self.hand))
 
 
+@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tap_inside_jax_checkpoint_is_a_site(mode):
     """A tap inside the model's own `jax.checkpoint` is read from the
@@ -1539,6 +1540,7 @@ class CheckpointInScan(eqx.Module):
         return total
 
 
+@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", MODES)
 def test_a_checkpoint_inside_the_models_scan_is_read_from_the_computation(mode):
     """Once refused: the call in `jax.checkpoint` inside the scan's body is a

@@ -237,6 +237,7 @@ def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
                 _refused_around_jax(site.refused)
                 and not enclosure.mapped
                 and enclosure.blocked(site.name) is None
+                and _stacked_as(site, enclosure.iterations)
             ):
                 site = dataclasses.replace(site, computed=enclosure)
             placed.append(site)
@@ -271,6 +272,15 @@ def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
 #: The transforms (as `backward.ControlFlow` names them) around a call in
 #: branches and loops that the computation takes from the adapters' route.
 _BRANCHES_AND_STATIC_LOOPS = frozenset({"cond", "switch", "fori_loop"})
+
+
+def _stacked_as(site: Site, iterations: tuple[int, ...]) -> bool:
+    """Whether the adapter listed `site` stacked over exactly the scans the
+    computation finds around it (its epsilon's rows are then theirs)."""
+    leaves = [leaf for leaf in jax.tree.leaves(site.struct) if leaf is not None]
+    return site.stacked == len(iterations) and all(
+        tuple(leaf.shape[: len(iterations)]) == iterations for leaf in leaves
+    )
 
 
 def _refused_around_jax(sentence: str | None) -> bool:
