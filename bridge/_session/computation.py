@@ -78,10 +78,6 @@ class Enclosure:
         """The lengths of the scans around the site, outermost first."""
         return tuple(n for name, n in self.transforms if name == "scan")
 
-    @property
-    def in_branch(self) -> bool:
-        return any(name == "cond" for name, _ in self.transforms)
-
     def blocked(self, site: str) -> str | None:
         """The refusal of the site, where a primitive around it has no rule."""
         for name, _ in reversed(self.transforms):
@@ -390,6 +386,15 @@ class Planted:
         """The asked names inside `jaxpr`."""
         return _names_in(jaxpr, self.names_cache) & self.asked
 
+    def within(self, names: Iterable[str]) -> tuple[dict, dict]:
+        """The epsilons and patch values of the sites `names`: what enters a
+        higher-order primitive that holds them."""
+        names = frozenset(names)
+        return (
+            {n: e for n, e in self.epsilons.items() if n in names},
+            {n: v for n, v in self.patch_values.items() if n in names},
+        )
+
 
 @dataclasses.dataclass
 class Records:
@@ -436,9 +441,7 @@ def evaluate(
             outvals = _at_marker(eqn.params, invals, planted, records)
         else:
             rule = RULES.get(eqn.primitive.name)
-            inside = any(True for _ in _sub_jaxprs(eqn.params)) and any(
-                planted.here(sub) for sub, _ in _sub_jaxprs(eqn.params)
-            )
+            inside = any(planted.here(sub) for sub, _ in _sub_jaxprs(eqn.params))
             if inside:
                 if rule is None:
                     raise BridgeAssertionError(
@@ -505,10 +508,6 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array) or hasattr(leaf, "aval")
 
 
-def _split(mapping: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
-    return {name: mapping[name] for name in names if name in mapping}
-
-
 # -- one rule per higher-order primitive ---------------------------------------------
 
 
@@ -525,8 +524,7 @@ def _scan(eqn, invals, planted):
     init = invals[num_consts : num_consts + num_carry]
     xs = invals[num_consts + num_carry :]
     names = planted.here(body.jaxpr)
-    epsilons = _split(planted.epsilons, names)
-    patch_values = _split(planted.patch_values, names)
+    epsilons, patch_values = planted.within(names)
 
     def step(carry, sliced):
         x, epsilon_rows, patch_rows = sliced
@@ -553,8 +551,7 @@ def _cond(eqn, invals, planted):
     branches = eqn.params["branches"]
     index, *operands = invals
     names = frozenset().union(*(planted.here(b.jaxpr) for b in branches))
-    epsilons = _split(planted.epsilons, names)
-    patch_values = _split(planted.patch_values, names)
+    epsilons, patch_values = planted.within(names)
 
     def run_branch(branch, operands, epsilons, patch_values):
         outputs, records = evaluate(
@@ -617,8 +614,7 @@ def _checkpoint(eqn, invals, planted):
     params = eqn.params
     body = params["jaxpr"]
     names = planted.here(body)
-    epsilons = _split(planted.epsilons, names)
-    patch_values = _split(planted.patch_values, names)
+    epsilons, patch_values = planted.within(names)
 
     def run(invals, epsilons, patch_values):
         outputs, records = evaluate(
