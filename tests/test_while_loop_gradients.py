@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,20 @@ def test_another_value_error_of_jax_passes_as_it_is():
     with pytest.raises(ValueError, match="^the loss's own error") as error:
         probe.value_and_grad(loss, X, at="dense")
     assert type(error.value) is ValueError
+
+
+def test_a_library_module_with_an_odd_path_attribute_is_no_obstacle(monkeypatch):
+    """Finding the model's line skips library frames by their package's
+    directories; a library module whose `__path__` attribute is no list of
+    directories (PyTorch's `torch._classes` answers every attribute with a
+    namespace object, once PyTorch is imported) changes nothing."""
+
+    class AnswersEveryAttribute(type(jax)):
+        def __getattr__(self, name):
+            return object()
+
+    odd = AnswersEveryAttribute("jax._answers_every_attribute")
+    monkeypatch.setitem(sys.modules, odd.__name__, odd)
+    probe, _ = _probe("linen", "while")
+    with pytest.raises(bridge.BridgeValueError, match=_refusal()):
+        probe.value_and_grad(_loss, X, at="dense")

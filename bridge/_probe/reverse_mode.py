@@ -74,9 +74,13 @@ def _library_directories() -> tuple[str, ...]:
     """The directories of bridge's packages and the libraries' (JAX's, each
     registered adapter's): their frames are not the model's code. (JAX's
     frames carry no module name: they are told by their file.)"""
-    return tuple(
-        os.path.join(path, "")
-        for name, module in list(sys.modules.items())
-        if is_library_module(name)
-        for path in getattr(module, "__path__", None) or ()
-    )
+    directories = []
+    for name, module in list(sys.modules.items()):
+        if is_library_module(name):
+            spec = getattr(module, "__spec__", None)
+            # The import system's own record, not `module.__path__`: a
+            # package may set that attribute to anything (PyTorch's
+            # `torch._classes` answers every attribute with a namespace).
+            locations = getattr(spec, "submodule_search_locations", None)
+            directories.extend(os.path.join(path, "") for path in locations or ())
+    return tuple(directories)
