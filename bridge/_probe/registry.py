@@ -32,6 +32,7 @@ _SUPPORTED = (
     "bridge.probe(hk.transform_with_state(f), params, state)",
     "PyTorch: bridge.probe(module) with a torch.nn.Module",
     "Hugging Face: bridge.probe(model) with a Flax or PyTorch model object",
+    "Keras 3 (KERAS_BACKEND=jax): bridge.probe(model) with a built keras.Model",
 )
 
 
@@ -230,6 +231,33 @@ def _instance_of(module_name: str, *class_names: str) -> Callable[[Any], bool]:
     return matches
 
 
+def _keras_3(model: Any) -> bool:
+    """A Keras 3 layer or model, on any backend (the adapter names the fix
+    for another). Keras 2, where installed as `keras`, has no `keras.Layer`."""
+    layer = getattr(sys.modules.get("keras"), "Layer", None)
+    return isinstance(layer, type) and isinstance(model, layer)
+
+
+#: Where Keras 2's classes live: TensorFlow's copy, the `tf_keras` package,
+#: and Keras 2's own layout (`keras.engine`, 2.13+'s `keras.src.engine`).
+_KERAS_2_MODULES = (
+    "tf_keras.",
+    "tensorflow.python.keras.",
+    "keras.engine.",
+    "keras.src.engine.",
+)
+
+
+def _keras_2(model: Any) -> bool:
+    """A Keras 2 (`tf.keras`) model, told by its classes' modules."""
+    return any(
+        (getattr(cls, "__module__", None) or "").startswith(_KERAS_2_MODULES)
+        for cls in type(model).__mro__
+    )
+
+
+# Keras 3 and Keras 2 (refused, naming the fix), as the others: a later
+# registration is tried first.
 register_adapter(
     _instance_of("flax.linen", "Module"),
     "bridge.adapters.linen:probe",
@@ -262,6 +290,10 @@ register_adapter(
     name="torch",
     package="torch",
 )
+register_adapter(
+    _keras_3, "bridge.adapters.keras.probe:probe", name="keras", package="keras"
+)
+register_adapter(_keras_2, "bridge.adapters.keras.not_keras_3:probe", name="keras 2")
 register_adapter(
     _instance_of("haiku", "Transformed", "TransformedWithState"),
     "bridge.adapters.haiku:probe",
