@@ -2,9 +2,10 @@
 
 `jax.jit(step).lower(...)` is the Python tracing a user waits for at every
 new shape, before XLA's compile (which `benchmarks/tpu.py` and
-`benchmarks/real_size.py` time with it). For each of the five benchmark
-models at GPT-2 small's shape (the four libraries' transformers of
-`benchmarks/models.py` and Hugging Face's Flax GPT-2), the steps `plain`,
+`benchmarks/real_size.py` time with it). For each of the benchmark models
+at GPT-2 small's shape (the four libraries' transformers of
+`benchmarks/models.py`, Hugging Face's Flax GPT-2, and with `--models keras`
+KerasHub's GPT-2 backbone on Keras 3: `tpu.py`'s models), the steps `plain`,
 `one` (one site) and `all` (every site) are lowered `--rounds` times,
 interleaved, each time a fresh function (no cache of JAX's serves it), the
 discovery cache kept after the first round as in a training loop; the
@@ -60,6 +61,10 @@ def main() -> None:
     for name in options.models.split(","):
         if name == "hf":
             steps, first, x, _, _ = tpu.hf_steps(batch, tokens, "float32", width, depth)
+        elif name == "keras":
+            steps, first, x, _, _ = tpu.keras_steps(
+                batch, tokens, "float32", width, depth
+            )
         else:
             steps, first, x, _, _ = tpu.library_steps(
                 name, batch, tokens, "float32", width, depth

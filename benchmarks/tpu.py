@@ -5,8 +5,10 @@
 
 For each model (`linen`, `nnx`, `equinox`, `haiku`: the pre-norm transformer
 of `models.py` at GPT-2 small's width and depth; `hf`: Hugging Face's Flax
-GPT-2), size and dtype, six jitted steps compiled once each and run
-interleaved (the order rotated every repeat):
+GPT-2; `keras`, not in the default set: KerasHub's `GPT2Backbone` on Keras 3's
+JAX backend, needs `keras` and `keras-hub`), size and dtype, six jitted steps
+compiled once each and run interleaved (the order rotated every repeat; a
+model without a hand trick, `keras`, runs the other four):
 
 - `plain`: `jax.value_and_grad` of the loss over the parameters;
 - `hand`: the library's hand-written epsilon trick at the same sites
@@ -203,6 +205,82 @@ def hf_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
         2 * array_bytes(sites),
         len(sites),
     )
+
+
+#: Keras's dtype policy for each of `DTYPES`' settings.
+KERAS_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "mixed": "mixed_bfloat16"}
+
+
+def keras_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
+    """KerasHub's GPT-2 backbone built from its configuration (random weights,
+    no download) at `width` and `depth`, GPT-2's vocabulary, 64-wide heads.
+
+    The loss is next-token cross-entropy of the backbone's last hidden states
+    through a fixed output projection (the token embedding's initial values,
+    an input of every step, not trained: a probe's loss sees the model's
+    outputs only), the same in every step. `plain` differentiates Keras's own
+    pure call, `backbone.stateless_call`, over the trainable values; the
+    probed steps go through `bridge.probe(backbone)`. No hand trick: Keras has
+    no perturbation mechanism to write one with.
+    """
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=50257,
+        num_layers=depth,
+        num_heads=width // 64,
+        hidden_dim=width,
+        intermediate_dim=4 * width,
+        max_sequence_length=1024,
+        dtype=KERAS_DTYPES[dtype],
+    )
+    ids = np.random.default_rng(0).integers(0, 50257, (batch, tokens), np.int32)
+    inputs = {"token_ids": jnp.asarray(ids), "padding_mask": jnp.ones_like(ids)}
+    head = jnp.asarray(backbone.token_embedding.embeddings.value)
+    targets = jnp.asarray(ids[:, 1:])
+
+    def loss_of(hidden, head):
+        logits = jnp.einsum("btd,vd->btv", hidden[:, :-1], head.astype(hidden.dtype))
+        logits = jax.nn.log_softmax(logits.astype(jnp.float32))
+        return -jnp.take_along_axis(logits, targets[..., None], axis=-1).mean()
+
+    values = (
+        [v.value for v in backbone.trainable_variables],
+        [v.value for v in backbone.non_trainable_variables],
+    )
+
+    def plain(values, inputs, head):
+        trainable, non_trainable = values
+
+        def loss(trainable):
+            hidden, _ = backbone.stateless_call(trainable, non_trainable, inputs)
+            return loss_of(hidden, head)
+
+        return jax.value_and_grad(loss)(trainable)
+
+    def probed(at, reduce=lambda r: r):
+        def step(probe, inputs, head):
+            res = probe.value_and_grad(lambda h: loss_of(h, head), inputs, at=at)
+            return reduce(res)
+
+        return step
+
+    probe = bridge.probe(backbone)
+    sites = probe.sites(inputs)
+    steps = {
+        "plain": plain,
+        "one": probed(f"transformer_layer_{depth - 1}/feedforward_output_dense"),
+        "all": probed(None),
+        "norms": probed(None, norms),
+        "norms_per_site": probed(None, norms_per_site),
+    }
+    first = dict.fromkeys(steps, probe) | {"plain": values}
+    return steps, first, (inputs, head), 2 * array_bytes(sites), len(sites)
 
 
 def hf_hand(module, loss_of, sites):
@@ -438,10 +516,12 @@ def main() -> None:
                     start = time.perf_counter()
                     if model == "hf":
                         built = hf_steps(batch, tokens, dtype, width, depth)
+                    elif model == "keras":
+                        built = keras_steps(batch, tokens, dtype, width, depth)
                     else:
                         built = library_steps(model, batch, tokens, dtype, width, depth)
                     steps, first, x, returned, sites = built
-                    steps = {v: steps[v] for v in wanted}
+                    steps = {v: steps[v] for v in wanted if v in steps}
                     if options.auto_layouts:
                         for v in [v for v in ("hand", "all") if v in steps]:
                             steps[v + "_auto"], first[v + "_auto"] = steps[v], first[v]
