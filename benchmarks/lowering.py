@@ -14,8 +14,10 @@ fastest of each is reported, and its ratio to `plain`'s.
     python benchmarks/lowering.py --out DIR [--models ...] [--rounds 3]
 
 Writes `DIR/lowering.jsonl` (one row per model and variant) and prints a
-table. Tracing time depends on the host: run it where users run (NOTES:
-2 CPU cores and a 13-core host disagree).
+table. `--profile` also writes `DIR/profile_MODEL_VARIANT.txt`: a cProfile of
+one more lowering of each variant (discovery warm), its top entries by
+cumulative and by own time. Tracing time depends on the host: run it where
+users run (NOTES: 2 CPU cores and a 13-core host disagree).
 """
 
 from __future__ import annotations
@@ -45,6 +47,25 @@ def lower_once(step, first, x) -> float:
     return time.perf_counter() - start
 
 
+def profile_once(step, first, x, path: str, top: int = 40) -> None:
+    """cProfile of one lowering of a fresh function, as `lower_once` times it."""
+    import cProfile
+    import io
+    import pstats
+
+    fresh = lambda *a: step(*a)  # noqa: E731
+    gc.collect()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    jax.jit(fresh).lower(first, *x)
+    profiler.disable()
+    text = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(top)
+    with open(path, "w") as file:
+        file.write(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -52,6 +73,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--size", default="2x128")
     parser.add_argument("--width-depth", default="768x12")
+    parser.add_argument(
+        "--profile", action="store_true", help="also a cProfile of each lowering"
+    )
     options = parser.parse_args()
     batch, tokens = map(int, options.size.split("x"))
     width, depth = map(int, options.width_depth.split("x"))
@@ -74,6 +98,10 @@ def main() -> None:
             for variant in VARIANTS:
                 times[variant].append(lower_once(steps[variant], first[variant], x))
         best = {v: min(t) for v, t in times.items()}
+        if options.profile:
+            for variant in VARIANTS:
+                path = os.path.join(options.out, f"profile_{name}_{variant}.txt")
+                profile_once(steps[variant], first[variant], x, path)
         row = {
             "model": name,
             "size": options.size,

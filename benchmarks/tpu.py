@@ -540,6 +540,7 @@ def main() -> None:
                         "hand_returns": "activations and gradients",
                         "norms_returns": "one (sites, 2) array (res.norms())",
                         **versions,
+                        **(keras_versions() if model == "keras" else {}),
                         "rows": rows,
                     }
                     with open(out / "rows.jsonl", "a") as f:
@@ -566,6 +567,23 @@ def summary(rows: dict) -> str:
         f"{v} step {ratio(r, 'step_s')} device {ratio(r, 'device_s')}"
         for v, r in rows.items()
     )
+
+
+def keras_versions() -> dict:
+    """Keras's and KerasHub's versions, and a digest of the Keras adapter that
+    ran (its files as imported): which adapter a row measured."""
+    import hashlib
+
+    import bridge.adapters.keras as adapter
+
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(adapter.__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return {
+        "keras": package_version("keras"),
+        "keras_hub": package_version("keras-hub"),
+        "keras_adapter_sha256": digest.hexdigest()[:12],
+    }
 
 
 def jaxlib_version() -> str:
