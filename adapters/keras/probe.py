@@ -79,6 +79,7 @@ class KerasProbe(ProbeBase):
     #: The model is in the treedef, the values are leaves, and no site has
     #: an origin: a discovery is reused by structure.
     reuses_discovery = True
+    porting_side = "bridge.adapters.keras.porting"
 
     def __init__(
         self,

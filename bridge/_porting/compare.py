@@ -39,10 +39,10 @@ from .compare_runs import (
     run_both,
     x64,
 )
-from .compare_values import common, compare_pair
+from .compare_values import compare_pair, sites_of, values_at
 from .contract import porting_side
 from .layer import Layer, described_tie, label
-from .pairing import pair_calls, untied, with_counterparts
+from .pairing import packed, pair_calls, untied, with_counterparts
 from .report import ComparisonReport
 from .sides import inputs_for, parameterised_layers, second_inputs
 
@@ -180,7 +180,7 @@ def _compare(probes, sides, losses, inputs, logits_fns, tolerances, precision=No
         *(untied([la for la in found if id(la) not in gone]) for found in layers),
         strict=True,
     )
-    own_a, own_b = with_counterparts(*own)
+    own_a, own_b = packed(*with_counterparts(*own))
     left_out = [
         described_tie(layer, name)
         for name, side in zip(NAMES, tied, strict=True)
@@ -191,7 +191,7 @@ def _compare(probes, sides, losses, inputs, logits_fns, tolerances, precision=No
     pairs = [(a, b) for a, b in paired if a.site and b.site]
     tie_pairs, unpaired = paired_ties(tied, paired, unpaired)
     sites = tuple(
-        [pair[side].site for pair in (*pairs, *tie_pairs)]
+        [site for pair in (*pairs, *tie_pairs) for site in sites_of(pair[side])]
         + [layer.site for name, layer in unpaired if layer.site and name == NAMES[side]]
         for side in (0, 1)
     )
@@ -264,7 +264,7 @@ def _precision_of(compared, results, precision) -> tuple[str, tuple[str, ...]]:
             layer = pair[side]
             dtypes = {
                 np.asarray(leaf).dtype
-                for leaf in common(layer, results[side].activations[layer.site])
+                for leaf in values_at(layer, results[side].activations)
             }
             found |= {dtype.name for dtype in dtypes}
             if precision is not None and dtypes - {np.dtype(np.float64)}:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .compare_values import broadcast, common, differences
+from .compare_values import broadcast, differences, values_at
 from .layer import Layer, described_tie, label
 
 #: The two probes, as `compare`'s arguments, messages and report name them.
@@ -104,7 +104,7 @@ def matched_by_value(pairs, unpaired, results):
 
 
 def _values(layer: Layer, result: Any) -> list[np.ndarray]:
-    return common(layer, result.activations[layer.site])
+    return values_at(layer, result.activations)
 
 
 def _distance(values: list, theirs: list) -> float:

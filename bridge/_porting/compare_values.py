@@ -4,12 +4,21 @@ and their differences measured at the scale of the whole tensor.
 
 Apart from `compare.py`: the numbers of a comparison, NumPy on values the
 models have already produced, the same for every library.
+
+A layer that applies an element-wise activation after its weights (a Keras
+`Dense(activation="gelu")`) against one that applies none (a PyTorch
+`nn.Linear`, its activation a module of its own after it) is compared after
+the activation: the other side's value goes through it, and the gradient
+with respect to this side's output goes back through it, at the other
+side's value (`through_activation`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._errors import BridgeValueError
@@ -19,13 +28,22 @@ from .report import PairComparison
 
 
 def compare_pair(layer_a, layer_b, result_a, result_b, rtol, atol, kind):
-    values_a = common(layer_a, result_a.activations[layer_a.site])
-    values_b = common(layer_b, result_b.activations[layer_b.site])
-    grads_a = common(layer_a, result_a.activation_grads[layer_a.site])
-    grads_b = common(layer_b, result_b.activation_grads[layer_b.site])
+    values_a = values_at(layer_a, result_a.activations)
+    values_b = values_at(layer_b, result_b.activations)
+    grads_a = values_at(layer_a, result_a.activation_grads)
+    grads_b = values_at(layer_b, result_b.activation_grads)
     values_a, values_b, grads_a, grads_b = broadcast(
         values_a, values_b, grads_a, grads_b
     )
+    if (layer_a.activation is None) != (layer_b.activation is None):
+        if layer_a.activation is not None:
+            values_b, grads_a = through_activation(
+                layer_a.activation, values_b, grads_a
+            )
+        else:
+            values_a, grads_b = through_activation(
+                layer_b.activation, values_a, grads_b
+            )
     shapes_a = [np.shape(v) for v in values_a]
     shapes_b = [np.shape(v) for v in values_b]
     if shapes_a != shapes_b:
@@ -81,6 +99,26 @@ def broadcast(values_a, values_b, grads_a, grads_b):
     return values_a, values_b, grads_a, grads_b
 
 
+def through_activation(activation, values, grads) -> tuple[list, list]:
+    """`(activation(value), its VJP at value of grad)` of each leaf of the
+    side without the activation (`values`) and of the gradients of the side
+    with it (`grads`): the values after the activation, and the gradients
+    before it, on both sides. Where the shapes differ, the values are left for
+    `compare_pair` to refuse."""
+    if len(values) != len(grads) or any(
+        np.shape(v) != np.shape(g) for v, g in zip(values, grads, strict=True)
+    ):
+        return values, grads
+    after, before = [], []
+    for value, grad in zip(values, grads, strict=True):
+        value = jnp.asarray(value)
+        out, vjp = jax.vjp(activation, value)
+        (back,) = vjp(jnp.asarray(grad, out.dtype))
+        after.append(np.asarray(out))
+        before.append(np.asarray(back))
+    return after, before
+
+
 def _broadcasts(small: tuple, large: tuple) -> bool:
     """`small` broadcasts to `large` by NumPy's rules: axes of 1 (a batch
     axis of 1), or leading axes missing (`(seq, d)` against `(batch, seq,
@@ -101,6 +139,21 @@ def _summed_to(grad: np.ndarray, shape: tuple) -> np.ndarray:
 
 def common(layer: Layer, value: Any) -> list[np.ndarray]:
     return [np.asarray(layer.to_common(leaf)) for leaf in layer.select(value)]
+
+
+def sites_of(layer: Layer) -> list[str]:
+    """The sites whose values are the layer's: a packed layer's parts'."""
+    return [part.site for part in layer.parts] if layer.parts else [layer.site]
+
+
+def values_at(layer: Layer, by_site: Any) -> list[np.ndarray]:
+    """The layer's values in the common layout, from `{site: value}`; a packed
+    layer's (`Layer.parts`) are its parts' concatenated along the last axis,
+    as the packed kernel's columns are."""
+    if not layer.parts:
+        return common(layer, by_site[layer.site])
+    parts = [common(part, by_site[part.site]) for part in layer.parts]
+    return [np.concatenate(leaves, -1) for leaves in zip(*parts, strict=True)]
 
 
 def differences(

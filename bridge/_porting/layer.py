@@ -47,6 +47,19 @@ class Layer:
         PyTorch module's buffers, `final_logits_bias`): the layer pairs only
         with a layer of the same kind and shapes (the same names) on the
         other side, and is left out where there is none.
+      activation: an element-wise function the layer applies to its output
+        after its weights (a Keras `Dense(activation="gelu")`), `None` where
+        it applies none: against a layer without one, `compare` passes the
+        other side's value through it and this side's gradient back through
+        it (`bridge._porting.compare_values`).
+      parts: the layers packed into this one, where the other model holds
+        their weights as one (Hugging Face GPT-2's `c_attn`, query, key and
+        value in one `(in, 3 * out)` kernel, against three projections): the
+        canonical weights are the parts' concatenated along the last axis, and
+        go back split (`bridge._porting.pairing.packed`). Its `site` and
+        `path` are the parts' joined by `+`
+        (`self_attention/query+key+value`), `compare` reading its values as
+        the parts' concatenated; the `site` is `""` where a part has none.
     """
 
     site: str
@@ -60,6 +73,8 @@ class Layer:
     hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     tied: str = ""
     optional: bool = False
+    activation: Callable[[Any], Any] | None = None
+    parts: tuple[Layer, ...] = ()
 
 
 def label(layer: Layer) -> str:

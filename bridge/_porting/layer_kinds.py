@@ -48,13 +48,14 @@ class Weight:
 class Converted:
     """What a converter reads off one call: the `Layer` fields that depend on
     the module's kind. `to_common` and `select` left `None` are the table's
-    and `Layer`'s defaults."""
+    and `Layer`'s defaults; `activation` is `Layer.activation`."""
 
     kind: str
     weights: Mapping[str, Weight]
     hyperparameters: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     to_common: Callable[[Any], Any] | None = None
     select: Callable[[Any], list] | None = None
+    activation: Callable[[Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +257,7 @@ class LayerKinds:
                 for name, weight in converted.weights.items()
             },
             hyperparameters=dict(converted.hyperparameters),
+            activation=converted.activation,
             **{name: value for name, value in layouts.items() if value is not None},
         )
 

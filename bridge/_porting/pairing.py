@@ -3,8 +3,9 @@
 Layers pair in call order (`pair`; `pair_calls` where one side repeats a
 module's call), once the layers not paired by their weights are set aside:
 tied heads (`untied`) and optional buffers without a counterpart
-(`with_counterparts`). Counts that differ raise, naming the first pair that
-does not match.
+(`with_counterparts`), and a packed projection met with the projections it
+packs (`packed`). Counts that differ raise, naming the first pair that does
+not match.
 
 Within a parent module's calls, the order itself may differ: real ports do
 not always call the children of one module in the same order:
@@ -57,6 +58,117 @@ def with_counterparts(
         return [la for la in layers if not la.optional or signature(la) in present]
 
     return kept(layers_a, layers_b), kept(layers_b, layers_a)
+
+
+def packed(
+    layers_a: Sequence[Layer], layers_b: Sequence[Layer]
+) -> tuple[list[Layer], list[Layer]]:
+    """Both lists, where a `dense` layer of one side packs the next few
+    `dense` layers of the other into its kernel's columns, with those
+    layers as one (`Layer.parts`): Hugging Face GPT-2's `c_attn`, query, key
+    and value in one `(in, 3 * out)` kernel, against three projections.
+
+    Only where the counts differ. The parts are consecutive calls of one
+    parent module's children, without an activation, with the packed layer's
+    input size and bias or none alike, and their output sizes sum to the
+    packed layer's: its columns are theirs in call order (`compare` finds a
+    port that packs them in another order, at the layers after them)."""
+    if len(layers_a) == len(layers_b):
+        return list(layers_a), list(layers_b)
+    found: tuple[list[Layer], list[Layer]] = ([], [])
+    sides = (list(layers_a), list(layers_b))
+    at = [0, 0]
+    while at[0] < len(sides[0]) and at[1] < len(sides[1]):
+        for one, other in ((0, 1), (1, 0)):
+            merged = _packing(sides[one][at[one]], sides[other], at[other])
+            if merged is not None:
+                count, layer = merged
+                found[one].append(sides[one][at[one]])
+                found[other].append(layer)
+                at[one] += 1
+                at[other] += count
+                break
+        else:
+            for side in (0, 1):
+                found[side].append(sides[side][at[side]])
+                at[side] += 1
+    for side in (0, 1):
+        found[side].extend(sides[side][at[side] :])
+    return found
+
+
+def _dense_shape(layer: Layer) -> tuple[int, ...] | None:
+    kernel = layer.weights.get("kernel") if layer.kind == "dense" else None
+    return None if kernel is None else tuple(np.shape(kernel))
+
+
+def _packing(whole: Layer, others: Sequence[Layer], start: int):
+    """`(count, packed Layer)` of the layers of `others` from `start` that
+    `whole` packs (see `packed`), else `None`."""
+    shape = _dense_shape(whole)
+    if shape is None or whole.activation is not None:
+        return None
+    parts, total = [], 0
+    parent = _split(others[start].path)[0] if start < len(others) else None
+    for layer in others[start:]:
+        part = _dense_shape(layer)
+        if (
+            part is None
+            or part[:-1] != shape[:-1]
+            or layer.activation is not None
+            or _split(layer.path)[0] != parent
+            or (layer.weights.get("bias") is None)
+            != (whole.weights.get("bias") is None)
+            or total + part[-1] > shape[-1]
+        ):
+            return None
+        parts.append(layer)
+        total += part[-1]
+        if total == shape[-1]:
+            break
+    if len(parts) < 2 or total != shape[-1]:
+        return None
+    return len(parts), _packed_layer(parts)
+
+
+def _packed_layer(parts: Sequence[Layer]) -> Layer:
+    first = parts[0]
+    parent, _ = _split(first.path)
+    separator = first.path[len(parent)] if parent else ""
+    own = "+".join(_split(layer.path)[1] for layer in parts)
+    path = f"{parent}{separator}{own}"
+    weights = {
+        name: None
+        if first.weights.get(name) is None
+        else np.concatenate([np.asarray(layer.weights[name]) for layer in parts], -1)
+        for name in ("kernel", "bias")
+    }
+    return Layer(
+        path if all(layer.site for layer in parts) else "",
+        path,
+        "dense",
+        f"{first.described} {', '.join(repr(layer.path) for layer in parts)} packed",
+        weights,
+        hyperparameters=dict(first.hyperparameters),
+        parts=tuple(parts),
+    )
+
+
+def unpacked(layer: Layer, weights: dict) -> list[tuple[Layer, dict]]:
+    """`[(layer, weights)]` to write back: a packed layer's weights split into
+    its parts' columns (`packed`)."""
+    if not layer.parts:
+        return [(layer, weights)]
+    sizes = [np.shape(part.weights["kernel"])[-1] for part in layer.parts]
+    bounds = np.cumsum(sizes)[:-1]
+    split = {
+        name: [None] * len(sizes) if value is None else np.split(value, bounds, -1)
+        for name, value in weights.items()
+    }
+    return [
+        (part, {name: values[n] for name, values in split.items()})
+        for n, part in enumerate(layer.parts)
+    ]
 
 
 def first_calls(layers: Sequence[Layer]) -> list[Layer]:

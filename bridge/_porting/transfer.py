@@ -53,7 +53,7 @@ from .layout import dense_kernel as dense_kernel
 from .layout import flatten_trailing as flatten_trailing
 from .layout import flattened as flattened
 from .layout import replace_leaves as replace_leaves
-from .pairing import first_calls, pair, untied, with_counterparts
+from .pairing import first_calls, packed, pair, unpacked, untied, with_counterparts
 from .sides import parameterised_layers as parameterised_layers
 from .sides import second_inputs
 
@@ -124,10 +124,11 @@ def transfer(
     source_own, source_tied = untied(source_layers)
     target_own, target_tied = untied(target_layers)
     source_own, target_own = with_counterparts(source_own, target_own)
+    source_own, target_own = packed(first_calls(source_own), first_calls(target_own))
     names = ("the source (src_probe)", "the destination (dst_probe)")
     pairs = pair(
-        first_calls(source_own),
-        first_calls(target_own),
+        source_own,
+        target_own,
         names,
         left_out=[
             *(described_tie(la, names[0]) for la in source_tied),
@@ -137,7 +138,7 @@ def transfer(
     updates = []
     for source_layer, target_layer in pairs:
         check_fits(source_layer, target_layer)
-        updates.append((target_layer, source_layer.weights))
+        updates += unpacked(target_layer, source_layer.weights)
     return target.with_weights(dst_probe, updates)
 
 
