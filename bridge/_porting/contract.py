@@ -84,7 +84,7 @@ class PortableProbe(ActivationProbe, Protocol):
 
 
 #: The libraries `transfer` and `compare` know, for error messages.
-_KNOWN = "Flax Linen, Flax NNX, Equinox, Haiku and PyTorch"
+_KNOWN = "Flax Linen, Flax NNX, Equinox, Haiku, Keras 3 and PyTorch"
 
 
 def porting_side(probe: Any, argument: str) -> PortingSide:
