@@ -95,70 +95,92 @@ def offset_twin(model):
     return keras.Model([token_ids, padding_mask, *offsets], x)
 
 
-def test_every_block_under_jit_equals_keras_own(gpt2):
+@pytest.fixture(scope="module")
+def probed(gpt2):
+    """The backbone probed at every block, under `jax.jit`."""
     model, inputs, target = gpt2
     loss_fn = keras_loss(target)
     probe = bridge.probe(model)
-    sites = probe.sites(inputs)
-    assert all(name in sites for name in BLOCKS)
+    with jax.numpy_rank_promotion("allow"):  # a module's fixture: no test's
+        sites = probe.sites(inputs)
+        run = jax.jit(lambda p, x: p.value_and_grad(loss_fn, x, at=BLOCKS))
+        return sites, run(probe, inputs)
 
-    res = jax.jit(lambda p, x: p.value_and_grad(loss_fn, x, at=BLOCKS))(probe, inputs)
+
+def test_every_block_is_probed_and_its_activation_is_keras_own(gpt2, probed):
+    model, inputs, _ = gpt2
+    sites, res = probed
+    # Each block is a site, named as Keras names the layer, and so are the
+    # layers inside it.
+    assert [name for name in sites if name in BLOCKS] == BLOCKS
+    assert f"{BLOCKS[-1]}/self_attention/query" in sites
     assert list(res.activations) == BLOCKS
-
-    # Activations: Keras's own functional graph, up to each block.
+    # Keras's own functional graph, up to each block.
     blocks = keras.Model(model.input, [model.get_layer(name).output for name in BLOCKS])
     for name, expected in zip(BLOCKS, blocks.predict_on_batch(inputs), strict=True):
         scale_agree(res.activations[name], expected)
 
-    # The loss and the parameter gradients: jax.grad through stateless_call.
-    trainable = [v.value for v in model.trainable_variables]
+
+def test_parameter_gradients_are_jax_grad_through_stateless_call(gpt2, probed):
+    model, inputs, target = gpt2
+    _, res = probed
+    loss_fn = keras_loss(target)
     non_trainable = [v.value for v in model.non_trainable_variables]
 
     def loss_of(values):
         outputs, _ = model.stateless_call(values, non_trainable, inputs)
         return loss_fn(outputs)
 
+    trainable = [v.value for v in model.trainable_variables]
     loss, grads = jax.jit(jax.value_and_grad(loss_of))(trainable)
     scale_agree(res.loss, loss)
-    expected_grads = {
+    expected = {
         v.path: g for v, g in zip(model.trainable_variables, grads, strict=True)
     }
-    assert set(res.grads) == set(expected_grads)
-    for path, grad in expected_grads.items():
+    assert set(res.grads) == set(expected)
+    for path, grad in expected.items():
         scale_agree(res.grads[path], grad)
 
-    # Activation gradients: the gradient with respect to an offset added
-    # after each block, in a twin of the graph.
+
+def test_activation_gradients_are_those_of_an_offset_at_each_block(gpt2, probed):
+    """The gradient with respect to an offset added after each block in a twin
+    of the graph (`jax.grad`), and along one direction per block
+    (`jax.jvp`)."""
+    model, inputs, target = gpt2
+    _, res = probed
+    loss_fn = keras_loss(target)
     twin = offset_twin(model)
-    twin_trainable = [v.value for v in twin.trainable_variables]
-    twin_non_trainable = [v.value for v in twin.non_trainable_variables]
+    trainable = [v.value for v in twin.trainable_variables]
+    non_trainable = [v.value for v in twin.non_trainable_variables]
     ids, mask = inputs["token_ids"], inputs["padding_mask"]
 
     def twin_loss(offsets):
         outputs, _ = twin.stateless_call(
-            twin_trainable, twin_non_trainable, [ids, mask, *offsets]
+            trainable, non_trainable, [ids, mask, *offsets]
         )
         return loss_fn(outputs)
 
     zeros = [jnp.zeros((BATCH, LENGTH, HIDDEN))] * LAYERS
-    twin_loss_at_zero, offset_grads = jax.jit(jax.value_and_grad(twin_loss))(zeros)
-    scale_agree(twin_loss_at_zero, loss)  # the twin is the backbone
-    for name, expected in zip(BLOCKS, offset_grads, strict=True):
-        scale_agree(res.activation_grads[name], expected)
-
-    # The same, as directional derivatives: jax.jvp along one direction per
-    # block.
     direction = np.random.default_rng(1).standard_normal((BATCH, LENGTH, HIDDEN))
     direction = jnp.asarray(direction, jnp.float32)
 
     @jax.jit
-    def along(n):
-        tangents = [direction * (n == k) for k in range(LAYERS)]
-        return jax.jvp(twin_loss, (zeros,), (tangents,))[1]
+    def references():
+        loss, grads = jax.value_and_grad(twin_loss)(zeros)
+        along = [
+            jax.jvp(
+                twin_loss, (zeros,), ([direction * (n == k) for k in range(LAYERS)],)
+            )[1]
+            for n in range(LAYERS)
+        ]
+        return loss, grads, along
 
-    for n, name in enumerate(BLOCKS):
+    loss, grads, along = references()
+    scale_agree(loss, res.loss)  # the twin is the backbone
+    for name, grad, derivative in zip(BLOCKS, grads, along, strict=True):
+        scale_agree(res.activation_grads[name], grad)
         given = jnp.vdot(res.activation_grads[name], direction)
-        scale_agree(given, along(n), rtol=1e-5, atol=1e-7)
+        scale_agree(given, derivative, rtol=1e-5, atol=1e-7)
 
 
 # -- ported from Hugging Face's PyTorch GPT-2 ------------------------------------
