@@ -23,6 +23,9 @@ import re
 import jax
 import pytest
 
+# Keras 3 reads its backend once, at import: the tests probe Keras on JAX.
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Test time only: on CPU, the partitionable threefry compiles each random draw
 # several times slower (~10% of the suite); no test depends on the stream.
@@ -47,8 +50,12 @@ def allow_rank_promotion():
 
 @pytest.fixture
 def case(request):
-    """A conformance case, built once per session: probing never mutates it."""
-    return _build(request.param)
+    """A conformance case, built once per session: probing never mutates it.
+    Keras's own layers broadcast by rank promotion (`Dense` adds a `(units,)`
+    bias to `(batch, units)`): its cases build and run with it allowed."""
+    keras_case = request.param.__module__ == "cases.keras"
+    with jax.numpy_rank_promotion("allow" if keras_case else "raise"):
+        yield _build(request.param)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects

@@ -18,7 +18,7 @@ import jax
 import pytest
 from helpers import add_at_float_leaves, nnx_supported
 
-LIBRARIES = ("linen", "haiku", "equinox", "nnx", "torch")
+LIBRARIES = ("linen", "haiku", "equinox", "nnx", "torch", "keras")
 
 
 @dataclasses.dataclass
@@ -92,7 +92,14 @@ def case_params() -> Iterator[Any]:
             module = importlib.import_module(f"cases.{library}")
         except ModuleNotFoundError as error:
             # The adapter's cases are not written yet, or its library is absent.
-            if error.name in (f"cases.{library}", "flax", "haiku", "equinox", "torch"):
+            if error.name in (
+                f"cases.{library}",
+                "flax",
+                "haiku",
+                "equinox",
+                "torch",
+                "keras",
+            ):
                 continue
             raise
         for name, builder in module.CASES.items():
