@@ -211,3 +211,31 @@ def test_an_embedding_and_a_dense_with_its_activation():
         report = bridge.compare(probe_a, probe_b, losses, inputs, args_b=(inputs_b,))
         assert report.first_divergence is None, str(report)
         assert [row.kind for row in report.rows] == ["embed", "dense", "dense"]
+
+
+def test_compare_in_float64_rebuilds_the_keras_model():
+    """`dtype="float64"`: a Keras layer computes in its dtype policy's dtype,
+    so the model is rebuilt in float64; float32 rounding goes, and the port
+    agrees at float64's tolerances."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(6, 7), torch.nn.GELU(), torch.nn.Linear(7, 3)
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(7, activation="gelu"),
+            keras.layers.Dense(3),
+        ]
+    )
+    x = np.random.default_rng(3).standard_normal((2, 6)).astype(np.float32)
+    x_t = torch.tensor(x)
+    port = bridge.transfer(bridge.probe(net), bridge.probe(model), x_t, args_b=(x,))
+    losses = (lambda out: torch.mean(out**2), lambda out: jnp.mean(out**2))
+    report = bridge.compare(
+        bridge.probe(net), port, losses, x_t, args_b=(x,), dtype="float64"
+    )
+    assert report.dtype == "float64" and not report.lower_precision
+    assert report.first_divergence is None, str(report)
+    assert all(row.activation_rel < 1e-12 for row in report.rows), str(report)
+    assert model.dtype_policy.name == "float32"  # the user's model as it was

@@ -31,6 +31,7 @@ import keras
 import numpy as np
 
 from bridge.adapter_api import (
+    BridgeTypeError,
     Converted,
     Layer,
     LayerKinds,
@@ -393,3 +394,66 @@ def with_weights(probe: Any, updates: list[tuple[Layer, dict]]) -> Any:
         probe._order,
     )
     return new._looking_inside(probe._inside)
+
+
+# -- for compare ----------------------------------------------------------------
+
+
+def in_float64(probe: Any) -> Any:
+    """A probe of a float64 copy of the model (`bridge.compare(...,
+    dtype="float64")`): a Keras layer computes in its dtype policy's dtype
+    whatever its variables hold, so the model is rebuilt from its config with
+    `dtype="float64"` (a `Sequential` or functional model layer by layer,
+    with `keras.models.clone_model`; a model of its own class, a KerasHub
+    backbone, by `from_config`), and given the probe's values in float64.
+    The user's model is untouched. A layer that builds its sublayers in a
+    dtype of its own stays in it (`report.lower_precision` names it). Keras's
+    type promotion makes 64-bit results 32-bit (`keras.backend.result_type`,
+    "aligned with JAX's default"), so the ops that promote compute in float32
+    under a float64 policy and give float64 values: `LayerNormalization`
+    among them, where a float64 compare parts at float32's rounding."""
+    model = probe.model
+    try:
+        clone = _rebuilt_in_float64(model)
+    except Exception as error:  # a model without a config to rebuild from
+        raise BridgeTypeError(
+            f"compare cannot run the Keras model {model.name!r} in float64: "
+            f"rebuilding it from its config with dtype='float64' failed ({error}). "
+            'Leave dtype="float64" out, or build the model with '
+            'dtype="float64" yourself and probe that.'
+        ) from error
+    counts = (len(clone.trainable_variables), len(clone.non_trainable_variables))
+    if counts != tuple(map(len, probe._order)):
+        raise BridgeTypeError(
+            f"compare cannot run the Keras model {model.name!r} in float64: "
+            f"rebuilt from its config with dtype='float64', it has {counts[0]} "
+            f"trainable and {counts[1]} non-trainable variables where the model "
+            f"has {len(probe._order[0])} and {len(probe._order[1])}. Leave "
+            'dtype="float64" out, or build the model with dtype="float64" '
+            "yourself and probe that."
+        )
+
+    def cast(value: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            return jnp.asarray(value, jnp.float64)
+        return value
+
+    new = type(probe)(
+        clone,
+        {key: cast(value) for key, value in probe.trainable.items()},
+        {key: cast(value) for key, value in probe.non_trainable.items()},
+        probe.vmap,
+        probe._order,
+    )
+    return new._looking_inside(probe._inside)
+
+
+def _rebuilt_in_float64(model: Any) -> Any:
+    def in_float64(layer: Any) -> Any:
+        return type(layer).from_config({**layer.get_config(), "dtype": "float64"})
+
+    if type(model) in (keras.Sequential, keras.Model) or (
+        type(model).__name__ == "Functional"
+    ):
+        return keras.models.clone_model(model, clone_function=in_float64)
+    return in_float64(model)
