@@ -388,3 +388,54 @@ def test_compare_names_a_planted_bug(
     assert not first.activations_agree
     before = report.rows[: report.rows.index(first)]
     assert before and all(row.activations_agree for row in before)
+
+
+def test_causal_lm_head_tied_to_the_token_embedding(gpt2, hf_gpt2):
+    """KerasHub's `GPT2CausalLM` computes its logits with the token
+    embedding called again (`reverse=True`), Hugging Face's
+    `GPT2LMHeadModel` with an `lm_head` holding `wte`'s tensor: both are
+    tied, left out of the pairing and compared with each other."""
+    model, inputs, _ = gpt2
+    torch, hf_model = hf_gpt2
+    transformers = pytest.importorskip("transformers")
+    with jax.numpy_rank_promotion("allow"):
+        causal_lm = keras_hub.models.GPT2CausalLM(backbone=model, preprocessor=None)
+    hf_lm = transformers.GPT2LMHeadModel(hf_model.config).eval()
+    hf_lm.transformer.load_state_dict(hf_model.state_dict())
+    ids = torch.tensor(inputs["token_ids"], dtype=torch.long)
+    mask = torch.tensor(inputs["padding_mask"], dtype=torch.long)
+    hf_probe = bridge.probe(hf_lm)
+    port = bridge.transfer(hf_probe, bridge.probe(causal_lm), ids, args_b=(inputs,))
+    with torch.no_grad():
+        expected = hf_lm(ids, attention_mask=mask).logits.numpy()
+    scale_agree(port.apply(inputs).outputs, expected)
+
+    labels = inputs["token_ids"]
+
+    def hf_loss(outputs):
+        logits = outputs.logits.reshape(-1, VOCABULARY)
+        return torch.nn.functional.cross_entropy(
+            logits, torch.tensor(labels, dtype=torch.long).reshape(-1)
+        )
+
+    def keras_loss(logits):
+        log_p = jax.nn.log_softmax(logits, -1)
+        return -jnp.mean(jnp.take_along_axis(log_p, labels[..., None], -1))
+
+    report = bridge.compare(
+        hf_probe,
+        port,
+        (hf_loss, keras_loss),
+        ids,
+        attention_mask=mask,
+        args_b=(inputs,),
+    )
+    assert report.first_divergence is None, str(report)
+    last = report.rows[-1]
+    assert (last.site_a, last.site_b, last.kind) == (
+        "lm_head",
+        "token_embedding#1",
+        "tied",
+    )
+    assert len(report.tied) == 2
+    assert report.top1_agreement == 1.0
