@@ -105,6 +105,10 @@ def main() -> None:
         row = {
             "model": name,
             "size": options.size,
+            "width": width,
+            "depth": depth,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average": os.getloadavg()[0],
             "backend": jax.default_backend(),
             "host": host,
             "jax": jax.__version__,

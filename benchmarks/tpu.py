@@ -43,7 +43,9 @@ import concurrent.futures
 import glob
 import io
 import json
+import os
 import pathlib
+import platform
 import statistics
 import tarfile
 import tempfile
@@ -225,8 +227,6 @@ def keras_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
     probed steps go through `bridge.probe(backbone)`. No hand trick: Keras has
     no perturbation mechanism to write one with.
     """
-    import os
-
     os.environ.setdefault("KERAS_BACKEND", "jax")
     import keras
     import keras_hub
@@ -529,6 +529,7 @@ def main() -> None:
         "jaxlib": jaxlib_version(),
         "libtpu": package_version("libtpu"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": host(),
     }
     print(versions, flush=True)
     archive = None
@@ -558,6 +559,7 @@ def main() -> None:
                     build = time.perf_counter() - start
                     rows = measure(name, steps, first, x, options, archive)
                     record = {
+                        "load_average": os.getloadavg()[0],
                         "model": model,
                         "batch": batch,
                         "tokens": tokens,
@@ -597,6 +599,19 @@ def summary(rows: dict) -> str:
         f"{v} step {ratio(r, 'step_s')} device {ratio(r, 'device_s')}"
         for v, r in rows.items()
     )
+
+
+def host() -> str:
+    """The CPU's model name and the cores this process may use."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 def keras_versions() -> dict:
