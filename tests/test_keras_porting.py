@@ -239,3 +239,28 @@ def test_compare_in_float64_rebuilds_the_keras_model():
     assert report.first_divergence is None, str(report)
     assert all(row.activation_rel < 1e-12 for row in report.rows), str(report)
     assert model.dtype_policy.name == "float32"  # the user's model as it was
+
+
+def test_a_frozen_layer_moves_its_weights_too(nets):
+    """A layer with `trainable=False` holds its kernel among the
+    non-trainable variables: it is the same layer, and moves the same way."""
+    net, ported_model, port, x, x_nchw = nets
+    with jax.numpy_rank_promotion("allow"):
+        keras.utils.set_random_seed(0)
+        model = keras_net()
+        model.layers[0].trainable = False  # the convolution
+        model.layers[4].trainable = False  # the hidden Dense
+        frozen = bridge.transfer(
+            bridge.probe(net), bridge.probe(model), x_nchw, args_b=(x,)
+        )
+    for n in (0, 4):
+        for variable in model.layers[n].weights:
+            assert variable.path in frozen.non_trainable
+    # Layer by layer, the same values as the port of the trainable model.
+    values = frozen.trainable | frozen.non_trainable
+    ported = port.trainable | port.non_trainable
+    for layer, ported_layer in zip(model.layers, ported_model.layers, strict=True):
+        for variable, twin in zip(layer.weights, ported_layer.weights, strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(values[variable.path]), np.asarray(ported[twin.path])
+            )

@@ -3,7 +3,8 @@
 A parameterised layer is one holding weights itself (`layer.weights`, less
 those of the layers inside it); its weights are read from the probe's values,
 keyed by each variable's path (`KerasProbe.trainable`, and `non_trainable`
-for BatchNormalization's moving statistics). Keras is channel-last with
+for BatchNormalization's moving statistics and a frozen layer's weights), by
+the variables' own names. Keras is channel-last with
 `(in, out)` kernels, the canonical layout already: a `Dense` kernel is
 `(in, out)`, a convolution's `(*window, in / groups, out)`. An `EinsumDense`
 (the query, key, value and output projections of Keras's and KerasHub's
@@ -17,7 +18,10 @@ so (`Layer.activation`): `compare` passes the other side's value through it.
 KerasHub's `PositionEmbedding` (a learned table, `(sequence, features)`) is an
 `embed` layer, listed by name: this module imports no KerasHub. A
 `ReversibleEmbedding` called again with `reverse=True` (a language model's
-head tied to its token embedding) is `tied` to the embedding.
+head tied to its token embedding) is `tied` to the embedding. Transposed,
+depthwise and separable convolutions keep kernels in layouts of their own and
+move only into their own class; a layer of a model's own class moves its
+weights by name (`weights:<names>`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from bridge.adapter_api import (
     flatten_trailing,
     norm_hyperparameters,
     placed,
-    weight_by_weight,
 )
 
 from . import internals
@@ -55,9 +58,10 @@ def _unchanged(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class _Call(ParameterisedCall):
-    """A layer's call: `own` and `statistics` by the variables' own names
-    (`kernel`, `moving_mean`), `keys` where each goes back, `(collection,
-    key of the probe's values)`."""
+    """A layer's call: `own` holds all its weights by their own names
+    (`kernel`, `moving_mean`), trainable or not (a frozen layer's kernel is
+    a kernel still), and `keys` where each goes back, `(collection, key of
+    the probe's values)`."""
 
     keys: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
@@ -69,7 +73,7 @@ class _Call(ParameterisedCall):
         *,
         statistic: bool = False,
     ) -> Weight:
-        value = (self.statistics if statistic else self.own).get(name)
+        value = self.own.get(name)
         return Weight(None if value is None else read(value), self.keys.get(name), back)
 
 
@@ -106,18 +110,14 @@ def _calls(probe: Any, sites: list[Site]):
             continue
         if id(layer) not in owned:
             owned[id(layer)] = _own_weights(layer)
-        own, statistics, where = {}, {}, {}
+        own, where = {}, {}
         for variable in owned[id(layer)]:
             found = keys.get(id(variable))
-            if found is None:
-                continue
-            collection, key = found
-            name = variable.name
-            (own if collection == "trainable" else statistics)[name] = stores[
-                collection
-            ][key]
-            where[name] = found
-        yield _Call(site, layer, own, (), statistics, probe=probe, keys=where)
+            if found is not None:
+                collection, key = found
+                own[variable.name] = stores[collection][key]
+                where[variable.name] = found
+        yield _Call(site, layer, own, (), probe=probe, keys=where)
 
 
 def layers(probe: Any, sites: list[Site]) -> list[Layer]:
@@ -164,7 +164,7 @@ def _activation(layer: Any) -> tuple[Callable | None, dict]:
 def _only(call: _Call, names: set[str]) -> bool:
     """Whether the layer holds no weights but `names` (a LoRA-enabled or
     quantized Dense holds more, in another layout)."""
-    return set(call.own) | set(call.statistics) <= names
+    return set(call.own) <= names
 
 
 def _dense(call: _Call) -> Converted | None:
@@ -321,8 +321,8 @@ def _batch_norm(call: _Call) -> Converted:
         {
             "scale": call.flat("gamma"),
             "bias": call.flat("beta"),
-            "mean": call.flat("moving_mean", statistic=True),
-            "var": call.flat("moving_variance", statistic=True),
+            "mean": call.flat("moving_mean"),
+            "var": call.flat("moving_variance"),
         },
         norm_hyperparameters(
             layer.epsilon, layer.scale, layer.center, momentum=as_float(layer.momentum)
@@ -339,14 +339,6 @@ def _embedding(call: _Call) -> Converted | None:
     return Converted("embed", {"embedding": call.weight("embeddings")})
 
 
-def _statistics_too(call: _Call) -> Converted:
-    """A layer of another class: its trainable and non-trainable weights, by
-    name."""
-    weights = {name: call.weight(name) for name in call.own}
-    weights |= {name: call.weight(name, statistic=True) for name in call.statistics}
-    return weight_by_weight(call, weights)
-
-
 KINDS = LayerKinds(
     {
         keras.layers.Dense: _dense,
@@ -354,6 +346,22 @@ KINDS = LayerKinds(
         keras.layers.Conv1D: _conv,
         keras.layers.Conv2D: _conv,
         keras.layers.Conv3D: _conv,
+        # Kernels in layouts of their own: moved only into their own class.
+        **dict.fromkeys(
+            [
+                getattr(keras.layers, name)
+                for name in (
+                    "Conv1DTranspose",
+                    "Conv2DTranspose",
+                    "Conv3DTranspose",
+                    "DepthwiseConv1D",
+                    "DepthwiseConv2D",
+                    "SeparableConv1D",
+                    "SeparableConv2D",
+                )
+                if hasattr(keras.layers, name)
+            ]
+        ),
         keras.layers.LayerNormalization: _layer_norm,
         **(
             {keras.layers.RMSNormalization: _rms_norm}
@@ -367,11 +375,9 @@ KINDS = LayerKinds(
         "keras_hub.src.layers.modeling.position_embedding.PositionEmbedding": (
             _embedding
         ),
-        keras.Layer: _statistics_too,
     },
     named="keras.layers.",
     home="keras.",
-    kept_without_weights=(keras.layers.BatchNormalization,),
 )
 
 
