@@ -463,7 +463,8 @@ def write_cpu(folder: pathlib.Path, results: pathlib.Path) -> None:
     records = []
     for path in sorted(folder.glob("**/rows.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines()]
-    first = records[0]
+    # The latest row names the host (earlier rows may not).
+    first = max(records, key=lambda r: r["date"])
     versions = ", ".join(
         f"{name} {first[key]}"
         for name, key in (
