@@ -296,3 +296,39 @@ def test_a_while_loop_is_refused_naming_it():
         warnings.simplefilter("ignore", bridge.BridgeWarning)
         ran = probe.apply(X, at=["a", "c"])
     close(ran.activations["a"], dense(probe.params["a"], X))
+
+
+# -- a trace JAX serves from its cache -------------------------------------------
+
+
+def _squashed(v):
+    """A pure function at module level: `lax.cond` caches its trace by the
+    function, so a later trace of the model runs none of its Python."""
+    return bridge.tap("squash", jnp.tanh(v))
+
+
+def branched_at_module_level(layers, x):
+    h = layers["a"](x)
+    return layers["b"](lax.cond(jnp.sum(x) > 0, _squashed, jnp.sin, h))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_branch_whose_trace_jax_serves_from_its_cache(mode):
+    """Discovery traces the branch; the run's trace is JAX's cached one, no
+    Python runs, and the site is read from the markers that trace holds:
+    the same numbers as by hand, not an error nor a zero."""
+    probe = bridge.probe(model(LAYERS, branched_at_module_level))
+    call = lambda p, x: p.value_and_grad(loss_fn, x, at="squash")  # noqa: E731
+    res = (jax.jit(call) if mode == "jit" else call)(probe, X)
+    assert bool(res.ran["squash"])
+
+    def hand(offset):
+        h = jnp.tanh(dense(probe.params["a"], X)) + offset
+        return loss_fn(dense(probe.params["b"], h))
+
+    h = jnp.tanh(dense(probe.params["a"], X))
+    close(res.activations["squash"], h)
+    close(res.activation_grads["squash"], jax.grad(hand)(jnp.zeros_like(h)))
+    # Again, with a patch: the cached trace takes it too.
+    patched = probe.value_and_grad(loss_fn, X, patch={"squash": lambda v: 2.0 * v})
+    close(patched.loss, loss_fn(dense(probe.params["b"], 2.0 * h)))

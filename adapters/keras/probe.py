@@ -12,7 +12,6 @@ the core's, read from the computation.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -45,8 +44,8 @@ def probe(model: keras.Layer, *variables: Any, vmap: bool = False) -> KerasProbe
         )
     return KerasProbe(
         model,
-        _by_path(model.trainable_variables),
-        _by_path(model.non_trainable_variables),
+        _by_path(model.trainable_variables, model),
+        _by_path(model.non_trainable_variables, model),
         vmap,
     )
 
@@ -55,18 +54,21 @@ def _paths(model: keras.Layer) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The keys of the trainable and the non-trainable values, in Keras's
     order (`stateless_call`'s), which a pytree's sorted keys do not keep."""
     return (
-        tuple(_by_path(model.trainable_variables)),
-        tuple(_by_path(model.non_trainable_variables)),
+        tuple(_by_path(model.trainable_variables, model)),
+        tuple(_by_path(model.non_trainable_variables, model)),
     )
 
 
-def _by_path(variables: list) -> dict[str, jax.Array]:
-    """`{path: value}` in Keras's order; a path seen again gets `#k`."""
+def _by_path(variables: list, model: keras.Layer) -> dict[str, jax.Array]:
+    """`{path: value}` in Keras's order, each path relative to the model as
+    its sites' names are (`hidden/kernel` beside the site `hidden`); a path
+    seen again gets `#k`."""
     values: dict[str, jax.Array] = {}
     for variable in variables:
-        path, index = variable.path, 1
+        base = run.relative(variable.path, model)
+        path, index = base, 1
         while path in values:
-            path, index = f"{variable.path}#{index}", index + 1
+            path, index = f"{base}#{index}", index + 1
         values[path] = variable.value
     return values
 
@@ -127,10 +129,27 @@ class KerasProbe(ProbeBase):
     # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
 
     def unwrap(self) -> tuple:
-        """`(model,)`, what `bridge.probe` takes: a copy of the model holding
-        the probe's values (after `bridge.transfer`, the ported weights). The
-        user's model is untouched."""
-        model = copy.deepcopy(self.model)
+        """`(model,)`, what `bridge.probe` takes: Keras's own copy of the model
+        (`keras.models.clone_model`: new layers of the same configuration and
+        names) holding the probe's values (after `bridge.transfer`, the
+        ported weights). The user's model is untouched."""
+        try:
+            model = keras.models.clone_model(self.model)
+        except (TypeError, ValueError, NotImplementedError) as error:
+            raise BridgeTypeError(
+                f"Keras cannot copy the model {self.model.name!r} "
+                f"({type(error).__name__}: {error}). Give its custom classes a "
+                "`get_config` (and `@keras.saving.register_keras_serializable()`), "
+                "or read the values from the probe: probe.trainable and "
+                "probe.non_trainable."
+            ) from error
+        if _paths(model) != self._order:
+            raise BridgeTypeError(
+                f"Keras's copy of the model {self.model.name!r} names its "
+                "variables differently from the model (a subclassed model whose "
+                "layers are named as they are built): read the values from the "
+                "probe instead, probe.trainable and probe.non_trainable."
+            )
         trainable_paths, non_trainable_paths = self._order
         for variables, paths, values in (
             (model.trainable_variables, trainable_paths, self.trainable),

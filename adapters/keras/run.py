@@ -26,10 +26,8 @@ from . import internals
 @dataclasses.dataclass
 class _Run:
     session: Session
-    #: The model's own path: the prefix its sites' paths lose. (Its layers
-    #: built inside its name scope have it; a functional model's, built
-    #: before the model, do not.)
-    root_path: str
+    #: The model run: its sites are named relative to it.
+    model: Any
 
 
 _runs = threading.local()
@@ -55,7 +53,7 @@ def reporting(model: Any, session: Session) -> Iterator[None]:
         for layer in layers:
             _install(layer)
     stack = _runs.__dict__.setdefault("stack", [])
-    stack.append(_Run(session, model.path or model.name))
+    stack.append(_Run(session, model))
     try:
         yield
     finally:
@@ -96,7 +94,7 @@ def _reported(layer: Any, original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         session = run.session
         entered = session.enter(
-            _relative(internals.current_path(), run), None, layer, args
+            relative(internals.current_path(), run.model), None, layer, args
         )
         return session.exit(entered, original(*args, **kwargs))
 
@@ -104,6 +102,13 @@ def _reported(layer: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def _relative(path: str, run: _Run) -> str:
-    prefix = f"{run.root_path}/"
+def _own_path(model: Any) -> str:
+    return model.path or model.name
+
+
+def relative(path: str, model: Any) -> str:
+    """`path` (a layer's or a variable's) relative to `model`'s: the layers
+    built inside the model's name scope have its path as a prefix; those of
+    a functional model, built before the model, have none."""
+    prefix = f"{_own_path(model)}/"
     return path[len(prefix) :] if path.startswith(prefix) else path

@@ -125,9 +125,10 @@ class ProbeBase(ProbeFront):
                 return computed, loss_fn(outputs)
             return computed, None
 
-        jaxpr, (_, loss_struct) = jax.make_jaxpr(trace, return_shape=True)(
-            self, dynamic
-        )
+        with computation.fresh_traces():
+            jaxpr, (_, loss_struct) = jax.make_jaxpr(trace, return_shape=True)(
+                self, dynamic
+            )
         (session,) = sessions
         discovered = liveness.in_the_computation(session.discovered(), jaxpr)
         discovered = computation.located(discovered, jaxpr)
@@ -343,7 +344,16 @@ def call_model(
             closed,
             shapes,
             computation.Planted(
-                structures=recorder.structures,
+                # A site in a trace JAX served from its cache was marked
+                # there, not in this run: its structure is discovery's.
+                structures={
+                    **{
+                        site.name: computation.Structure.of_struct(site.struct)
+                        for site in discovered
+                        if site.name in planted
+                    },
+                    **recorder.structures,
+                },
                 epsilons={n: e for n, e in epsilons.items() if n in planted},
                 patch_values={n: v for n, v in patch_values.items() if n in planted},
                 patch_functions={

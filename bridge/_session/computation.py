@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from .._errors import BridgeAssertionError, BridgeRuntimeError
-from . import liveness
+from . import liveness, sites
 from .backward import InControlFlow
 from .liveness import site_marker
 from .routing import UNBOUNDED_LOOP, refusal
@@ -314,9 +315,21 @@ class Structure:
     @classmethod
     def of(cls, value: Any) -> Structure:
         leaves, treedef = jax.tree.flatten(value)
-        arrays = tuple(i for i, leaf in enumerate(leaves) if _is_array(leaf))
+        arrays = tuple(i for i, leaf in enumerate(leaves) if is_array(leaf))
         kept = tuple(None if i in arrays else leaf for i, leaf in enumerate(leaves))
         return cls(treedef, kept, arrays)
+
+    @classmethod
+    def of_struct(cls, struct: Any) -> Structure:
+        """From a discovered site's `struct` (`sites.abstract`: the arrays'
+        `jax.ShapeDtypeStruct`, `None` for the other leaves): where JAX
+        served a trace from its cache, this run's Python did not mark the
+        value, and the marker found is from the trace that did."""
+        leaves, treedef = jax.tree.flatten(struct)
+        arrays = tuple(
+            i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.ShapeDtypeStruct)
+        )
+        return cls(treedef, (None,) * len(leaves), arrays)
 
     def array_leaves(self, value: Any) -> list[Any]:
         leaves = jax.tree.leaves(value)
@@ -504,8 +517,11 @@ def _at_marker(
     return structure.array_leaves(value)
 
 
-def _is_array(leaf: Any) -> bool:
-    return isinstance(leaf, jax.Array) or hasattr(leaf, "aval")
+def is_array(leaf: Any) -> bool:
+    """What a marker holds of a value, at discovery and in a run alike (a
+    trace JAX caches is read by a later pass): every array leaf, NumPy's
+    included (`sites.is_array`), floating or not."""
+    return sites.is_array(leaf) or hasattr(leaf, "aval")
 
 
 # -- one rule per higher-order primitive ---------------------------------------------
@@ -645,6 +661,7 @@ def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
     """`closed_jaxpr` (a trace returning `(outputs, state, activations,
     inputs, ran)`, abstractly `shapes`) evaluated with `planted` acted on:
     the planted sites' records joined to the session's."""
+    _check_reached(closed_jaxpr, planted)
     _check_carried_on(closed_jaxpr, planted)
     flat, records = evaluate(closed_jaxpr.jaxpr, closed_jaxpr.consts, (), planted)
     outputs, state, activations, inputs, ran = jax.tree.unflatten(
@@ -659,6 +676,48 @@ def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
         leaf = jax.tree.leaves(records.values.get(name, records.inputs.get(name)))[0]
         ran[name] = jnp.broadcast_to(where, leaf.shape[: planted.stacked[name]])
     return outputs, state, activations, inputs, ran
+
+
+_discoveries = itertools.count()
+
+
+def fresh_traces() -> contextlib.AbstractContextManager[Any]:
+    """A trace context no earlier trace had, so that none of JAX's caches of
+    traced functions (a `lax.cond` branch, a scan body, an inner `jax.jit`,
+    kept by function and trace context) serves a discovery: it runs the
+    model's Python, and so sees every call. XLA metadata is part of JAX's
+    trace context; discovery's jaxpr is never compiled, so the metadata on
+    its equations costs nothing. A later run may be served a trace a
+    discovery made: its markers are there (`Structure.of_struct`). Without
+    the API (JAX before `jax.experimental.xla_metadata`), nothing."""
+    try:
+        from jax.experimental.xla_metadata import set_xla_metadata
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return set_xla_metadata(bridge_discovery=next(_discoveries))
+
+
+def not_reached(missing: list[str]) -> BridgeRuntimeError:
+    """The error for selected or patched sites a run did not reach."""
+    return BridgeRuntimeError(
+        f"Site {missing[0]!r} was selected or patched, but the model's "
+        "code did not reach it in this run"
+        + (f" (nor {missing[1:]!r})" if missing[1:] else "")
+        + ": its gradient would be a silent zero. JAX reuses a trace it "
+        "cached (a jitted function bridge cannot run inline on this JAX, "
+        "a `jax.checkpoint`ed function traced before), or the model takes "
+        "another path than when its sites were found. Select sites the "
+        "model reaches on every call, or clear JAX's caches "
+        "(`jax.clear_caches()`) before probing."
+    )
+
+
+def _check_reached(closed_jaxpr: Any, planted: Planted) -> None:
+    """Raise where a planted site asked for has no marker in the computation
+    (whether this run's Python bound it or JAX served a trace that did)."""
+    missing = sorted(planted.asked - _names_in(closed_jaxpr.jaxpr, {}))
+    if missing:
+        raise not_reached(missing)
 
 
 def _check_carried_on(closed_jaxpr: Any, planted: Planted) -> None:

@@ -9,11 +9,11 @@ site whose gradient is zero by construction: bridge says so (`Site.dead`)
 rather than let a zero pass for a measurement.
 
 Discovery is one abstract trace of the model to a jaxpr. There each site's
-floating value passes through `site_marker`, an identity primitive holding
-the site's name. A marker absent from the jaxpr was bound in a trace JAX
-threw away; a marker that JAX's dead-code elimination removes, given the
-model's outputs and state as what is used, belongs to a dead call. The
-markers exist only in discovery: a run binds none.
+array value passes through `site_marker`, an identity primitive holding the
+site's name (`computation.mark`, which a run binds the same way at the sites
+the computation routes). A marker absent from the jaxpr was bound in a trace
+JAX threw away; a marker that JAX's dead-code elimination removes, given the
+model's outputs and state as what is used, belongs to a dead call.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -73,27 +71,6 @@ else:  # pragma: no cover
 mlir.register_lowering(
     site_marker, mlir.lower_fun(lambda *values, **params: list(values), True)
 )
-
-
-def _is_marked(leaf: Any) -> bool:
-    # What `Site.differentiable` counts: a floating array of any kind.
-    return isinstance(leaf, jax.Array | np.ndarray | np.generic) and (
-        jnp.issubdtype(leaf.dtype, jnp.inexact)
-    )
-
-
-def mark(name: str, value: Any) -> Any:
-    """`value`, its floating array leaves passed through the site's marker."""
-    leaves, treedef = jax.tree.flatten(value)
-    positions = [i for i, leaf in enumerate(leaves) if _is_marked(leaf)]
-    if not positions:
-        return value
-    marked = site_marker.bind(
-        *[leaves[i] for i in positions], name=name, part="value", mapped=0
-    )
-    for i, leaf in zip(positions, marked, strict=True):
-        leaves[i] = leaf
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def _sub_jaxprs(value: Any) -> Iterable[Any]:

@@ -21,9 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from .._errors import BridgeRuntimeError
 from . import backward, computation
-from .liveness import mark
 from .naming import Call
 from .sites import (
     JAX_ARRAYS,
@@ -139,7 +137,7 @@ class DiscoveryRecorder(Recorder):
 
     def exited(self, call, value, perturb, record, patch):
         if self._arrays is JAX_ARRAYS:
-            value = mark(call.name, value)  # is it in what JAX keeps?
+            value, _ = computation.mark(call.name, value)  # is it in what JAX keeps?
         self._sites[call.slot] = Site(
             call.name,
             call.path,
@@ -306,20 +304,12 @@ class RunRecorder(Recorder):
         missing = [
             name
             for name in [*self._selected, *self._patches]
-            if name not in self._reached
+            if name not in self._reached and name not in self._planted
         ]
+        # The computation's sites are checked where it holds them: a trace
+        # JAX served from its cache ran no Python, and holds their markers.
         if missing:
-            raise BridgeRuntimeError(
-                f"Site {missing[0]!r} was selected or patched, but the model's "
-                "code did not reach it in this run"
-                + (f" (nor {missing[1:]!r})" if missing[1:] else "")
-                + ": its gradient would be a silent zero. JAX reuses a trace it "
-                "cached (a jitted function bridge cannot run inline on this JAX, "
-                "a `jax.checkpoint`ed function traced before), or the model takes "
-                "another path than when its sites were found. Select sites the "
-                "model reaches on every call, or clear JAX's caches "
-                "(`jax.clear_caches()`) before probing."
-            )
+            raise computation.not_reached(missing)
 
     def learns_sites(self) -> bool:
         return False

@@ -77,12 +77,19 @@ def keras_case(
     sites whose value Keras's own functional model gives (layers called once
     in a functional model)."""
     kwargs = dict(kwargs or {})
-    trainable = {v.path: v.value for v in model.trainable_variables}
+    # Keyed as the sites are named: relative to the model.
+    prefix = f"{model.path}/"
+
+    def key(variable):
+        path = variable.path
+        return path[len(prefix) :] if path.startswith(prefix) else path
+
+    trainable = {key(v): v.value for v in model.trainable_variables}
     non_trainable = [v.value for v in model.non_trainable_variables]
-    non_trainable_paths = [v.path for v in model.non_trainable_variables]
+    non_trainable_paths = [key(v) for v in model.non_trainable_variables]
 
     def stateless(trainable, args):
-        values = [trainable[v.path] for v in model.trainable_variables]
+        values = [trainable[key(v)] for v in model.trainable_variables]
         return model.stateless_call(values, non_trainable, *args, **kwargs)
 
     @jax.jit
@@ -155,7 +162,7 @@ def sequential_mlp():
         (_inputs(4, 6),),
         ["hidden", "norm", "head"],
         names,
-        bias_sites=[("head", "mlp/head/bias")],
+        bias_sites=[("head", "head/bias")],
     )
 
 
@@ -230,7 +237,7 @@ def subclassed_training():
         ],
         names,
         kwargs={"training": True},
-        bias_sites=[("head", "sub/head/bias")],
+        bias_sites=[("head", "head/bias")],
     )
 
 
