@@ -29,6 +29,15 @@ pytestmark = pytest.mark.usefixtures("allow_rank_promotion")
 BATCH, SIDE, CHANNELS, FEATURES, CLASSES = 2, 6, 3, 4, 5
 
 
+def value_of(values, variable):
+    """The probe's value of a Keras variable: keyed by the variable's path,
+    or by that path relative to the model (a `Sequential` puts its own name in
+    front), the longest key that ends it."""
+    keys = [k for k in values if variable.path == k or variable.path.endswith(f"/{k}")]
+    assert keys, (variable.path, list(values))
+    return np.asarray(values[max(keys, key=len)])
+
+
 def scale_agree(actual, expected, rtol=1e-5, atol=1e-6):
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
@@ -117,15 +126,16 @@ def test_transfer_from_torch_writes_the_hand_map(nets):
         (7, "kernel"): sd["head.weight"].T,
         (7, "bias"): sd["head.bias"],
     }
-    paths = {
-        (n, variable.name): variable.path
+    variables = {
+        (n, variable.name): variable
         for n, layer in enumerate(model.layers)
         for variable in layer.weights
     }
-    assert set(paths) == set(by_layer)
+    assert set(variables) == set(by_layer)
     values = port.trainable | port.non_trainable
+    assert len(values) == len(by_layer)
     for where, value in by_layer.items():
-        np.testing.assert_array_equal(np.asarray(values[paths[where]]), value)
+        np.testing.assert_array_equal(value_of(values, variables[where]), value)
     with torch.no_grad():
         expected_outputs = net(x_nchw).numpy()
     scale_agree(port.apply(x).outputs, expected_outputs)
@@ -255,12 +265,61 @@ def test_a_frozen_layer_moves_its_weights_too(nets):
         )
     for n in (0, 4):
         for variable in model.layers[n].weights:
-            assert variable.path in frozen.non_trainable
+            value_of(frozen.non_trainable, variable)  # held there
     # Layer by layer, the same values as the port of the trainable model.
     values = frozen.trainable | frozen.non_trainable
     ported = port.trainable | port.non_trainable
     for layer, ported_layer in zip(model.layers, ported_model.layers, strict=True):
         for variable, twin in zip(layer.weights, ported_layer.weights, strict=True):
             np.testing.assert_array_equal(
-                np.asarray(values[variable.path]), np.asarray(ported[twin.path])
+                value_of(values, variable), value_of(ported, twin)
             )
+
+
+@pytest.mark.parametrize(
+    ("equation", "expected"),
+    [
+        ("ab,bc->ac", ("b", "c", "bc")),  # a Dense
+        ("abc,cde->abde", ("c", "de", "cde")),  # attention's query projection
+        ("abcd,cde->abe", ("cd", "e", "cde")),  # attention's output projection
+        ("...b,bc->...c", ("b", "c", "bc")),
+        ("abc,bcd->abd", None),  # a weight per position: no dense layer
+        ("abc,cd->adb", None),  # the output axes not last
+        ("abc,dc->abd", ("c", "d", "dc")),  # a kernel stored (out, in)
+    ],
+)
+def test_which_einsum_dense_layers_are_dense(equation, expected):
+    from bridge.adapters.keras.porting import _einsum_axes
+
+    assert _einsum_axes(equation) == expected
+
+
+def test_an_einsum_dense_with_its_kernel_stored_out_by_in():
+    """`EinsumDense("ab,cb->ac")` holds its kernel `(out, in)`, as PyTorch's
+    `nn.Linear` holds its weight: moved across unchanged, both ways."""
+    torch.manual_seed(4)
+    net = torch.nn.Linear(6, 3)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.EinsumDense("ab,cb->ac", output_shape=3, bias_axes="c"),
+        ]
+    )
+    x = np.random.default_rng(4).standard_normal((2, 6)).astype(np.float32)
+    x_t = torch.tensor(x)
+    port = bridge.transfer(bridge.probe(net), bridge.probe(model), x_t, args_b=(x,))
+    layer = model.layers[0]
+    np.testing.assert_array_equal(
+        value_of(port.trainable, layer.kernel), net.weight.detach().numpy()
+    )
+    np.testing.assert_array_equal(
+        value_of(port.trainable, layer.bias), net.bias.detach().numpy()
+    )
+    with torch.no_grad():
+        scale_agree(port.apply(x).outputs, net(x_t).numpy())
+    (back,) = bridge.transfer(
+        port, bridge.probe(torch.nn.Linear(6, 3)), x, args_b=(x_t,)
+    ).unwrap()
+    np.testing.assert_array_equal(
+        back.weight.detach().numpy(), net.weight.detach().numpy()
+    )

@@ -235,6 +235,7 @@ def _einsum_axes(equation: str) -> tuple[str, str, str] | None:
         or not produced
         or len(set(kernel)) != len(kernel)
         or sorted(kernel) != sorted(contracted + produced)
+        or any(axis in given for axis in produced)  # a weight per input row
         or not given.endswith(contracted)
         or not output.endswith(produced)
         or output[: len(output) - len(produced)] != "".join(batch)
