@@ -408,10 +408,10 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
         lowering += [json.loads(line) for line in path.read_text().splitlines()]
     lines = [
         "| date | load | model | size | layers × width | sites | plain step ms "
-        "| one site | norms | all sites | compile: plain s | one site | all sites "
-        "| norms | lowering: plain s | one site | all sites | norms "
+        "| one site | norms | all sites | clock | compile: plain s | one site "
+        "| all sites | norms | lowering: plain s | one site | all sites | norms "
         "| XLA memory, all sites | FLOPs, all sites |",
-        "|" + "---|" * 20,
+        "|" + "---|" * 21,
     ]
     for record in sorted(records, key=lambda r: r["date"]):
         rows = record["rows"]
@@ -429,6 +429,7 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
             f"| {record['depth']} × {record['width']} | {record['sites']} "
             f"| {plain['step_s'] * 1e3:.1f} | {over('one', 'step_s')} "
             f"| {over('norms', 'step_s')} | {over('all', 'step_s')} "
+            f"| {plain.get('compile_clock', 'wall')} "
             f"| {plain['compile_s']:.2f} | {over('one', 'compile_s')} "
             f"| {over('all', 'compile_s')} | {over('norms', 'compile_s')} "
             f"| {plain['lower_s']:.2f} | {over('one', 'lower_s')} "
@@ -441,9 +442,9 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
             "`python benchmarks/lowering.py` (the fastest of three interleaved "
             "lowerings of fresh functions, discovery warm):",
             "",
-            "| date | load | model | size | layers × width | plain s | one site "
-            "| every site |",
-            "|---|---|---|---|---|---|---|---|",
+            "| date | load | model | size | layers × width | clock | plain s "
+            "| one site | every site |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in lowering:
             load = row.get("load_average")
@@ -451,6 +452,7 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
                 f"| {row.get('date', '–')} | {'–' if load is None else f'{load:.1f}'} "
                 f"| {row['model']} | {row['size'].replace('x', ' × ')} "
                 f"| {row.get('depth', '–')} × {row.get('width', '–')} "
+                f"| {row.get('clock', 'wall')} "
                 f"| {row['lower_s']['plain']:.2f} | {row['ratio']['one']:.2f}× "
                 f"| {row['ratio']['all']:.2f}× |"
             )
@@ -489,9 +491,10 @@ def write_cpu(folder: pathlib.Path, results: pathlib.Path) -> None:
         "CPU. Step: the median of interleaved runs (10 calls dispatched back to "
         "back, per call), as ratios to plain's in the same run. Compile: lower "
         "+ compile, the fastest of `--compile-rounds` interleaved compilations "
-        "of fresh functions, discovery warm; lowering: that compilation's "
-        "lowering alone. Memory: XLA temporaries + outputs; FLOPs: XLA's cost "
-        "analysis.",
+        "of fresh functions, discovery warm, timed by the wall clock or by the "
+        "process's CPU time (*clock*: `--compile-clock process`, less disturbed "
+        "by other work on the host); lowering: that compilation's lowering "
+        "alone. Memory: XLA temporaries + outputs; FLOPs: XLA's cost analysis.",
         "",
         *cpu_tables(folder),
         "",
