@@ -23,6 +23,7 @@ MINIMUM = {
     "equinox": "0.11.5",
     "dm-haiku": "0.0.13",
     "torch": "2.13.0",
+    "keras": "3.6.0",
 }
 #: Where one adapter needs more than the package's floor: NNX's module system
 #: as bridge uses it (pytree modules, `nnx.List`) is flax 0.12's, which needs
@@ -35,6 +36,7 @@ NEWEST_TESTED = {
     "equinox": "0.13.8",
     "dm-haiku": "0.0.17",
     "torch": "2.13.0",
+    "keras": "3.15.1",
 }
 
 

@@ -125,7 +125,7 @@ def test_the_minimum_versions_are_pyprojects_lower_bounds():
     )["project"]
     requirements = project["dependencies"] + [
         requirement
-        for extra in ("flax", "equinox", "haiku", "torch")
+        for extra in ("flax", "equinox", "haiku", "torch", "keras")
         for requirement in project["optional-dependencies"][extra]
     ]
     bounds = dict(
