@@ -58,6 +58,7 @@ CASES = {
     ),
     "penzai_adapter.py": (("penzai",), ()),
     "port_llama_equinox_nnx.py": (("equinox", "flax", "torch", "transformers"), ()),
+    "keras_grad_cam.py": (("keras", "sklearn", "matplotlib"), ("keras_grad_cam.png",)),
 }
 # The quickest example that draws a figure: its smoke run is told where with
 # --out (the others with BRIDGE_EXAMPLES_OUT), and it is run once without.
