@@ -125,7 +125,9 @@ def assert_close(actual, expected, rtol=1e-5):
     np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
+)
 def test_a_site_in_a_bounded_equinox_loop_holds_every_step(relax, jit):
     model, x = relax
     probe = bridge.probe(model, vmap=True)
@@ -277,6 +279,7 @@ class Solved(eqx.Module):
         return self.head(root.value)
 
 
+@pytest.mark.slow  # an Optimistix solve compiled: the costliest refusal
 def test_a_site_in_an_optimistix_solve_is_refused_naming_the_solve(base):
     pytest.importorskip("optimistix")
     model, x = base
@@ -394,7 +397,9 @@ def test_a_patch_function_in_a_checkpointed_loop_under_vmap_is_refused_first(bas
     probe.apply(x, patch={"cell": lambda v: v * 0.5})
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "jit", [pytest.param(False, marks=pytest.mark.slow), True], ids=["eager", "jit"]
+)
 @pytest.mark.parametrize("loop", ["bounded", "bounded-base-2"])
 def test_a_patch_function_in_a_bounded_loop_under_vmap_applies_at_every_step(loop, jit):
     """The bounded kind's nest is differentiated by JAX itself, with the

@@ -232,7 +232,16 @@ def assert_close(actual, expected, rtol=2e-5):
 
 
 #: The same loop however spelled: the same sites, values and gradients.
-KINDS = ["forward", "reverse", "nested", "imported", "map", "fori"]
+KINDS = [
+    "forward",
+    "imported",
+    "fori",
+    # The costliest duplicates (a scan again, spelled otherwise): local runs.
+    *(
+        pytest.param(kind, marks=pytest.mark.slow)
+        for kind in ("reverse", "nested", "map")
+    ),
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)

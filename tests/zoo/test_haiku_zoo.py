@@ -223,10 +223,20 @@ def _build(name: str) -> Zoo:
 MODELS = ["resnet18-train", "resnet18-eval", "mobilenet", "vqvae", "lstm", "attention"]
 
 
+#: The costliest models (ResNet-18's eval mode beside its training mode,
+#: MobileNet's depthwise convolutions): local runs, CI's time is kept.
+SLOW_MODELS = {"resnet18-eval", "mobilenet"}
+
+
 def _model_params(models=MODELS):
     """One xdist group per model: one worker builds and compiles it once."""
     return [
-        pytest.param(m, marks=pytest.mark.xdist_group(f"zoo-haiku-{m}")) for m in models
+        pytest.param(
+            m,
+            marks=[pytest.mark.xdist_group(f"zoo-haiku-{m}")]
+            + ([pytest.mark.slow] if m in SLOW_MODELS else []),
+        )
+        for m in models
     ]
 
 
