@@ -817,8 +817,28 @@ HK_STACKS = ("layer_stack", "hk.scan", "hk.scan-reverse")
 HK_BRANCHES = ("hk.cond", "hk.switch", "lax.cond", "lax.switch")
 HK_LOOPS = ("lax.fori_loop", "lax.scan", "hk.fori_loop", "hk.scan")
 HK_INNER = 2
+#: In CI, each stack with one of Haiku's branches and one of JAX's, and
+#: each kind of loop once across the two; the other pairs, the costliest
+#: duplicates, in local runs (`-m slow`).
+HK_DEFAULT_TIER = {
+    ("layer_stack", "hk.cond"),
+    ("layer_stack", "lax.switch"),
+    ("layer_stack", "lax.fori_loop"),
+    ("layer_stack", "hk.scan"),
+    ("hk.scan", "hk.switch"),
+    ("hk.scan", "lax.cond"),
+    ("hk.scan", "lax.scan"),
+    ("hk.scan", "hk.fori_loop"),
+    ("hk.scan-reverse", "lax.cond"),
+    ("hk.scan-reverse", "lax.scan"),
+}
 HK_CASES = [
-    pytest.param(stack, inner, id=f"{stack}-{inner}")
+    pytest.param(
+        stack,
+        inner,
+        id=f"{stack}-{inner}",
+        marks=() if (stack, inner) in HK_DEFAULT_TIER else pytest.mark.slow,
+    )
     for stack, inners in (
         ("layer_stack", (*HK_BRANCHES, *HK_LOOPS)),
         ("hk.scan", (*HK_BRANCHES, *HK_LOOPS)),
