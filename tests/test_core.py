@@ -182,7 +182,7 @@ def test_register_adapter_rejects_bad_arguments(matches, factory, message):
         bridge.register_adapter(matches, factory)
 
 
-def test_an_unsupported_model_names_the_four_libraries_and_how_to_pass_each():
+def test_an_unsupported_model_names_the_libraries_and_how_to_pass_each():
     with pytest.raises(TypeError, match="cannot probe a model of type object") as info:
         bridge.probe(object())
     # A short first line, then one line per library, each with every fact.
@@ -198,6 +198,7 @@ def test_an_unsupported_model_names_the_four_libraries_and_how_to_pass_each():
         "bridge.probe(hk.transform_with_state(f), params, state)",
         "  PyTorch: bridge.probe(module) with a torch.nn.Module",
         "  Hugging Face: bridge.probe(model) with a Flax or PyTorch model object",
+        "  Keras 3 (KERAS_BACKEND=jax): bridge.probe(model) with a built keras.Model",
         "A new library can be added with bridge.register_adapter.",
     ]
     # What the user probably meant comes second, on its own line.
