@@ -23,7 +23,12 @@ import os
 from example_support import require
 
 require("flax")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Eight CPU devices, unless XLA_FLAGS already names a count (flags of other
+# kinds there are kept).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+    ).strip()
 
 import flax.linen as nn
 import jax

@@ -22,19 +22,13 @@ import re
 
 import jax
 import pytest
+from helpers import FAST_COMPILE_XLA_FLAGS
 
 # Keras 3 reads its backend once, at import: the tests probe Keras on JAX.
 os.environ.setdefault("KERAS_BACKEND", "jax")
-# Test time only: XLA's CPU backend without LLVM's costly optimisations
-# compiles the suite's many small programs in 20-35% less CPU time (read
-# when the CPU client starts, after this). No test measures speed, and the
-# numbers stay IEEE float arithmetic, within every tolerance.
+# Read when the CPU client starts, after this (`helpers.FAST_COMPILE_XLA_FLAGS`).
 os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        "--xla_backend_optimization_level=0",
-        "--xla_llvm_disable_expensive_passes=true",
-    ]
+    [os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE_XLA_FLAGS]
 ).strip()
 
 jax.config.update("jax_numpy_rank_promotion", "raise")

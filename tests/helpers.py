@@ -11,6 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+#: Test time only: XLA's CPU backend without LLVM's costly optimisations
+#: compiles the suite's many small programs in 20-35% less CPU time
+#: (tests/conftest.py sets them; the examples' subprocesses get them too).
+#: No test measures speed, and the numbers stay IEEE float arithmetic.
+FAST_COMPILE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+)
+
 
 def assert_tree_allclose(actual: Any, expected: Any, rtol=1e-5, atol=1e-6) -> None:
     assert jax.tree.structure(actual) == jax.tree.structure(expected), (

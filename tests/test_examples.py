@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import FAST_COMPILE_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -73,7 +74,8 @@ def _environment(**overrides):
         for key, value in os.environ.items()
         if key not in ("XLA_FLAGS", "BRIDGE_EXAMPLES_OUT", "BRIDGE_EXAMPLES_SMOKE")
     }
-    return {**env, "MPLBACKEND": "Agg", **overrides}
+    compile_fast = {"XLA_FLAGS": " ".join(FAST_COMPILE_XLA_FLAGS)}
+    return {**env, "MPLBACKEND": "Agg", **compile_fast, **overrides}
 
 
 def _run(command, cwd, env):
@@ -95,7 +97,18 @@ def _skip_unless_installed(name):
             pytest.skip(f"{name} needs {package}")
 
 
-@pytest.mark.parametrize("name", list(CASES))
+#: The costliest smoke runs, whose porting is tested on its own
+#: (tests/test_llama_ports.py, tests/test_hf_ports.py): local runs.
+SLOW_EXAMPLES = ("port_llama_equinox_nnx.py", "port_transformer.py")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_EXAMPLES else name
+        for name in CASES
+    ],
+)
 def test_example_runs_in_smoke_mode(name, tmp_path):
     _skip_unless_installed(name)
     # sharded_step.py sets its own device count; one from the test run's
