@@ -135,8 +135,11 @@ def test_jax_grad_through_the_probe_equals_plain_grad(mlp):
 def test_a_user_jit_step_takes_the_probe_as_an_argument(mlp):
     model, variables, x = mlp
 
+    traces = []
+
     @jax.jit
     def step(probe, x):
+        traces.append(None)
         res = probe.value_and_grad(mse, x)
         return res.loss, {
             k: jnp.linalg.norm(g) for k, g in res.activation_grads.items()
@@ -145,7 +148,9 @@ def test_a_user_jit_step_takes_the_probe_as_an_argument(mlp):
     loss, norms = step(bridge.probe(model, variables), x)
     scaled = jax.tree.map(lambda p: 2 * p, variables)
     loss2, _ = step(bridge.probe(model, scaled), x)
-    assert step._cache_size() == 1  # new parameters: no new trace
+    # New parameters: no new trace. (Counted by the trace itself: the size of
+    # JAX's cache also depends on what other tests left in the process.)
+    assert len(traces) == 1
     assert loss != loss2 and set(norms) == set(bridge.probe(model, variables).sites(x))
 
 
