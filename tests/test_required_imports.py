@@ -147,6 +147,9 @@ def directory(tmp_path):
     (tmp_path / "conftest.py").write_text(
         CONFTEST.read_text() + "\nimport json\n" + RECORDER
     )
+    # What the conftest imports of this suite's own.
+    helpers = CONFTEST.with_name("helpers.py")
+    (tmp_path / helpers.name).write_text(helpers.read_text())
     for name, text in FILES.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
