@@ -42,12 +42,10 @@ def probe(model: keras.Layer, *variables: Any, vmap: bool = False) -> KerasProbe
             "Build it first, with model.build(input_shape) or by calling it once "
             "on an example batch (or give a Sequential model a keras.Input)."
         )
-    return KerasProbe(
-        model,
-        _by_path(model.trainable_variables, model),
-        _by_path(model.non_trainable_variables, model),
-        vmap,
-    )
+    trainable = _by_path(model.trainable_variables, model)
+    non_trainable = _by_path(model.non_trainable_variables, model)
+    order = (tuple(trainable), tuple(non_trainable))
+    return KerasProbe(model, trainable, non_trainable, vmap, order)
 
 
 def _paths(model: keras.Layer) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -259,7 +259,6 @@ class RunRecorder(Recorder):
 
     def exited(self, call, value, perturb, record, patch):
         if call.name in self._planted:
-            self._reached.add(call.name)
             value, self.structures[call.name] = computation.mark(call.name, value)
             return value
         if patch is None:
