@@ -72,10 +72,21 @@ def pytest_collection_modifyitems(items):
     A PyTorch case has no jitted mode: its eager runs, in the slow tier for
     JAX cases (where the jitted run covers the behaviour), are its only runs
     and stay in the default tier.
+
+    Outside the conformance suite, a test run eagerly whose twin runs the same
+    behaviour under `jax.jit` (the same id, `jit` or `jitted` for `eager`)
+    is in the slow tier: the jitted run traces the same Python, and CI keeps
+    within its budget. The conformance suite's eager runs stay (where a slow
+    mark does not say otherwise): every adapter is still run eagerly there.
     """
+    ids = {item.nodeid for item in items}
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if callspec is None or "case" not in callspec.params:
+        if callspec is None:
+            continue
+        if "case" not in callspec.params:
+            if _jitted_twin(item.nodeid) & ids:
+                item.add_marker(pytest.mark.slow)
             continue
         parts = callspec.id.split("-")
         if parts[0] in ("eager", "jit"):
@@ -83,6 +94,18 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group("-".join(parts[:2])))
         if parts[0] == "torch":
             item.own_markers = [m for m in item.own_markers if m.name != "slow"]
+
+
+def _jitted_twin(nodeid: str) -> set[str]:
+    """The ids a test run eagerly would have run under `jax.jit`."""
+    test, _, rest = nodeid.partition("[")
+    parts = rest.removesuffix("]").split("-")
+    if "eager" not in parts:
+        return set()
+    return {
+        f"{test}[{'-'.join(mode if part == 'eager' else part for part in parts)}]"
+        for mode in ("jit", "jitted")
+    }
 
 
 #: The environment variable naming the packages the run must import.
