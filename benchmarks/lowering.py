@@ -8,8 +8,10 @@ at GPT-2 small's shape (the four libraries' transformers of
 KerasHub's GPT-2 backbone on Keras 3: `tpu.py`'s models), the steps `plain`,
 `one` (one site) and `all` (every site) are lowered `--rounds` times,
 interleaved, each time a fresh function (no cache of JAX's serves it), the
-discovery cache kept after the first round as in a training loop; the
-fastest of each is reported, and its ratio to `plain`'s.
+discovery cache kept after the first round as in a training loop, and the
+probed ones again with the discovery cache cleared before each lowering
+(`one_cold`, `all_cold`: what a new input shape costs, discovery's trace
+and the run); the fastest of each is reported, and its ratio to `plain`'s.
 
     python benchmarks/lowering.py --out DIR [--models ...] [--rounds 3]
 
@@ -36,11 +38,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tpu  # noqa: E402  (the benchmark models' steps)
 
+from bridge._probe import discovery_cache  # noqa: E402
+
 VARIANTS = ("plain", "one", "all")
+#: The probed steps again with the discovery cache cleared before each
+#: lowering: what a new input shape costs (discovery's trace, then the run).
+COLD = {"one_cold": "one", "all_cold": "all"}
 
 
-def lower_once(step, first, x, clock=time.perf_counter) -> float:
+def lower_once(step, first, x, clock=time.perf_counter, cold=False) -> float:
     fresh = lambda *a: step(*a)  # noqa: E731  (a new function: no cache hit)
+    if cold:
+        discovery_cache.CACHE.clear()
     gc.collect()
     start = clock()
     jax.jit(fresh).lower(first, *x)
@@ -100,11 +109,15 @@ def main() -> None:
             steps, first, x, _, _ = tpu.library_steps(
                 name, batch, tokens, "float32", width, depth
             )
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in (*VARIANTS, *COLD)}
         for _ in range(options.rounds):
             for variant in VARIANTS:
                 times[variant].append(
                     lower_once(steps[variant], first[variant], x, clock)
+                )
+            for variant, step in COLD.items():
+                times[variant].append(
+                    lower_once(steps[step], first[step], x, clock, cold=True)
                 )
         best = {v: min(t) for v, t in times.items()}
         if options.profile:
@@ -123,14 +136,16 @@ def main() -> None:
             "host": host,
             "jax": jax.__version__,
             "lower_s": best,
-            "ratio": {v: best[v] / best["plain"] for v in VARIANTS},
+            "ratio": {v: best[v] / best["plain"] for v in best},
             "all_rounds_s": times,
         }
         with open(os.path.join(options.out, "lowering.jsonl"), "a") as file:
             file.write(json.dumps(row) + "\n")
+        ratio = row["ratio"]
         print(
-            f"{name:8s} plain {best['plain']:.2f} s  one {row['ratio']['one']:.2f}x"
-            f"  all {row['ratio']['all']:.2f}x",
+            f"{name:8s} plain {best['plain']:.2f} s  one {ratio['one']:.2f}x"
+            f"  all {ratio['all']:.2f}x  (discovery cold: one "
+            f"{ratio['one_cold']:.2f}x, all {ratio['all_cold']:.2f}x)",
             flush=True,
         )
 

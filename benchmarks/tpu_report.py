@@ -440,12 +440,19 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
         lines += [
             "",
             "`python benchmarks/lowering.py` (the fastest of three interleaved "
-            "lowerings of fresh functions, discovery warm):",
+            "lowerings of fresh functions, discovery warm; *cold*: the discovery "
+            "cache cleared before each, what a new input shape costs; – where "
+            "the row predates it):",
             "",
             "| date | load | model | size | layers × width | clock | plain s "
-            "| one site | every site |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| one site | every site | one site, cold | every site, cold |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+
+        def ratio(row: dict, variant: str) -> str:
+            value = row["ratio"].get(variant)
+            return "–" if value is None else f"{value:.2f}×"
+
         for row in lowering:
             load = row.get("load_average")
             lines.append(
@@ -453,8 +460,9 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
                 f"| {row['model']} | {row['size'].replace('x', ' × ')} "
                 f"| {row.get('depth', '–')} × {row.get('width', '–')} "
                 f"| {row.get('clock', 'wall')} "
-                f"| {row['lower_s']['plain']:.2f} | {row['ratio']['one']:.2f}× "
-                f"| {row['ratio']['all']:.2f}× |"
+                f"| {row['lower_s']['plain']:.2f} | {ratio(row, 'one')} "
+                f"| {ratio(row, 'all')} | {ratio(row, 'one_cold')} "
+                f"| {ratio(row, 'all_cold')} |"
             )
     return lines
 

@@ -84,10 +84,14 @@ class Discovery:
         (`abstract_outputs`). `None` where they cannot be kept (an output
         leaf that is neither an array nor plain data): then the loss was
         checked inside the discovery trace, and the discovery is not kept.
+      replay: the discovery's trace, which a later run evaluates rather than
+        tracing the model again (`bridge._session.computation.Replay`), or
+        `None` where no run can.
     """
 
     sites: tuple[Site, ...]
     outputs: Any
+    replay: Any = None
 
     @property
     def reusable(self) -> bool:

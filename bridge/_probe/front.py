@@ -52,6 +52,9 @@ class CallPlan(NamedTuple):
       discovered: every site of the call, in call order.
       chosen: the sites `at` selects, in call order.
       patches: `{site name: value or function}`, resolved and checked.
+      replay: the discovery's trace, which a run may evaluate rather than
+        trace the model again (`bridge._session.computation.Replay`), or
+        `None`.
     """
 
     args: tuple
@@ -59,6 +62,7 @@ class CallPlan(NamedTuple):
     discovered: list[Site]
     chosen: list[Site]
     patches: dict
+    replay: Any = None
 
 
 class ProbeFront:
@@ -186,7 +190,7 @@ class ProbeFront:
         check_patch_kind(patch)
         self._check_paths(at, patch)
         args, kwargs = self._prepare_inputs(args, kwargs)
-        discovered, loss_struct = self._discover(args, kwargs, loss_fn)
+        discovered, loss_struct, replay = self._discover(args, kwargs, loss_fn)
         if loss_fn is not None and loss_struct is not UNCHECKED_LOSS:
             check_loss(loss_struct, has_aux)
         # Patches first: a refused patch raises before `at=None` warns.
@@ -198,17 +202,20 @@ class ProbeFront:
         if patches and loss_fn is not None and getattr(self, "vmap", False):
             check_batch_patches_in_checkpointed_loops(patches, discovered)
         chosen = select(at, discovered)
-        return CallPlan(args, kwargs, discovered, chosen, patches)
+        return CallPlan(args, kwargs, discovered, chosen, patches, replay)
 
     def _discover(
         self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
-    ) -> tuple[list[Site], Any]:
+    ) -> tuple[list[Site], Any, Any]:
         """Every site of one forward pass, without running the model.
 
         Also returns the abstract loss when `loss_fn` is given, so a bad loss
-        fails here, before any work. A discovery of a call with the same key
-        (`_discovery_key`) is reused; the loss is then checked on the outputs'
-        abstract structure alone (`_abstract_loss`).
+        fails here, before any work, and the discovery's trace a run may
+        evaluate again (`Discovery.replay`; `None` for a probe with `inside=`,
+        whose runs rewrite functions a discovery's trace does not know). A
+        discovery of a call with the same key (`_discovery_key`) is reused;
+        the loss is then checked on the outputs' abstract structure alone
+        (`_abstract_loss`).
         """
         key = self._discovery_key(args, kwargs)
         if key is not None and self._inside is not None:
@@ -222,7 +229,8 @@ class ProbeFront:
             discovery_cache.CACHE.put(key, found)
         if loss_fn is not None and found.outputs is not None:
             loss_struct = self._abstract_loss(found.outputs, loss_fn)
-        return list(found.sites), loss_struct
+        replay = found.replay if self._inside is None else None
+        return list(found.sites), loss_struct, replay
 
     # -- the backend's hooks -------------------------------------------------------
 

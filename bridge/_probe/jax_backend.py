@@ -6,8 +6,11 @@ active `Session` (`_run`). This backend does the rest: discovery is one
 abstract trace to a jaxpr (no FLOPs; `bridge._session.liveness` drops the
 calls of discarded traces and marks dead ones), and the real run is one
 `jax.value_and_grad` with respect to the trainable leaves and a zero epsilon
-at each chosen site (`run_in_session`: under the probe's own `jax.vmap`
-where `vmap=True`).
+at each chosen site: of discovery's jaxpr evaluated again with the epsilons
+and patches planted at its markers where it serves every site asked for
+(`replay_model`, `bridge._session.computation.Replay`: the model's Python
+runs once per call structure), else of the model run under a session
+(`call_model`: under the probe's own `jax.vmap` where `vmap=True`).
 """
 
 from __future__ import annotations
@@ -107,27 +110,30 @@ class ProbeBase(ProbeFront):
         dynamic, rebuild = split_arrays((args, kwargs))
         sessions: list[Session] = []
         outputs_found: list[Any] = []
+        # `(treedef, leaves)` of the model's `(outputs, state)`, `None` where
+        # an array leaf goes: what a later run's `computation.replay` rebuilds.
+        computed_as: list[tuple[Any, list] | None] = []
 
-        def trace(probe, dynamic):
+        def trace(probe, trainable, dynamic):
             args, kwargs = rebuild(dynamic)
             outputs, state, _, _, _ = call_model(
-                probe, probe._trainable(), args, kwargs, sessions=sessions
+                probe, trainable, args, kwargs, sessions=sessions
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
             # What the model computes for: its outputs and its new state, the
             # ends against which a call is live or dead.
-            computed = [
-                leaf
-                for leaf in jax.tree.leaves((outputs, state))
-                if isinstance(leaf, jax.Array)
-            ]
+            leaves, treedef = jax.tree.flatten((outputs, state))
+            computed = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+            kept = [None if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
+            plain = all(discovery_cache.is_plain(leaf) for leaf in kept)
+            computed_as.append((treedef, kept) if plain else None)
             if outputs_found[-1] is None and loss_fn is not None:
                 return computed, loss_fn(outputs)
             return computed, None
 
         with computation.fresh_traces():
             jaxpr, (_, loss_struct) = jax.make_jaxpr(trace, return_shape=True)(
-                self, dynamic
+                self, self._trainable(), dynamic
             )
         (session,) = sessions
         discovered = liveness.in_the_computation(session.discovered(), jaxpr)
@@ -135,19 +141,28 @@ class ProbeBase(ProbeFront):
         if self.vmap:
             batch, spec = batch_size(args), batch_sharding(args)
             discovered = [with_batch_axis(site, batch, spec) for site in discovered]
-        found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1])
+        replay = None
+        if outputs_found[-1] is not None and computed_as[-1] is not None:
+            replay = computation.Replay.of_discovery(
+                jaxpr, computed_as[-1], discovered, batched=self.vmap
+            )
+        found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1], replay)
         return found, loss_struct
 
     def _forward(self, plan: CallPlan) -> tuple[Any, dict, Any, dict]:
-        outputs, state, activations, _, ran = call_model(
-            self,
-            self._trainable(),
-            plan.args,
-            plan.kwargs,
-            chosen=plan.chosen,
-            patches=plan.patches,
-            discovered=plan.discovered,
-        )
+        if _replays(plan, with_inputs=False):
+            run = replay_model(self, self._trainable(), plan, {})
+        else:
+            run = call_model(
+                self,
+                self._trainable(),
+                plan.args,
+                plan.kwargs,
+                chosen=plan.chosen,
+                patches=plan.patches,
+                discovered=plan.discovered,
+            )
+        outputs, state, activations, _, ran = run
         return outputs, activations, state, ran
 
     def _differentiate(
@@ -160,26 +175,33 @@ class ProbeBase(ProbeFront):
         """The gradients with respect to the trainable leaves and to a zero
         epsilon added at each chosen site, by one `jax.value_and_grad`."""
         epsilons = _zero_epsilons(plan.chosen)
-        # The sites inside branches and loops (and Equinox's scanned stacks)
-        # record through the step's own backward pass: their recorders are
-        # differentiated beside the epsilons, and their gradients are the
-        # values (`backward.record`).
-        recorded = backward.recorded_backward(plan.chosen)
+        # One Python trace per call structure: where discovery's trace serves
+        # every site asked for, the run evaluates it (`computation.Replay`).
+        replays = _replays(plan, with_inputs)
+        # Else the sites inside branches and loops (and Equinox's scanned
+        # stacks) record through the step's own backward pass: their
+        # recorders are differentiated beside the epsilons, and their
+        # gradients are the values (`backward.record`).
+        recorded = [] if replays else backward.recorded_backward(plan.chosen)
         recorders = backward.recorders(recorded, with_inputs, self.vmap)
 
         def objective(trainable, epsilons, recorders):
-            outputs, state, activations, inputs, ran = call_model(
-                self,
-                trainable,
-                plan.args,
-                plan.kwargs,
-                chosen=plan.chosen,
-                epsilons=epsilons,
-                patches=plan.patches,
-                with_inputs=with_inputs,
-                discovered=plan.discovered,
-                recorders=recorders or None,
-            )
+            if replays:
+                run = replay_model(self, trainable, plan, epsilons)
+            else:
+                run = call_model(
+                    self,
+                    trainable,
+                    plan.args,
+                    plan.kwargs,
+                    chosen=plan.chosen,
+                    epsilons=epsilons,
+                    patches=plan.patches,
+                    with_inputs=with_inputs,
+                    discovered=plan.discovered,
+                    recorders=recorders or None,
+                )
+            outputs, state, activations, inputs, ran = run
             loss_out = loss_fn(outputs)
             loss, aux = loss_out if has_aux else (loss_out, None)
             if recorders:
@@ -418,6 +440,59 @@ def call_model(
         batch_axis_to(activations, stacked),
         batch_axis_to(inputs, stacked),
         batch_axis_to(ran, stacked),
+    )
+
+
+def _replays(plan: CallPlan, with_inputs: bool) -> bool:
+    """Whether the run evaluates discovery's trace (`replay_model`): every
+    selected and patched site is acted on at its marker there. (A call's
+    inputs are not marked at discovery.)"""
+    asked = {site.name for site in plan.chosen} | set(plan.patches)
+    return plan.replay is not None and not with_inputs and plan.replay.serves(asked)
+
+
+def replay_model(
+    probe: ProbeBase, trainable: Any, plan: CallPlan, epsilons: Mapping[str, Any]
+) -> tuple[Any, Any, dict, dict, dict]:
+    """`call_model`'s `(outputs, state, activations, inputs, ran)`, from
+    discovery's jaxpr evaluated with the epsilons and patches planted at the
+    markers (`computation.replay`): the model's Python does not run. Under
+    `vmap=True` the jaxpr is the batched one: each epsilon, patch value and
+    recorded value holds the whole batch after the iterations of the scans
+    around its site, as the result does, and a patch function is given the
+    whole batch."""
+    chosen = {site.name: site for site in plan.chosen}
+    asked = frozenset(chosen) | frozenset(plan.patches)
+    patched = {site.name: site for site in plan.discovered if site.name in plan.patches}
+    # The session's recorder patches and perturbs a value at its marker, as
+    # it does in a run of the model's Python.
+    session = Session(
+        Request(
+            selected=chosen,
+            epsilons=dict(epsilons),
+            patches=dict(plan.patches),
+            patched=patched,
+            planted=asked,
+        )
+    )
+    dynamic, _ = split_arrays((plan.args, plan.kwargs))
+    planted = computation.Planted(
+        structures={
+            site.name: computation.Structure.of_struct(site.struct)
+            for site in plan.discovered
+            if site.name in asked
+        },
+        epsilons=dict(epsilons),
+        patch_values={n: v for n, v in plan.patches.items() if not callable(v)},
+        patch_functions={n: f for n, f in plan.patches.items() if callable(f)},
+        recorded=frozenset(chosen),
+        act=session.recorder.act,
+        stacked={site.name: site.stacked for site in plan.discovered},
+        dead=frozenset(site.name for site in plan.discovered if site.dead),
+        patched=bool(plan.patches),
+    )
+    return computation.replay(
+        plan.replay, jax.tree.leaves((probe, trainable, dynamic)), planted
     )
 
 

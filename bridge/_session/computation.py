@@ -68,11 +68,14 @@ class Enclosure:
         (one iteration of the scans around it, mapped axes first).
       mapped: how many of the model's own vmaps map it (the probe's is not
         counted).
+      batched: under the probe's `vmap=True`, whether every leaf holds the
+        batch axis (first); `True` without it.
     """
 
     transforms: tuple[tuple[str, int], ...]
     leaves: tuple[jax.ShapeDtypeStruct, ...]
     mapped: int = 0
+    batched: bool = True
 
     @property
     def iterations(self) -> tuple[int, ...]:
@@ -171,6 +174,7 @@ def enclosures(closed_jaxpr: Any) -> dict[str, Enclosure]:
                             for v in eqn.invars
                         ),
                         eqn.params.get("mapped", 0),
+                        eqn.params.get("batched", True),
                     )
                 continue
             name = eqn.primitive.name
@@ -667,6 +671,14 @@ def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
     outputs, state, activations, inputs, ran = jax.tree.unflatten(
         jax.tree.structure(shapes), flat
     )
+    _join(records, planted, activations, inputs, ran)
+    return outputs, state, activations, inputs, ran
+
+
+def _join(
+    records: Records, planted: Planted, activations: dict, inputs: dict, ran: dict
+) -> None:
+    """The records of the planted sites, as the session keeps them."""
     for name, value in records.values.items():
         activations[name] = differentiable_part(value)
     inputs.update(records.inputs)
@@ -675,10 +687,232 @@ def run_planted(closed_jaxpr: Any, shapes: Any, planted: Planted) -> Any:
         # branch did.
         leaf = jax.tree.leaves(records.values.get(name, records.inputs.get(name)))[0]
         ran[name] = jnp.broadcast_to(where, leaf.shape[: planted.stacked[name]])
-    return outputs, state, activations, inputs, ran
+
+
+# -- discovery's computation, evaluated again by later runs ---------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Replay:
+    """Discovery's trace of the model, kept so that a run evaluates it rather
+    than tracing the model's Python again: one Python trace per call
+    structure, whatever the number of runs and of `jax.jit` traces.
+
+    Discovery traces the model once to a jaxpr whose inputs are the probe's
+    leaves, the trainable leaves and the call's arrays, and marks every
+    site. A run whose selected and patched sites are all `serves`d
+    evaluates that jaxpr (`replay`) with its epsilons and patches planted at
+    the markers, as `run_planted` does for a run's own trace: the model's
+    Python, the adapter's routes and the session's bookkeeping do not run
+    again. Under the probe's `vmap=True` the jaxpr is the batched one, so a
+    marker holds the whole batch (first, after the iterations of the scans
+    around it), as the epsilon and the recorded value do.
+
+    Attributes:
+      closed_jaxpr: discovery's jaxpr; its outputs are the array leaves of
+        the model's `(outputs, state)`.
+      outputs: `(treedef, leaves)` of `(outputs, state)`, `None` where an
+        array leaf goes.
+      markable: the sites acted on correctly at their marker: one marker
+        each, every primitive around it crossed by a rule, and its value at
+        the marker laid out as its epsilon is (the iterations of the scans
+        around it, the batch axis, the model's mapped axes, the value).
+    """
+
+    closed_jaxpr: Any
+    outputs: tuple[Any, list]
+    markable: frozenset[str]
+
+    @classmethod
+    def of_discovery(
+        cls,
+        closed_jaxpr: Any,
+        outputs: tuple[Any, list],
+        sites_found: Iterable[Site],
+        batched: bool,
+    ) -> Replay | None:
+        """The replay of a discovery, or `None` where no run could use it: a
+        constant of the trace belongs to an enclosing trace (a model closing
+        over a traced value: a later trace cannot use it), or discovery
+        renamed a call (a marker then holds the name the call was traced
+        under)."""
+        sites_found = list(sites_found)
+        if any(isinstance(c, jax.core.Tracer) for c in closed_jaxpr.consts) or any(
+            site.traced_as not in (None, site.name) for site in sites_found
+        ):
+            return None
+        closed_jaxpr = _without_discovery_metadata(closed_jaxpr)
+        if closed_jaxpr is None:
+            return None
+        counts: dict[str, int] = {}
+        passed_by: set[str] = set()
+        _census(closed_jaxpr.jaxpr, counts, passed_by)
+        found = enclosures(closed_jaxpr)
+        markable = frozenset(
+            site.name
+            for site in sites_found
+            if counts.get(site.name) == 1
+            and site.name not in passed_by
+            and _acted_on_at_marker(site, found[site.name], batched)
+        )
+        return cls(closed_jaxpr, outputs, markable)
+
+    def serves(self, names: Iterable[str]) -> bool:
+        return frozenset(names) <= self.markable
+
+
+def _without_discovery_metadata(closed_jaxpr: Any) -> Any:
+    """`closed_jaxpr` with `fresh_traces`' XLA metadata taken off every
+    equation, or `None` where this JAX's equation context is not one known
+    here. An evaluation binds the top-level equations again in the run's own
+    context, but keeps the jaxprs inside those it binds whole (a scan body
+    without a site, a `custom_jvp` function's): their equations would
+    carry the key into the compiled program as frontend attributes."""
+    try:
+        return _stripped(closed_jaxpr, {})
+    except (AttributeError, TypeError):  # pragma: no cover - another JAX
+        return None
+
+
+def _stripped(value: Any, done: dict[Any, Any]) -> Any:
+    key = id(value)
+    if key in done:
+        return done[key]
+    if isinstance(value, tuple | list):
+        result = type(value)(_stripped(item, done) for item in value)
+    elif hasattr(value, "consts") and hasattr(value, "jaxpr"):  # a ClosedJaxpr
+        result = value.replace(jaxpr=_stripped(value.jaxpr, done))
+    elif hasattr(value, "eqns"):  # a Jaxpr
+        result = value.replace(
+            eqns=[
+                eqn.replace(
+                    params={k: _stripped(v, done) for k, v in eqn.params.items()},
+                    ctx=_context_without_discovery(eqn.ctx, done),
+                )
+                for eqn in value.eqns
+            ]
+        )
+    else:
+        return value
+    done[key] = result
+    return result
+
+
+def _context_without_discovery(ctx: Any, done: dict[Any, Any]) -> Any:
+    """JAX's equation context `ctx` without `fresh_traces`' key, one per
+    context (its layouts: an interned class with slots from jax 0.8, a
+    constructor before; `TypeError` where neither fits)."""
+    metadata = getattr(ctx, "xla_metadata", None)
+    if not metadata or _DISCOVERY_KEY not in dict(metadata):
+        return ctx
+    key = ("context", id(ctx))
+    if key in done:
+        return done[key]
+    kept = {k: v for k, v in dict(metadata).items() if k != _DISCOVERY_KEY} or None
+    if hasattr(type(ctx), "_create"):
+        new = object.__new__(type(ctx))
+        for name in type(ctx).__slots__:
+            if name != "__weakref__" and hasattr(ctx, name):
+                object.__setattr__(new, name, getattr(ctx, name))
+        object.__setattr__(new, "xla_metadata", kept)
+    else:
+        new = type(ctx)(ctx.compute_type, ctx.threefry_partitionable, kept)
+        for name in getattr(type(ctx), "__slots__", ()):
+            if name != "xla_metadata" and hasattr(ctx, name):
+                setattr(new, name, getattr(ctx, name))
+    done[key] = new
+    return new
+
+
+def _census(jaxpr: Any, counts: dict[str, int], passed_by: set[str]) -> None:
+    """How many value markers of each name the jaxpr binds (a jaxpr called
+    twice counted twice), and the sites whose marked value the model does
+    not go on with while it uses the value the marker was given (an
+    adapter's route that passed the unmarked value on at discovery): acting
+    at such a marker would change nothing the model computes, a silent
+    zero."""
+    uses: dict[Any, int] = {}
+    for var in [*(v for eqn in jaxpr.eqns for v in eqn.invars), *jaxpr.outvars]:
+        if not isinstance(var, Literal):
+            uses[var] = uses.get(var, 0) + 1
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not site_marker:
+            for sub, _ in _sub_jaxprs(eqn.params):
+                _census(sub, counts, passed_by)
+            continue
+        if eqn.params.get("part", VALUE) != VALUE:
+            continue
+        name = eqn.params["name"]
+        counts[name] = counts.get(name, 0) + 1
+        for given, marked in zip(eqn.invars, eqn.outvars, strict=True):
+            own = sum(1 for v in eqn.invars if v is given)
+            if (
+                not isinstance(given, Literal)
+                and not uses.get(marked)
+                and uses.get(given, 0) > own
+            ):
+                passed_by.add(name)
+
+
+def _acted_on_at_marker(site: Site, enclosure: Enclosure, batched: bool) -> bool:
+    """Whether acting on `site` at its marker is what its run does: no
+    refusal, every primitive around it crossed by a rule, the batch axis on
+    every leaf under the probe's vmap, and the site's value laid out as the
+    marker's operands with the iterations of the scans around it first (a
+    site whose adapter's route brings out where it ran, in a branch the
+    probe's vmap turned into a select, is left to that route: the
+    computation holds no branch there)."""
+    if site.refused or enclosure.blocked(site.name) is not None:
+        return False
+    if batched and not enclosure.batched:
+        return False
+    if _ran_known_to_its_route(site) and all(
+        name != "cond" for name, _ in enclosure.transforms
+    ):
+        return False
+    leaves = [leaf for leaf in jax.tree.leaves(site.struct) if hasattr(leaf, "shape")]
+    if len(leaves) != len(enclosure.leaves):
+        return False
+    iterations = enclosure.iterations
+    return all(
+        tuple(leaf.shape) == (*iterations, *marked.shape) and leaf.dtype == marked.dtype
+        for leaf, marked in zip(leaves, enclosure.leaves, strict=True)
+    )
+
+
+def _ran_known_to_its_route(site: Site) -> bool:
+    """Whether the adapter's route brings out where `site` ran (a call in a
+    branch: `SiteOrigin.backward_recorders` gives a recorder of it)."""
+    recorders = getattr(site.origin, "backward_recorders", None)
+    if site.computed is not None or not callable(recorders):
+        return False
+    found = recorders(site, False)
+    return found is not None and found[1] is not None
+
+
+def replay(kept: Replay, inputs: Iterable[Any], planted: Planted) -> Any:
+    """Discovery's jaxpr evaluated on `inputs` (its flat inputs: the probe's
+    leaves, the trainable leaves, the call's arrays) with `planted` acted
+    on: `(outputs, state, activations, inputs, ran)`."""
+    # Every site asked for is `markable`: its marker is in the jaxpr, and
+    # discovery judged the jaxpr's liveness itself (`Site.dead`).
+    closed = kept.closed_jaxpr
+    flat, records = evaluate(closed.jaxpr, closed.consts, list(inputs), planted)
+    treedef, leaves = kept.outputs
+    computed = iter(flat)
+    outputs, state = jax.tree.unflatten(
+        treedef, [next(computed) if leaf is None else leaf for leaf in leaves]
+    )
+    activations: dict[str, Any] = {}
+    recorded_inputs: dict[str, Any] = {}
+    ran: dict[str, Any] = {}
+    _join(records, planted, activations, recorded_inputs, ran)
+    return outputs, state, activations, recorded_inputs, ran
 
 
 _discoveries = itertools.count()
+#: The XLA metadata key of a discovery's trace context.
+_DISCOVERY_KEY = "bridge_discovery"
 
 
 def fresh_traces() -> contextlib.AbstractContextManager[Any]:
@@ -694,7 +928,7 @@ def fresh_traces() -> contextlib.AbstractContextManager[Any]:
         from jax.experimental.xla_metadata import set_xla_metadata
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
-    return set_xla_metadata(bridge_discovery=next(_discoveries))
+    return set_xla_metadata(**{_DISCOVERY_KEY: next(_discoveries)})
 
 
 def not_reached(missing: list[str]) -> BridgeRuntimeError:

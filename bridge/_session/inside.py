@@ -305,7 +305,7 @@ def site_sources(probe: Any, *args: Any, **kwargs: Any) -> dict[str, SiteSource]
             "from."
         )
     args, kwargs = probe._prepare_inputs(args, kwargs)
-    sites, _ = probe._discover(args, kwargs)
+    sites = probe._discover(args, kwargs)[0]
     return sources_of(sites)
 
 

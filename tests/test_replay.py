@@ -1,0 +1,250 @@
+"""A run evaluates discovery's trace: the model's Python runs once per call
+structure.
+
+Discovery traces the model to a jaxpr and marks every site. A run whose
+selected and patched sites are all acted on correctly at their markers
+evaluates that jaxpr with the epsilons and patches planted there
+(`bridge._session.computation.Replay`) instead of running the model's Python,
+the adapter's routes and the session again: a `jax.jit` of a probed step
+lowers at about the cost of plain `jax.value_and_grad`'s. Checked here, in
+every library: the model's Python runs once for discovery and never again for
+`value_and_grad`, `apply` or a new `jax.jit` of the same step; the values,
+gradients and patches are those of the model written again by hand with an
+offset at the site; the cases a marker cannot serve take the model's run;
+the compiled program carries nothing of discovery's trace context.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import bridge
+
+X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+CALLS = {"python": 0}
+
+
+def loss_fn(out):
+    return jnp.sum(jnp.sin(out) ** 2)
+
+
+def close(actual, expected):
+    """Equal at the tensor's own scale: float32 rounding is no divergence."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = max(float(np.abs(expected).max()), 1e-6)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=2e-6 * scale)
+
+
+# -- one model per library: two dense layers, a count of its Python's runs ---------
+
+
+class EqxModel(eqx.Module):
+    first: eqx.nn.Linear
+    second: eqx.nn.Linear
+
+    def __init__(self, key):
+        a, b = jax.random.split(key)
+        self.first = eqx.nn.Linear(4, 5, key=a)
+        self.second = eqx.nn.Linear(5, 2, key=b)
+
+    def __call__(self, x):
+        CALLS["python"] += 1
+        return jax.vmap(self.second)(jnp.tanh(jax.vmap(self.first)(x)))
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        CALLS["python"] += 1
+        return nn.Dense(2, name="second")(jnp.tanh(nn.Dense(5, name="first")(x)))
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Linear(4, 5, rngs=rngs)
+        self.second = nnx.Linear(5, 2, rngs=rngs)
+
+    def __call__(self, x):
+        CALLS["python"] += 1
+        return self.second(jnp.tanh(self.first(x)))
+
+
+def _haiku(x):
+    CALLS["python"] += 1
+    first = hk.Linear(5, name="first")
+    second = hk.Linear(2, name="second")
+    return second(jnp.tanh(first(x)))
+
+
+def make(library: str):
+    """`(probe, forward(x, offset at 'first'), site name of the first layer)`."""
+    key = jax.random.key(0)
+    if library == "equinox":
+        model = EqxModel(key)
+
+        def forward(x, offset):
+            h = jax.vmap(model.first)(x) + offset
+            return jax.vmap(model.second)(jnp.tanh(h))
+
+        return bridge.probe(model), forward, "first"
+    if library == "linen":
+        module = LinenModel()
+        variables = module.init(key, X)
+        params = variables["params"]
+
+        def forward(x, offset):
+            h = x @ params["first"]["kernel"] + params["first"]["bias"][None] + offset
+            second = params["second"]
+            return jnp.tanh(h) @ second["kernel"] + second["bias"][None]
+
+        return bridge.probe(module, variables), forward, "first"
+    if library == "nnx":
+        model = NnxModel(nnx.Rngs(0))
+
+        def forward(x, offset):
+            h = model.first(x) + offset
+            return model.second(jnp.tanh(h))
+
+        return bridge.probe(model), forward, "first"
+    if library == "keras":
+        import keras
+
+        class Counted(keras.layers.Layer):
+            def call(self, x):
+                CALLS["python"] += 1
+                return x
+
+        first = keras.layers.Dense(5, name="first")
+        second = keras.layers.Dense(2, name="second")
+        inputs = keras.Input((4,))
+        outputs = second(keras.layers.Activation("tanh")(first(Counted()(inputs))))
+        model = keras.Model(inputs, outputs)
+
+        def forward(x, offset):
+            h = first(x) + offset
+            return second(jnp.tanh(h))
+
+        return bridge.probe(model), forward, "first"
+    transformed = hk.transform(_haiku)
+    params = transformed.init(key, X)
+
+    def forward(x, offset):
+        first, second = params["first"], params["second"]
+        h = x @ first["w"] + first["b"][None] + offset
+        return jnp.tanh(h) @ second["w"] + second["b"][None]
+
+    return bridge.probe(transformed, params), forward, "first"
+
+
+LIBRARIES = ["equinox", "linen", "nnx", "haiku", "keras"]
+
+
+@pytest.fixture(autouse=True)
+def _keras_broadcasts(request):
+    """Keras's own layers broadcast by rank promotion (`Dense` adds a
+    `(units,)` bias to `(batch, units)`), as in the conformance suite."""
+    params = getattr(request.node, "callspec", None)
+    keras_case = params is not None and params.params.get("library") == "keras"
+    with jax.numpy_rank_promotion("allow" if keras_case else "raise"):
+        yield
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_models_python_runs_once_per_call_structure(library):
+    probe, _, site = make(library)
+    CALLS["python"] = 0
+    probe.value_and_grad(loss_fn, X, at=site)
+    probe.apply(X, at=site)
+    step = lambda x: probe.value_and_grad(loss_fn, x, at=site)  # noqa: E731
+    jax.jit(step).lower(X)
+    jax.jit(lambda x: step(x)).lower(X)  # a new function: JAX caches nothing
+    assert CALLS["python"] == 1  # discovery's trace, evaluated by every run
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_replayed_run_equals_the_model_with_an_offset_by_hand(library, jit):
+    probe, forward, site = make(library)
+    patch = lambda value: 2.0 * value  # noqa: E731
+
+    def step(x):
+        return (
+            probe.value_and_grad(loss_fn, x, at=site),
+            probe.apply(x, at=site, patch={site: patch}),
+        )
+
+    result, patched = (jax.jit(step) if jit else step)(X)
+    zero = jnp.zeros((3, 5))
+    value, gradient = jax.value_and_grad(lambda o: loss_fn(forward(X, o)))(zero)
+    close(result.loss, value)
+    close(result.activation_grads[site], gradient)
+    # A tangent along every element of the site, by `jax.jvp`.
+    along = jax.jvp(lambda o: loss_fn(forward(X, o)), (zero,), (jnp.ones_like(zero),))
+    close(jnp.sum(result.activation_grads[site]), along[1])
+    # The site's value doubled by the patch is the offset that adds it again.
+    close(patched.outputs, forward(X, result.activations[site]))
+    close(patched.activations[site], 2.0 * result.activations[site])
+
+
+def test_a_site_the_same_for_every_example_takes_the_models_run():
+    """Under `vmap=True` a value that does not depend on the example holds no
+    batch axis at its marker, so no per-example epsilon can be added there:
+    the model's own run serves it, per example, as before."""
+
+    class Biased(eqx.Module):
+        layer: eqx.nn.Linear
+        shift: eqx.nn.Linear
+
+        def __call__(self, x):
+            CALLS["python"] += 1
+            return self.layer(x) + self.shift(jnp.ones(3))
+
+    model = Biased(
+        eqx.nn.Linear(4, 2, key=jax.random.key(1)),
+        eqx.nn.Linear(3, 2, key=jax.random.key(2)),
+    )
+    probe = bridge.probe(model, vmap=True)
+    CALLS["python"] = 0
+    result = probe.value_and_grad(loss_fn, X, at="shift")
+    assert CALLS["python"] >= 2  # discovery's trace, then the model's run
+    by_hand = jax.vmap(
+        jax.grad(lambda o, x: loss_fn(model.layer(x) + model.shift(jnp.ones(3)) + o)),
+        in_axes=(None, 0),
+    )(jnp.zeros(2), X)
+    close(result.activation_grads["shift"], by_hand)
+
+
+def test_the_compiled_program_carries_nothing_of_discoverys_trace_context():
+    """Discovery traces under XLA metadata of its own (so that no trace JAX
+    cached hides a call from it); a run that evaluates that trace keeps
+    whole the jaxprs without a site (a scan body, a `custom_jvp` function),
+    and must not carry the metadata into the program."""
+
+    class Scanned(eqx.Module):
+        layer: eqx.nn.Linear
+
+        def __call__(self, x):
+            h = self.layer(x)
+
+            def body(carry, _):
+                return jax.nn.relu(jnp.sin(carry)) * 2.0, None
+
+            return jax.lax.scan(body, h, None, length=3)[0]
+
+    probe = bridge.probe(Scanned(eqx.nn.Linear(4, 4, key=jax.random.key(0))))
+    CALLS["python"] = 0
+    text = (
+        jax.jit(lambda x: probe.value_and_grad(loss_fn, x, at="layer"))
+        .lower(X[0])
+        .as_text()
+    )
+    assert "bridge_discovery" not in text
+    assert "scan" in str(jax.make_jaxpr(lambda x: probe.apply(x, at="layer"))(X[0]))
