@@ -440,9 +440,10 @@ def cpu_tables(folder: pathlib.Path) -> list[str]:
         lines += [
             "",
             "`python benchmarks/lowering.py` (the fastest of three interleaved "
-            "lowerings of fresh functions, discovery warm; *cold*: the discovery "
-            "cache cleared before each, what a new input shape costs; – where "
-            "the row predates it):",
+            "lowerings of fresh functions, discovery warm; *cold*: JAX's caches "
+            "and the discovery cache cleared before each, what the first "
+            "lowering of a new program costs, over plain's cold lowering; – "
+            "where the row predates it):",
             "",
             "| date | load | model | size | layers × width | clock | plain s "
             "| one site | every site | one site, cold | every site, cold |",

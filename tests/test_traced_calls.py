@@ -30,6 +30,7 @@ from flax import nnx
 from helpers import assert_tree_allclose, nnx_supported
 
 import bridge
+from bridge._probe import discovery_cache
 from bridge._probe.jax_backend import ProbeBase
 
 X = jax.random.normal(jax.random.key(1), (3, 5))
@@ -296,7 +297,7 @@ def test_a_call_whose_value_reaches_nothing_is_marked_dead():
         eqx.nn.Linear(IN, IN, key=jax.random.key(0)), eqx.nn.LayerNorm(IN)
     )
     probe = bridge.probe(model, vmap=True)
-    sites, _ = ProbeBase._discover(probe, (X,), {})
+    sites = ProbeBase._discover(probe, (X,), {})[0]
     assert [(site.name, site.dead) for site in sites] == [
         ("norm", True),
         ("linear", False),
@@ -322,15 +323,21 @@ class _Branching(nn.Module):
 
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_a_selected_site_the_run_does_not_reach_raises(mode):
+    """A run that traces the model's Python again (`with_inputs=True`, which
+    discovery's trace does not serve) and finds a branch of Python taken
+    otherwise than at discovery raises, never a zero gradient. A run that
+    evaluates discovery's trace computes what was discovered, as `jax.jit`
+    reuses its trace; a cleared discovery cache sees the model as it is."""
     model = _Branching()
     probe = bridge.probe(model, model.init(jax.random.key(0), X))
     TAPPING["on"] = True
+    discovery_cache.CACHE.clear()  # another test may have kept this structure's
     try:
         assert "branch" in probe.sites(X)  # discovery kept for this structure
         TAPPING["on"] = False
 
         def run(probe, x):
-            return probe.value_and_grad(loss_fn, x, at="branch")
+            return probe.value_and_grad(loss_fn, x, at="branch", with_inputs=True)
 
         with pytest.raises(
             bridge.BridgeError,
@@ -338,8 +345,18 @@ def test_a_selected_site_the_run_does_not_reach_raises(mode):
             r"did not reach it in this run: its gradient would be a silent zero",
         ):
             jax.jit(run)(probe, X) if mode == "jit" else run(probe, X)
-        with pytest.raises(bridge.BridgeError, match="Site 'branch' was selected"):
-            probe.apply(X, at="Dense_0", patch={"branch": lambda v: v})
+
+        def replayed(probe, x):
+            return probe.value_and_grad(loss_fn, x, at=["Dense_0", "branch"])
+
+        result = jax.jit(replayed)(probe, X) if mode == "jit" else replayed(probe, X)
+        # The tap is the identity: its gradient is Dense_0's output's.
+        np.testing.assert_allclose(
+            result.activation_grads["branch"], result.activation_grads["Dense_0"]
+        )
+        discovery_cache.CACHE.clear()
+        with pytest.raises(bridge.BridgeError, match="matches no site"):
+            probe.value_and_grad(loss_fn, X, at="branch")
     finally:
         TAPPING["on"] = True
 

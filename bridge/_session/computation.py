@@ -145,10 +145,11 @@ def _sub_jaxprs(params: Mapping[str, Any]) -> Iterable[tuple[Any, tuple]]:
     """`(jaxpr, consts)` of each jaxpr among an equation's parameters."""
     for value in params.values():
         for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns"):
-                yield item, ()
-            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
+            # A ClosedJaxpr first: it also answers `eqns` (its jaxpr's).
+            if hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
                 yield item.jaxpr, tuple(item.consts)
+            elif hasattr(item, "eqns"):
+                yield item, ()
 
 
 def _extent(eqn: Any) -> int:
@@ -722,6 +723,39 @@ class Replay:
     closed_jaxpr: Any
     outputs: tuple[Any, list]
     markable: frozenset[str]
+    _evaluations: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def evaluation(self, planted: Planted) -> Callable:
+        """The jaxpr evaluated with what `planted` asks, as one `jax.jit` of
+        `(inputs, epsilons, patch values) -> (outputs, records)`, one per
+        request (the sites, the patch functions): a later trace of the step
+        binds that one call, and JAX's caches serve its differentiation, where
+        binding each equation again would differentiate each one anew (JAX's
+        own `jax.numpy` functions, inlined into discovery's jaxpr)."""
+        key = (
+            planted.recorded,
+            frozenset(planted.epsilons),
+            frozenset(planted.patch_values),
+            tuple(sorted((n, id(f)) for n, f in planted.patch_functions.items())),
+            planted.patched,
+        )
+        found = self._evaluations.get(key)
+        if found is None:
+            closed = self.closed_jaxpr
+
+            def evaluated(inputs, epsilons, patch_values):
+                flat, records = evaluate(
+                    closed.jaxpr,
+                    closed.consts,
+                    inputs,
+                    planted.inner(epsilons, patch_values),
+                )
+                return flat, records.as_tree()
+
+            if len(self._evaluations) >= _EVALUATIONS_KEPT:
+                self._evaluations.clear()  # a new patch function every call
+            found = self._evaluations.setdefault(key, jax.jit(evaluated))
+        return found
 
     @classmethod
     def of_discovery(
@@ -778,7 +812,7 @@ def _stripped(value: Any, done: dict[Any, Any]) -> Any:
     key = id(value)
     if key in done:
         return done[key]
-    if isinstance(value, tuple | list):
+    if type(value) in (tuple, list):  # not a NamedTuple of parameters
         result = type(value)(_stripped(item, done) for item in value)
     elif hasattr(value, "consts") and hasattr(value, "jaxpr"):  # a ClosedJaxpr
         result = value.replace(jaxpr=_stripped(value.jaxpr, done))
@@ -822,6 +856,10 @@ def _context_without_discovery(ctx: Any, done: dict[Any, Any]) -> Any:
                 setattr(new, name, getattr(ctx, name))
     done[key] = new
     return new
+
+
+#: How many requests' evaluations a `Replay` keeps.
+_EVALUATIONS_KEPT = 32
 
 
 def _census(jaxpr: Any, counts: dict[str, int], passed_by: set[str]) -> None:
@@ -896,8 +934,10 @@ def replay(kept: Replay, inputs: Iterable[Any], planted: Planted) -> Any:
     on: `(outputs, state, activations, inputs, ran)`."""
     # Every site asked for is `markable`: its marker is in the jaxpr, and
     # discovery judged the jaxpr's liveness itself (`Site.dead`).
-    closed = kept.closed_jaxpr
-    flat, records = evaluate(closed.jaxpr, closed.consts, list(inputs), planted)
+    flat, records = kept.evaluation(planted)(
+        list(inputs), dict(planted.epsilons), dict(planted.patch_values)
+    )
+    records = Records.of_tree(records)
     treedef, leaves = kept.outputs
     computed = iter(flat)
     outputs, state = jax.tree.unflatten(
