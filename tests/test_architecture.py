@@ -415,7 +415,8 @@ CORE_INTERNALS = {
     CORE / "_session" / "recording_pullback.py",
     # JAX's source locations and name stacks, kept when the computation
     # binds a model's equation again (`jax._src.source_info_util`), as
-    # `jax.core.eval_jaxpr` keeps them.
+    # `jax.core.eval_jaxpr` keeps them; and the equations' context, from which
+    # a kept discovery's XLA metadata is taken off (`Replay`).
     CORE / "_session" / "computation.py",
 }
 INTERNALS = {

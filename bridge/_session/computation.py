@@ -701,9 +701,10 @@ class Replay:
 
     Discovery traces the model once to a jaxpr whose inputs are the probe's
     leaves, the trainable leaves and the call's arrays, and marks every
-    site. A run whose selected and patched sites are all `serves`d
-    evaluates that jaxpr (`replay`) with its epsilons and patches planted at
-    the markers, as `run_planted` does for a run's own trace: the model's
+    site. A run whose selected and patched sites are all markable (`serves`)
+    evaluates that jaxpr (`replay`, through `evaluation`) with its epsilons
+    and patches planted at the markers, as `run_planted` does for a run's
+    own trace: the model's
     Python, the adapter's routes and the session's bookkeeping do not run
     again. Under the probe's `vmap=True` the jaxpr is the batched one, so a
     marker holds the whole batch (first, after the iterations of the scans
