@@ -98,8 +98,9 @@ def test_a_probe_of_the_unwrapped_model_is_the_same_probe(library, model):
     step = jax.jit(lambda p, x: p.value_and_grad(_loss, x, with_inputs=True))
     _assert_equal(step(again, x), step(probe, x))
     # The unwrapped model runs without bridge, with the probe's weights.
+    # Eager against the probe's compiled evaluation: float32 rounding apart.
     np.testing.assert_allclose(
-        _plain_forward(library, args, x), probe.apply(x).outputs, rtol=1e-6
+        _plain_forward(library, args, x), probe.apply(x).outputs, rtol=1e-5, atol=2e-6
     )
 
 
@@ -121,7 +122,9 @@ def test_changing_what_unwrap_returned_changes_no_probe_and_no_model():
     assert module is not original and module.linear is not original.linear
     module.linear.kernel[...] = jnp.zeros_like(module.linear.kernel[...])
     np.testing.assert_array_equal(original.linear.kernel[...], kernel)
-    np.testing.assert_array_equal(probe.apply(x[:, 0, 0]).outputs, original(x[:, 0, 0]))
+    np.testing.assert_allclose(
+        probe.apply(x[:, 0, 0]).outputs, original(x[:, 0, 0]), rtol=1e-5, atol=2e-6
+    )
     # Equinox: `State.set` on the unwrapped state leaves the probe's valid.
     probe = build("equinox")
     model, state = probe.unwrap()
