@@ -32,6 +32,14 @@ def assert_tree_allclose(actual: Any, expected: Any, rtol=1e-5, atol=1e-6) -> No
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
+def close(actual, expected):
+    """Equal at the tensor's own scale: float32 rounding is no divergence."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    scale = max(float(np.abs(expected).max()), 1e-6)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=2e-6 * scale)
+
+
 def numpy_snapshot(tree: Any) -> Any:
     """A deep copy of a pytree's leaves as numpy arrays (structure kept)."""
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)

@@ -16,8 +16,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from helpers import close
 from jax import lax
 from jax.lax import scan as imported_scan
 from minimal_adapter import Dense, dense, model
@@ -30,14 +30,6 @@ X = jnp.linspace(-1.0, 1.5, 12).reshape(3, 4)
 
 def loss_fn(out):
     return jnp.sum(jnp.sin(out) ** 2)
-
-
-def close(actual, expected):
-    """Equal at the tensor's own scale: float32 rounding is no divergence."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(float(np.abs(expected).max()), 1e-6)
-    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=2e-6 * scale)
 
 
 def stacked(h):

@@ -21,10 +21,9 @@ import flax.linen as nn
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
-from helpers import nnx_supported
+from helpers import close, nnx_supported
 
 import bridge
 
@@ -34,14 +33,6 @@ CALLS = {"python": 0}
 
 def loss_fn(out):
     return jnp.sum(jnp.sin(out) ** 2)
-
-
-def close(actual, expected):
-    """Equal at the tensor's own scale: float32 rounding is no divergence."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    scale = max(float(np.abs(expected).max()), 1e-6)
-    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=2e-6 * scale)
 
 
 # -- one model per library: two dense layers, a count of its Python's runs ---------
