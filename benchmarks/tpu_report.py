@@ -232,13 +232,21 @@ def lowering_table(folder: pathlib.Path) -> list[str]:
     if not latest:
         return []
     lines = [
-        "| backend | model | plain (s) | one site | every site |",
-        "|---|---|---|---|---|",
+        "| backend | model | date | plain (s) | one site | every site "
+        "| cold plain (s) | cold one site | cold every site |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (backend, model), row in sorted(latest.items()):
+        seconds, ratio = row["lower_s"], row["ratio"]
+        cold = (
+            f"{seconds['plain_cold']:.2f} | {ratio['one_cold']:.2f}× | "
+            f"{ratio['all_cold']:.2f}×"
+            if "plain_cold" in seconds
+            else "– | – | –"
+        )
         lines.append(
-            f"| {backend} | {model} | {row['lower_s']['plain']:.2f} | "
-            f"{row['ratio']['one']:.2f}× | {row['ratio']['all']:.2f}× |"
+            f"| {backend} | {model} | {row['date'][:10]} | {seconds['plain']:.2f} | "
+            f"{ratio['one']:.2f}× | {ratio['all']:.2f}× | {cold} |"
         )
     return lines
 
@@ -331,6 +339,11 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "memory is their outputs, the hand trick's as bridge's.",
             "",
         ] + memory
+    # `control_flow.py` prints its table; the summary written from it is kept
+    # beside the rows and placed here as it is.
+    control_flow = runs / "control_flow_section.md"
+    if control_flow.exists():
+        out += ["", control_flow.read_text().rstrip()]
     lowering = lowering_table(runs / "lowering")
     if lowering:
         out += [
@@ -340,7 +353,14 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "`python benchmarks/lowering.py` on the chip's host (13 quiet "
             "cores): `jax.jit(step).lower(...)`, Python tracing before XLA's "
             "compile, of fresh functions, three rounds interleaved, the fastest "
-            "of each; plain in seconds, the probed steps as ratios to it.",
+            "of each; plain in seconds, the probed steps as ratios to it. "
+            "The first three columns lower a step again (discovery cached, "
+            "JAX's caches warm: what a training loop, a new `jax.jit` of "
+            "the same step or a restarted notebook cell costs); *cold*: "
+            "JAX's caches and bridge's discovery cache cleared before each "
+            "lowering (what the first lowering of a new shape costs), over "
+            "plain's cold lowering. Rows before 2026-12-07 ran the model's "
+            "Python again in every probed lowering.",
             "",
         ] + lowering
     failed = failures(records)
