@@ -26,6 +26,7 @@ from flax import nnx
 from helpers import close, nnx_supported
 
 import bridge
+from bridge._probe import discovery_cache
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 CALLS = {"python": 0}
@@ -76,8 +77,13 @@ def _haiku(x):
     return second(jnp.tanh(first(x)))
 
 
+def forward_first(x, layer, kernel, bias):
+    return x @ layer[kernel] + layer[bias][None]
+
+
 def make(library: str):
-    """`(probe, forward(x, offset at 'first'), site name of the first layer)`."""
+    """`(probe, forward(x, offset at 'first'), site name of the first layer)`;
+    `forward.first(x)` is the first layer's output, written by hand."""
     key = jax.random.key(0)
     if library == "equinox":
         model = EqxModel(key)
@@ -86,6 +92,7 @@ def make(library: str):
             h = jax.vmap(model.first)(x) + offset
             return jax.vmap(model.second)(jnp.tanh(h))
 
+        forward.first = jax.vmap(model.first)
         return bridge.probe(model), forward, "first"
     if library == "linen":
         module = LinenModel()
@@ -97,6 +104,7 @@ def make(library: str):
             second = params["second"]
             return jnp.tanh(h) @ second["kernel"] + second["bias"][None]
 
+        forward.first = lambda x: forward_first(x, params["first"], "kernel", "bias")
         return bridge.probe(module, variables), forward, "first"
     if library == "nnx":
         if not nnx_supported():
@@ -107,6 +115,7 @@ def make(library: str):
             h = model.first(x) + offset
             return model.second(jnp.tanh(h))
 
+        forward.first = model.first
         return bridge.probe(model), forward, "first"
     if library == "keras":
         keras = pytest.importorskip("keras")
@@ -126,6 +135,7 @@ def make(library: str):
             h = first(x) + offset
             return second(jnp.tanh(h))
 
+        forward.first = first
         return bridge.probe(model), forward, "first"
     transformed = hk.transform(_haiku)
     params = transformed.init(key, X)
@@ -135,6 +145,7 @@ def make(library: str):
         h = x @ first["w"] + first["b"][None] + offset
         return jnp.tanh(h) @ second["w"] + second["b"][None]
 
+    forward.first = lambda x: forward_first(x, params["first"], "w", "b")
     return bridge.probe(transformed, params), forward, "first"
 
 
@@ -186,6 +197,35 @@ def test_a_replayed_run_equals_the_model_with_an_offset_by_hand(library, jit):
     # The site's value doubled by the patch is the offset that adds it again.
     close(patched.outputs, forward(X, result.activations[site]))
     close(patched.activations[site], 2.0 * result.activations[site])
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_run_recording_inputs_reads_them_at_their_marker(library, jit):
+    """Discovery marks every call's inputs where they are: a run recording
+    them (`with_inputs=True`, what K-FAC-style curvature asks) evaluates
+    discovery's trace too, and reads the inputs there, the layer in the
+    model's own `jax.vmap` (Equinox's) included."""
+    probe, forward, _ = make(library)
+    discovery_cache.CACHE.clear()  # the other case's discovery would serve
+    CALLS["python"] = 0
+
+    def step(x):
+        return probe.value_and_grad(
+            loss_fn, x, at=["first", "second"], with_inputs=True
+        )
+
+    result = (jax.jit(step) if jit else step)(X)
+    jax.jit(lambda x: step(x)).lower(X)
+    assert CALLS["python"] == 1
+    close(result.inputs["first"][0], X)
+    close(result.inputs["second"][0], jnp.tanh(forward.first(X)))
+    # The gradient at the first layer's output, by hand, beside the inputs.
+    zero = jnp.zeros((3, 5))
+    close(
+        result.activation_grads["first"],
+        jax.grad(lambda o: loss_fn(forward(X, o)))(zero),
+    )
 
 
 def test_a_site_the_same_for_every_example_takes_the_models_run():

@@ -144,7 +144,11 @@ class ProbeBase(ProbeFront):
         replay = None
         if outputs_found[-1] is not None and computed_as[-1] is not None:
             replay = computation.Replay.of_discovery(
-                jaxpr, computed_as[-1], discovered, batched=self.vmap
+                jaxpr,
+                computed_as[-1],
+                discovered,
+                batched=self.vmap,
+                input_structures=session.recorder.input_structures,
             )
         found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1], replay)
         return found, loss_struct
@@ -187,7 +191,7 @@ class ProbeBase(ProbeFront):
 
         def objective(trainable, epsilons, recorders):
             if replays:
-                run = replay_model(self, trainable, plan, epsilons)
+                run = replay_model(self, trainable, plan, epsilons, with_inputs)
             else:
                 run = call_model(
                     self,
@@ -445,14 +449,20 @@ def call_model(
 
 def _replays(plan: CallPlan, with_inputs: bool) -> bool:
     """Whether the run evaluates discovery's trace (`replay_model`): every
-    selected and patched site is acted on at its marker there. (A call's
-    inputs are not marked at discovery.)"""
-    asked = {site.name for site in plan.chosen} | set(plan.patches)
-    return plan.replay is not None and not with_inputs and plan.replay.serves(asked)
+    selected and patched site is acted on at its marker there, and the
+    inputs of each selected call are read at theirs where they are asked."""
+    chosen = {site.name for site in plan.chosen}
+    return plan.replay is not None and plan.replay.serves(
+        chosen | set(plan.patches), chosen if with_inputs else ()
+    )
 
 
 def replay_model(
-    probe: ProbeBase, trainable: Any, plan: CallPlan, epsilons: Mapping[str, Any]
+    probe: ProbeBase,
+    trainable: Any,
+    plan: CallPlan,
+    epsilons: Mapping[str, Any],
+    with_inputs: bool = False,
 ) -> tuple[Any, Any, dict, dict, dict]:
     """`call_model`'s `(outputs, state, activations, inputs, ran)`, from
     discovery's jaxpr evaluated with the epsilons and patches planted at the
@@ -476,12 +486,17 @@ def replay_model(
         )
     )
     dynamic, _ = split_arrays((plan.args, plan.kwargs))
+    structures = {
+        site.name: computation.Structure.of_struct(site.struct)
+        for site in plan.discovered
+        if site.name in asked
+    }
+    if with_inputs:
+        structures.update(
+            (f"{name}/inputs", plan.replay.inputs[name]) for name in chosen
+        )
     planted = computation.Planted(
-        structures={
-            site.name: computation.Structure.of_struct(site.struct)
-            for site in plan.discovered
-            if site.name in asked
-        },
+        structures=structures,
         epsilons=dict(epsilons),
         patch_values={n: v for n, v in plan.patches.items() if not callable(v)},
         patch_functions={n: f for n, f in plan.patches.items() if callable(f)},

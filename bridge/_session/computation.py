@@ -160,14 +160,15 @@ def _extent(eqn: Any) -> int:
     return 0
 
 
-def enclosures(closed_jaxpr: Any) -> dict[str, Enclosure]:
-    """`{site name: Enclosure}` of every value marker in the jaxpr."""
+def enclosures(closed_jaxpr: Any, part: str = VALUE) -> dict[str, Enclosure]:
+    """`{site name: Enclosure}` of every marker of `part` (a site's value, or
+    a call's inputs) in the jaxpr."""
     found: dict[str, Enclosure] = {}
 
     def walk(jaxpr: Any, around: tuple[tuple[str, int], ...]) -> None:
         for eqn in jaxpr.eqns:
             if eqn.primitive is site_marker:
-                if eqn.params.get("part", VALUE) == VALUE:
+                if eqn.params.get("part", VALUE) == part:
                     found[eqn.params["name"]] = Enclosure(
                         around,
                         tuple(
@@ -507,8 +508,9 @@ def _at_marker(
 ) -> list[Any]:
     name = params["name"]
     if params.get("part", VALUE) == INPUTS:
-        if name in planted.recorded:
-            structure = planted.structures[f"{name}/inputs"]
+        # Asked for where the run records inputs (discovery marks every call's).
+        structure = planted.structures.get(f"{name}/inputs")
+        if name in planted.recorded and structure is not None:
             records.inputs[name] = structure.rebuild(invals)
         return invals
     if name not in planted.asked:
@@ -719,11 +721,16 @@ class Replay:
         each, every primitive around it crossed by a rule, and its value at
         the marker laid out as its epsilon is (the iterations of the scans
         around it, the batch axis, the model's mapped axes, the value).
+      inputs: `{name: Structure}` of the inputs of each markable site whose
+        call's inputs discovery marked once, where its value is marked (the
+        same transforms around, the same axes first): a run that records
+        inputs (`with_inputs=True`) reads them there.
     """
 
     closed_jaxpr: Any
     outputs: tuple[Any, list]
     markable: frozenset[str]
+    inputs: Mapping[str, Structure] = dataclasses.field(default_factory=dict)
     _evaluations: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def evaluation(self, planted: Planted) -> Callable:
@@ -765,6 +772,7 @@ class Replay:
         outputs: tuple[Any, list],
         sites_found: Iterable[Site],
         batched: bool,
+        input_structures: Mapping[str, Structure] | None = None,
     ) -> Replay | None:
         """The replay of a discovery, or `None` where no run could use it: a
         constant of the trace belongs to an enclosing trace (a model closing
@@ -779,21 +787,33 @@ class Replay:
         closed_jaxpr = _without_discovery_metadata(closed_jaxpr)
         if closed_jaxpr is None:
             return None
-        counts: dict[str, int] = {}
+        counts: dict[tuple[str, str], int] = {}
         passed_by: set[str] = set()
         _census(closed_jaxpr.jaxpr, counts, passed_by)
         found = enclosures(closed_jaxpr)
         markable = frozenset(
             site.name
             for site in sites_found
-            if counts.get(site.name) == 1
+            if counts.get((site.name, VALUE)) == 1
             and site.name not in passed_by
             and _acted_on_at_marker(site, found[site.name], batched)
         )
-        return cls(closed_jaxpr, outputs, markable)
+        found_inputs = enclosures(closed_jaxpr, INPUTS)
+        inputs = {
+            name: structure
+            for name, structure in (input_structures or {}).items()
+            if name in markable
+            and counts.get((name, INPUTS)) == 1
+            and _inputs_beside_value(found_inputs[name], found[name], batched)
+        }
+        return cls(closed_jaxpr, outputs, markable, inputs)
 
-    def serves(self, names: Iterable[str]) -> bool:
-        return frozenset(names) <= self.markable
+    def serves(self, names: Iterable[str], inputs_of: Iterable[str] = ()) -> bool:
+        """Whether a run acting on the sites `names`, and recording the
+        inputs of `inputs_of`, can evaluate this trace."""
+        return frozenset(names) <= self.markable and frozenset(inputs_of) <= set(
+            self.inputs
+        )
 
 
 def _without_discovery_metadata(closed_jaxpr: Any) -> Any:
@@ -863,8 +883,10 @@ def _context_without_discovery(ctx: Any, done: dict[Any, Any]) -> Any:
 _EVALUATIONS_KEPT = 32
 
 
-def _census(jaxpr: Any, counts: dict[str, int], passed_by: set[str]) -> None:
-    """How many value markers of each name the jaxpr binds (a jaxpr called
+def _census(
+    jaxpr: Any, counts: dict[tuple[str, str], int], passed_by: set[str]
+) -> None:
+    """How many markers of each name and part the jaxpr binds (a jaxpr called
     twice counted twice), and the sites whose marked value the model does
     not go on with while it uses the value the marker was given (an
     adapter's route that passed the unmarked value on at discovery): acting
@@ -879,10 +901,10 @@ def _census(jaxpr: Any, counts: dict[str, int], passed_by: set[str]) -> None:
             for sub, _ in _sub_jaxprs(eqn.params):
                 _census(sub, counts, passed_by)
             continue
-        if eqn.params.get("part", VALUE) != VALUE:
-            continue
-        name = eqn.params["name"]
-        counts[name] = counts.get(name, 0) + 1
+        name, part = eqn.params["name"], eqn.params.get("part", VALUE)
+        counts[name, part] = counts.get((name, part), 0) + 1
+        if part != VALUE:
+            continue  # a call's inputs are read at their marker, not changed
         for given, marked in zip(eqn.invars, eqn.outvars, strict=True):
             own = sum(1 for v in eqn.invars if v is given)
             if (
@@ -916,6 +938,17 @@ def _acted_on_at_marker(site: Site, enclosure: Enclosure, batched: bool) -> bool
     return all(
         tuple(leaf.shape) == (*iterations, *marked.shape) and leaf.dtype == marked.dtype
         for leaf, marked in zip(leaves, enclosure.leaves, strict=True)
+    )
+
+
+def _inputs_beside_value(inputs: Enclosure, value: Enclosure, batched: bool) -> bool:
+    """Whether a call's inputs, read at their marker, are laid out as its
+    value is at its own: the same transforms around both, the same mapped
+    axes first, and under the probe's vmap the batch axis on every leaf."""
+    return (
+        inputs.transforms == value.transforms
+        and inputs.mapped == value.mapped
+        and (inputs.batched or not batched)
     )
 
 

@@ -127,6 +127,9 @@ class DiscoveryRecorder(Recorder):
         self.activations = {}
         self.inputs = {}
         self.ran = {}
+        # `{name: Structure}` of each call's inputs, marked where they are:
+        # a later run that records inputs reads them there (`Replay.inputs`).
+        self.input_structures: dict[str, computation.Structure] = {}
         # The exception that starts discovery again on the fallback route,
         # while the first attempt of `run_with_fallback` runs.
         self._fallback: type[Exception] | None = None
@@ -134,6 +137,10 @@ class DiscoveryRecorder(Recorder):
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         call.slot = len(self._sites)
         self._sites.append(None)
+        if self._arrays is JAX_ARRAYS:
+            _, self.input_structures[call.name] = computation.mark(
+                call.name, self._arrays.positional(args), computation.INPUTS
+            )
 
     def exited(self, call, value, perturb, record, patch):
         if self._arrays is JAX_ARRAYS:

@@ -203,7 +203,14 @@ class Session:
 
     @property
     def with_inputs(self) -> bool:
-        return self.request.with_inputs
+        """Whether calls hand their inputs out: in a run that records the
+        selected calls' inputs, and in a discovery of JAX values, which marks
+        every call's inputs where they are, for the runs that read them there
+        (`computation.Replay.inputs`)."""
+        request = self.request
+        return request.with_inputs or (
+            request.discovering and request.arrays is JAX_ARRAYS
+        )
 
     @property
     def batch_axis(self) -> str | None:
