@@ -202,10 +202,10 @@ def test_a_replayed_run_equals_the_model_with_an_offset_by_hand(library, jit):
 @pytest.mark.parametrize("library", LIBRARIES)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_run_recording_inputs_reads_them_at_their_marker(library, jit):
-    """Discovery marks every call's inputs where they are: a run recording
-    them (`with_inputs=True`, what K-FAC-style curvature asks) evaluates
-    discovery's trace too, and reads the inputs there, the layer in the
-    model's own `jax.vmap` (Equinox's) included."""
+    """A run recording inputs (`with_inputs=True`, what K-FAC-style
+    curvature asks) evaluates discovery's trace too: its discovery marks
+    every call's inputs where they are, the layer's in the model's own
+    `jax.vmap` (Equinox's) included, and the run reads them there."""
     probe, forward, _ = make(library)
     discovery_cache.CACHE.clear()  # the other case's discovery would serve
     CALLS["python"] = 0

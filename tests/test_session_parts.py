@@ -85,7 +85,7 @@ class Fallback(Exception):
 # -- Request -----------------------------------------------------------------
 
 
-def test_a_discovery_request_asks_for_nothing_even_if_given_something():
+def test_a_discovery_request_asks_for_nothing_but_inputs_even_if_given_something():
     site = a_site("a")
     request = Request(
         selected=None,
@@ -99,7 +99,8 @@ def test_a_discovery_request_asks_for_nothing_even_if_given_something():
     assert dict(request.epsilons) == {}
     assert dict(request.patches) == {}
     assert dict(request.patched) == {}
-    assert request.with_inputs is False
+    # A discovery for a run that records inputs marks every call's inputs.
+    assert request.with_inputs is True
     assert request.batch_axis == "batch"  # how it runs, not what it asks
     # An empty selection is a run that records nothing, not a discovery.
     run = Request(
@@ -667,9 +668,13 @@ def test_patched_with_values_are_the_patched_sites_given_a_value():
 def test_to_carry_out_is_the_whole_value_at_discovery_and_its_floats_in_a_run():
     value = (jnp.ones((2,)), jnp.arange(2))
     args = (jnp.ones(3), "mode")
-    discovery = Request(selected=None, with_inputs=True)
+    discovery = Request(selected=None)
     out, inputs = Carrier(discovery, DiscoveryRecorder()).to_carry_out(value, args)
     assert out is value and inputs is None
+    # A discovery for a run that records inputs carries them out too.
+    marking = Request(selected=None, with_inputs=True)
+    out, inputs = Carrier(marking, DiscoveryRecorder()).to_carry_out(value, args)
+    assert out is value and inputs[0] is args[0] and inputs[1] is None
     run = Request(selected={"s": a_site("s")}, with_inputs=True)
     out, inputs = Carrier(run, RunRecorder(run)).to_carry_out(value, args)
     assert out[0] is value[0] and out[1] is None

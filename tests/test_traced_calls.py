@@ -321,23 +321,37 @@ class _Branching(nn.Module):
         return nn.Dense(OUT)(h)
 
 
+class _BranchingShift(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(HIDDEN)(x)
+        if TAPPING["on"]:
+            # The same for every example: under `vmap=True` no per-example
+            # epsilon can be added at its marker, so the run traces the model.
+            shift = self.param("shift", nn.initializers.ones, (HIDDEN,))
+            h = h + bridge.tap("branch", jnp.tanh(shift))
+        return nn.Dense(OUT)(h)
+
+
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_a_selected_site_the_run_does_not_reach_raises(mode):
-    """A run that traces the model's Python again (`with_inputs=True`, which
-    discovery's trace does not serve) and finds a branch of Python taken
-    otherwise than at discovery raises, never a zero gradient. A run that
-    evaluates discovery's trace computes what was discovered, as `jax.jit`
-    reuses its trace; a cleared discovery cache sees the model as it is."""
-    model = _Branching()
-    probe = bridge.probe(model, model.init(jax.random.key(0), X))
+    """A run that traces the model's Python again (a site the same for every
+    example under `vmap=True`, which discovery's trace does not serve) and
+    finds a branch of Python taken otherwise than at discovery raises, never
+    a zero gradient. A run that evaluates discovery's trace computes what was
+    discovered, as `jax.jit` reuses its trace; a cleared discovery cache sees
+    the model as it is."""
+    shifted = _BranchingShift()
     TAPPING["on"] = True
+    probe = bridge.probe(shifted, shifted.init(jax.random.key(0), X[0]), vmap=True)
+    model = _Branching()
     discovery_cache.CACHE.clear()  # another test may have kept this structure's
     try:
         assert "branch" in probe.sites(X)  # discovery kept for this structure
         TAPPING["on"] = False
 
         def run(probe, x):
-            return probe.value_and_grad(loss_fn, x, at="branch", with_inputs=True)
+            return probe.value_and_grad(loss_fn, x, at="branch")
 
         with pytest.raises(
             bridge.BridgeError,
@@ -345,6 +359,11 @@ def test_a_selected_site_the_run_does_not_reach_raises(mode):
             r"did not reach it in this run: its gradient would be a silent zero",
         ):
             jax.jit(run)(probe, X) if mode == "jit" else run(probe, X)
+
+        probe = bridge.probe(model, model.init(jax.random.key(0), X))
+        TAPPING["on"] = True
+        assert "branch" in probe.sites(X)
+        TAPPING["on"] = False
 
         def replayed(probe, x):
             return probe.value_and_grad(loss_fn, x, at=["Dense_0", "branch"])

@@ -48,11 +48,19 @@ Bounded: the `maxsize` most recently used discoveries are kept (LRU), behind
 a lock. `CACHE.clear()` forgets them; `CACHE.maxsize = 0` turns reuse off,
 for debugging a suspected stale discovery (say, a model whose code reads a
 global that changed: `jax.jit` would reuse its trace there too).
+
+A discovery for a run that records inputs (`with_inputs=True`) also marks
+every call's inputs where they are (`marking_inputs`), so that the run reads
+them there; it is kept apart from the plain one, which does not pay for it
+(handing inputs out of the model's own `jax.vmap`s costs a first lowering
+of Equinox's GPT-2 about a quarter more: docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import enum
 import threading
@@ -71,6 +79,25 @@ from .._session.sites import (
     type_of,
     varying_like,
 )
+
+_MARKING_INPUTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "bridge_discovery_marks_inputs", default=False
+)
+
+
+@contextlib.contextmanager
+def marking_inputs(marking: bool = True):
+    """Discoveries made inside mark every call's inputs too."""
+    token = _MARKING_INPUTS.set(marking)
+    try:
+        yield
+    finally:
+        _MARKING_INPUTS.reset(token)
+
+
+def marks_inputs() -> bool:
+    """Whether a discovery made now marks every call's inputs."""
+    return _MARKING_INPUTS.get()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

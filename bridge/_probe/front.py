@@ -134,7 +134,7 @@ class ProbeFront:
         **kwargs: Any,
     ) -> ProbeResult:
         check_loss_fn(loss_fn)
-        plan = self._plan(at, patch, args, kwargs, loss_fn, has_aux)
+        plan = self._plan(at, patch, args, kwargs, loss_fn, has_aux, with_inputs)
         result = self._differentiate(loss_fn, plan, has_aux, with_inputs)
         return result._replace(
             activations=in_order(result.activations, plan.chosen),
@@ -184,13 +184,16 @@ class ProbeFront:
         kwargs: dict,
         loss_fn: Callable | None = None,
         has_aux: bool = False,
+        with_inputs: bool = False,
     ) -> CallPlan:
         """Every check of a call, before any work, and what its run needs."""
         check_selection(at)
         check_patch_kind(patch)
         self._check_paths(at, patch)
         args, kwargs = self._prepare_inputs(args, kwargs)
-        discovered, loss_struct, replay = self._discover(args, kwargs, loss_fn)
+        discovered, loss_struct, replay = self._discover(
+            args, kwargs, loss_fn, with_inputs
+        )
         if loss_fn is not None and loss_struct is not UNCHECKED_LOSS:
             check_loss(loss_struct, has_aux)
         # Patches first: a refused patch raises before `at=None` warns.
@@ -205,7 +208,11 @@ class ProbeFront:
         return CallPlan(args, kwargs, discovered, chosen, patches, replay)
 
     def _discover(
-        self, args: tuple, kwargs: dict, loss_fn: Callable | None = None
+        self,
+        args: tuple,
+        kwargs: dict,
+        loss_fn: Callable | None = None,
+        with_inputs: bool = False,
     ) -> tuple[list[Site], Any, Any]:
         """Every site of one forward pass, without running the model.
 
@@ -215,15 +222,19 @@ class ProbeFront:
         whose runs rewrite functions a discovery's trace does not know). A
         discovery of a call with the same key (`_discovery_key`) is reused;
         the loss is then checked on the outputs' abstract structure alone
-        (`_abstract_loss`).
+        (`_abstract_loss`). For a run that records inputs (`with_inputs`),
+        the discovery marks every call's inputs too, and is kept apart.
         """
         key = self._discovery_key(args, kwargs)
         if key is not None and self._inside is not None:
             key = (key, self._inside.keys)  # more sites than the plain model's
+        if key is not None and with_inputs:
+            key = (key, "inputs marked")
         found = discovery_cache.CACHE.get(key)
         loss_struct = None
         if found is None:
-            found, loss_struct = self._discover_afresh(args, kwargs, loss_fn)
+            with discovery_cache.marking_inputs(with_inputs):
+                found, loss_struct = self._discover_afresh(args, kwargs, loss_fn)
             if self._inside is not None:
                 self._inside.discovered(found.sites)  # before it is kept
             discovery_cache.CACHE.put(key, found)

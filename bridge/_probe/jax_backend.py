@@ -117,7 +117,12 @@ class ProbeBase(ProbeFront):
         def trace(probe, trainable, dynamic):
             args, kwargs = rebuild(dynamic)
             outputs, state, _, _, _ = call_model(
-                probe, trainable, args, kwargs, sessions=sessions
+                probe,
+                trainable,
+                args,
+                kwargs,
+                with_inputs=discovery_cache.marks_inputs(),
+                sessions=sessions,
             )
             outputs_found.append(discovery_cache.abstract_outputs(outputs))
             # What the model computes for: its outputs and its new state, the

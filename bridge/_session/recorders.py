@@ -121,14 +121,16 @@ class DiscoveryRecorder(Recorder):
     """Discovery: every call becomes a `Site` with the abstract shape of its
     value; nothing is changed or recorded."""
 
-    def __init__(self, arrays: Arrays = JAX_ARRAYS):
+    def __init__(self, arrays: Arrays = JAX_ARRAYS, mark_inputs: bool = False):
         self._arrays = arrays
+        self._mark_inputs = mark_inputs and arrays is JAX_ARRAYS
         self._sites: list[Site | None] = []
         self.activations = {}
         self.inputs = {}
         self.ran = {}
-        # `{name: Structure}` of each call's inputs, marked where they are:
-        # a later run that records inputs reads them there (`Replay.inputs`).
+        # `{name: Structure}` of each call's inputs, marked where they are
+        # for a discovery that asks it (`discovery_cache.marking_inputs`): a
+        # run that records inputs reads them there (`Replay.inputs`).
         self.input_structures: dict[str, computation.Structure] = {}
         # The exception that starts discovery again on the fallback route,
         # while the first attempt of `run_with_fallback` runs.
@@ -137,7 +139,7 @@ class DiscoveryRecorder(Recorder):
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         call.slot = len(self._sites)
         self._sites.append(None)
-        if self._arrays is JAX_ARRAYS:
+        if self._mark_inputs:
             _, self.input_structures[call.name] = computation.mark(
                 call.name, self._arrays.positional(args), computation.INPUTS
             )

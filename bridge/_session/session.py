@@ -103,7 +103,6 @@ class Request:
         if self.selected is None:  # a discovery lists the sites: nothing is asked
             for name in ("epsilons", "patches", "patched"):
                 object.__setattr__(self, name, {})
-            object.__setattr__(self, "with_inputs", False)
 
     @property
     def discovering(self) -> bool:
@@ -165,7 +164,7 @@ class Session:
         self.request = request
         self.naming = Naming(request.renames)
         self.recorder: Recorder = (
-            DiscoveryRecorder(request.arrays)
+            DiscoveryRecorder(request.arrays, mark_inputs=request.with_inputs)
             if request.discovering
             else RunRecorder(request)
         )
@@ -203,14 +202,7 @@ class Session:
 
     @property
     def with_inputs(self) -> bool:
-        """Whether calls hand their inputs out: in a run that records the
-        selected calls' inputs, and in a discovery of JAX values, which marks
-        every call's inputs where they are, for the runs that read them there
-        (`computation.Replay.inputs`)."""
-        request = self.request
-        return request.with_inputs or (
-            request.discovering and request.arrays is JAX_ARRAYS
-        )
+        return self.request.with_inputs
 
     @property
     def batch_axis(self) -> str | None:
