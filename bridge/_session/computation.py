@@ -508,7 +508,7 @@ def _at_marker(
 ) -> list[Any]:
     name = params["name"]
     if params.get("part", VALUE) == INPUTS:
-        # Asked for where the run records inputs (discovery marks every call's).
+        # Read where the run records inputs (its discovery marked every call's).
         structure = planted.structures.get(f"{name}/inputs")
         if name in planted.recorded and structure is not None:
             records.inputs[name] = structure.rebuild(invals)

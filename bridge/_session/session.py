@@ -69,7 +69,8 @@ class Request:
       epsilons: `{name: epsilon}` for the selected sites that get one.
       patches: `{name: value or function}`.
       patched: the discovered `Site` of each patched site, selected or not.
-      with_inputs: whether to record the selected calls' positional inputs.
+      with_inputs: whether to record the selected calls' positional inputs;
+        in a discovery, whether to mark every call's (for such runs).
       batch_axis: the axis name where the model runs under the probe's own
         `jax.vmap` (a patch function still sees the whole batch), else `None`.
       arrays: the framework's values (JAX arrays, or an adapter's own).
