@@ -104,16 +104,9 @@ def main() -> None:
     host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {host}")
     for name in options.models.split(","):
-        if name == "hf":
-            steps, first, x, _, _ = tpu.hf_steps(batch, tokens, "float32", width, depth)
-        elif name == "keras":
-            steps, first, x, _, _ = tpu.keras_steps(
-                batch, tokens, "float32", width, depth
-            )
-        else:
-            steps, first, x, _, _ = tpu.library_steps(
-                name, batch, tokens, "float32", width, depth
-            )
+        steps, first, x, _, _ = tpu.steps_of(
+            name, batch, tokens, "float32", width, depth
+        )
         times: dict[str, list[float]] = {v: [] for v in (*VARIANTS, *COLD)}
         for _ in range(options.rounds):
             for variant in VARIANTS:

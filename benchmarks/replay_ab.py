@@ -13,7 +13,6 @@ again, a new `jax.jit` of the same step).
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import time
@@ -22,24 +21,17 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import lowering  # noqa: E402
 import tpu  # noqa: E402
 
 import bridge._probe.jax_backend as backend  # noqa: E402
-from bridge._probe import discovery_cache  # noqa: E402
 
 REPLAYS = backend._replays
 
 
 def lower(step, first, x, replay: bool, warm: bool = False) -> float:
     backend._replays = REPLAYS if replay else (lambda plan, with_inputs: False)
-    fresh = lambda *a: step(*a)  # noqa: E731  (a new function)
-    if not warm:
-        jax.clear_caches()
-        discovery_cache.CACHE.clear()
-    gc.collect()
-    start = time.process_time()
-    jax.jit(fresh).lower(first, *x)
-    return time.process_time() - start
+    return lowering.lower_once(step, first, x, time.process_time, cold=not warm)
 
 
 def main() -> None:
@@ -48,10 +40,7 @@ def main() -> None:
     warm = sys.argv[3:] == ["warm"]
     print(f"jax {jax.__version__}, {os.cpu_count()} cores, 2 × 128, 12 × 768")
     for name in models.split(","):
-        if name == "hf":
-            steps, first, x, _, _ = tpu.hf_steps(2, 128, "float32", 768, 12)
-        else:
-            steps, first, x, _, _ = tpu.library_steps(name, 2, 128, "float32", 768, 12)
+        steps, first, x, _, _ = tpu.steps_of(name, 2, 128, "float32", 768, 12)
         times: dict = {}
         for _ in range(rounds):
             for variant in ("plain", "one", "all"):

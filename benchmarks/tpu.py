@@ -166,6 +166,16 @@ def library_steps(
     return steps, first, (workload.x,), 2 * array_bytes(sites), len(sites)
 
 
+def steps_of(model: str, batch: int, tokens: int, dtype: str, width: int, depth: int):
+    """`(steps, first arguments, inputs, returned bytes, sites)` of a benchmark
+    model: `hf`, `keras`, or one of the libraries' transformers."""
+    if model == "hf":
+        return hf_steps(batch, tokens, dtype, width, depth)
+    if model == "keras":
+        return keras_steps(batch, tokens, dtype, width, depth)
+    return library_steps(model, batch, tokens, dtype, width, depth)
+
+
 def hf_steps(batch: int, tokens: int, dtype: str, width: int, depth: int):
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
@@ -556,12 +566,7 @@ def main() -> None:
                     print(name, flush=True)
                     DISCOVERIES.clear()
                     start = time.perf_counter()
-                    if model == "hf":
-                        built = hf_steps(batch, tokens, dtype, width, depth)
-                    elif model == "keras":
-                        built = keras_steps(batch, tokens, dtype, width, depth)
-                    else:
-                        built = library_steps(model, batch, tokens, dtype, width, depth)
+                    built = steps_of(model, batch, tokens, dtype, width, depth)
                     steps, first, x, returned, sites = built
                     steps = {v: steps[v] for v in wanted if v in steps}
                     if options.auto_layouts:

@@ -798,7 +798,8 @@ class Replay:
             and site.name not in passed_by
             and _acted_on_at_marker(site, found[site.name], batched)
         )
-        found_inputs = enclosures(closed_jaxpr, INPUTS)
+        # Walked only where the discovery marked inputs (a plain one did not).
+        found_inputs = enclosures(closed_jaxpr, INPUTS) if input_structures else {}
         inputs = {
             name: structure
             for name, structure in (input_structures or {}).items()
@@ -811,8 +812,8 @@ class Replay:
     def serves(self, names: Iterable[str], inputs_of: Iterable[str] = ()) -> bool:
         """Whether a run acting on the sites `names`, and recording the
         inputs of `inputs_of`, can evaluate this trace."""
-        return frozenset(names) <= self.markable and frozenset(inputs_of) <= set(
-            self.inputs
+        return frozenset(names) <= self.markable and self.inputs.keys() >= set(
+            inputs_of
         )
 
 
