@@ -228,10 +228,11 @@ def test_a_run_recording_inputs_reads_them_at_their_marker(library, jit):
     )
 
 
-def test_a_site_the_same_for_every_example_takes_the_models_run():
-    """Under `vmap=True` a value that does not depend on the example holds no
-    batch axis at its marker, so no per-example epsilon can be added there:
-    the model's own run serves it, per example, as before."""
+def test_a_site_the_same_for_every_example_is_replayed_per_example():
+    """Under `vmap=True` discovery traces one example and a run maps that
+    trace over the batch: a value that does not depend on the example is
+    broadcast there, and an epsilon per example added to it, so it replays
+    with the value and the gradient of each example."""
 
     class Biased(eqx.Module):
         layer: eqx.nn.Linear
@@ -247,13 +248,20 @@ def test_a_site_the_same_for_every_example_takes_the_models_run():
     )
     probe = bridge.probe(model, vmap=True)
     CALLS["python"] = 0
-    result = probe.value_and_grad(loss_fn, X, at="shift")
-    assert CALLS["python"] >= 2  # discovery's trace, then the model's run
-    by_hand = jax.vmap(
-        jax.grad(lambda o, x: loss_fn(model.layer(x) + model.shift(jnp.ones(3)) + o)),
-        in_axes=(None, 0),
-    )(jnp.zeros(2), X)
-    close(result.activation_grads["shift"], by_hand)
+    for result in (
+        probe.value_and_grad(loss_fn, X, at="shift"),
+        jax.jit(lambda p, x: p.value_and_grad(loss_fn, x, at="shift"))(probe, X),
+    ):
+        assert CALLS["python"] == 1  # discovery's trace only
+        by_hand = jax.vmap(
+            jax.grad(
+                lambda o, x: loss_fn(model.layer(x) + model.shift(jnp.ones(3)) + o)
+            ),
+            in_axes=(None, 0),
+        )(jnp.zeros(2), X)
+        close(result.activation_grads["shift"], by_hand)
+        shift = model.shift(jnp.ones(3))
+        close(result.activations["shift"], jnp.broadcast_to(shift, (len(X), 2)))
 
 
 def test_the_compiled_program_carries_nothing_of_discoverys_trace_context():

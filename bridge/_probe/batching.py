@@ -61,6 +61,27 @@ def per_example_keys(kwargs: dict, batch: int) -> tuple[list, Callable[[list], d
     return keys, rebuild
 
 
+def mapped_call(args: tuple, kwargs: dict) -> tuple[dict, list[bool]]:
+    """The call as the probe's `jax.vmap` maps it: the keyword arguments with
+    each random key split into one per example (`per_example_keys`), and, for
+    each array leaf of `(args, kwargs)` in `split_arrays`' order, whether the
+    vmap maps it over axis 0: every positional input and the split keys (the
+    other keywords are the same for every example)."""
+    keys, rebuild = per_example_keys(kwargs, batch_size(args))
+    marked = jax.tree.leaves(rebuild([_MAPPED] * len(keys)))
+    mapped = [True for leaf in jax.tree.leaves(args) if is_array(leaf)]
+    mapped += [
+        mark is _MAPPED
+        for leaf, mark in zip(jax.tree.leaves(kwargs), marked, strict=True)
+        if is_array(leaf)
+    ]
+    return rebuild(keys), mapped
+
+
+#: Where `mapped_call` finds a split key.
+_MAPPED = object()
+
+
 def _is_key(leaf: Any) -> bool:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
@@ -129,6 +150,16 @@ def with_batch_axis(site: Site, batch: int, mesh_and_spec: Any) -> Site:
         return struct_update(s, shape=shape, sharding=sharding)
 
     return dataclasses.replace(site, struct=jax.tree.map(add_axis, site.struct))
+
+
+def with_leading_axis(leaf: Any, batch: int) -> Any:
+    """One example's abstract output as the probe's `jax.vmap` returns it,
+    the batch axis first (other leaves as they are)."""
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if getattr(leaf, "sharding", None) is not None:  # one example's, not the batch's
+        leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
+    return struct_update(leaf, shape=(batch, *leaf.shape))
 
 
 def batch_axis_to(values: dict[str, Any], stacked: dict[str, int]) -> dict:

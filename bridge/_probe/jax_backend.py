@@ -25,6 +25,7 @@ from .._session.naming import renames_of
 from .._session.session import Request, Session
 from .._session.sites import (
     Site,
+    abstract_array,
     split_arrays,
     without_axis,
     zeros_like_struct,
@@ -35,9 +36,12 @@ from .batching import (
     batch_axis_to,
     batch_sharding,
     batch_size,
+    mapped_call,
     per_example_keys,
     with_batch_axis,
+    with_leading_axis,
 )
+from .checks import UNCHECKED_LOSS
 from .front import CallPlan, ProbeFront
 from .result import ProbeResult
 
@@ -107,12 +111,29 @@ class ProbeBase(ProbeFront):
         plain data, `loss_fn` is evaluated inside it and its abstract value
         returned too (else `None`).
         """
+        # With `vmap=True` discovery traces one example (the probe's batch
+        # axis named in the trace's axis environment, for a model's
+        # collectives over it) and a run maps that trace over the batch: a
+        # branch on a per-example predicate stays a `cond` in the jaxpr (under
+        # the probe's vmap JAX computes both branches and selects), so the
+        # computation knows where each example's branch ran.
+        mapped: list[bool] | None = None
+        axis_env = None
+        if self.vmap:
+            kwargs, mapped = mapped_call(args, kwargs)
+            axis_env = [(BATCH_AXIS, batch_size(args))]
         dynamic, rebuild = split_arrays((args, kwargs))
+        traced_dynamic = [
+            without_axis(abstract_array(leaf), 0) if mapped and mapped[i] else leaf
+            for i, leaf in enumerate(dynamic)
+        ]
         sessions: list[Session] = []
         outputs_found: list[Any] = []
         # `(treedef, leaves)` of the model's `(outputs, state)`, `None` where
-        # an array leaf goes: what a later run's `computation.replay` rebuilds.
+        # an array leaf goes: what a later run's `computation.replay` rebuilds;
+        # and how many of those arrays are the outputs'.
         computed_as: list[tuple[Any, list] | None] = []
+        output_arrays: list[int] = []
 
         def trace(probe, trainable, dynamic):
             args, kwargs = rebuild(dynamic)
@@ -123,8 +144,15 @@ class ProbeBase(ProbeFront):
                 kwargs,
                 with_inputs=discovery_cache.marks_inputs(),
                 sessions=sessions,
+                one_example=True,
             )
-            outputs_found.append(discovery_cache.abstract_outputs(outputs))
+            found = discovery_cache.abstract_outputs(outputs)
+            if found is not None and self.vmap:
+                found = (
+                    found[0],
+                    [with_leading_axis(leaf, axis_env[0][1]) for leaf in found[1]],
+                )
+            outputs_found.append(found)
             # What the model computes for: its outputs and its new state, the
             # ends against which a call is live or dead.
             leaves, treedef = jax.tree.flatten((outputs, state))
@@ -132,29 +160,47 @@ class ProbeBase(ProbeFront):
             kept = [None if isinstance(leaf, jax.Array) else leaf for leaf in leaves]
             plain = all(discovery_cache.is_plain(leaf) for leaf in kept)
             computed_as.append((treedef, kept) if plain else None)
-            if outputs_found[-1] is None and loss_fn is not None:
+            output_arrays.append(
+                sum(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(outputs))
+            )
+            if outputs_found[-1] is None and loss_fn is not None and not self.vmap:
                 return computed, loss_fn(outputs)
             return computed, None
 
         with computation.fresh_traces():
-            jaxpr, (_, loss_struct) = jax.make_jaxpr(trace, return_shape=True)(
-                self, self._trainable(), dynamic
-            )
+            jaxpr, (_, loss_struct) = jax.make_jaxpr(
+                trace, return_shape=True, axis_env=axis_env
+            )(self, self._trainable(), traced_dynamic)
+        if outputs_found[-1] is None and loss_fn is not None and self.vmap:
+            # The loss takes the whole batch's outputs, which one example's
+            # trace does not hold.
+            loss_struct = UNCHECKED_LOSS
         (session,) = sessions
         discovered = liveness.in_the_computation(session.discovered(), jaxpr)
         discovered = computation.located(discovered, jaxpr)
-        if self.vmap:
-            batch, spec = batch_size(args), batch_sharding(args)
-            discovered = [with_batch_axis(site, batch, spec) for site in discovered]
         replay = None
         if outputs_found[-1] is not None and computed_as[-1] is not None:
+            vmapped = None
+            if mapped is not None:
+                fixed = len(jax.tree.leaves((self, self._trainable())))
+                computed = len(jaxpr.jaxpr.outvars)
+                vmapped = computation.ProbeVmap(
+                    BATCH_AXIS,
+                    inputs=(*[None] * fixed, *[0 if m else None for m in mapped]),
+                    outputs=tuple(
+                        0 if i < output_arrays[-1] else None for i in range(computed)
+                    ),
+                )
             replay = computation.Replay.of_discovery(
                 jaxpr,
                 computed_as[-1],
                 discovered,
-                batched=self.vmap,
+                vmapped=vmapped,
                 input_structures=session.recorder.input_structures,
             )
+        if self.vmap:
+            batch, spec = batch_size(args), batch_sharding(args)
+            discovered = [with_batch_axis(site, batch, spec) for site in discovered]
         found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1], replay)
         return found, loss_struct
 
@@ -295,6 +341,7 @@ def call_model(
     discovered: Sequence[Site] = (),
     sessions: list[Session] | None = None,
     recorders: Mapping[str, Any] | None = None,
+    one_example: bool = False,
 ) -> tuple[Any, Any, dict, dict, dict]:
     """Run `probe`'s model under a session: `(outputs, state, activations,
     inputs, ran)`.
@@ -313,6 +360,10 @@ def call_model(
     gradients are the values (`backward.adopt`). Else such sites are
     recorded through a `jax.vjp` of the model of their own
     (`backward.run_recording`, or the adapter's).
+
+    `one_example`: with `vmap=True`, `args` and `kwargs` are one example's
+    (discovery's trace, which a run maps over the batch): the model runs on
+    them under the session, without the probe's `jax.vmap`.
     """
     patches = patches or {}
     # The sites the computation routes: the run marks them, and its jaxpr
@@ -426,7 +477,7 @@ def call_model(
 
     dynamic_args, rebuild_args = split_arrays(args)
     patch_values = request.patch_values()
-    if not probe.vmap:
+    if not probe.vmap or one_example:
         return single(dynamic_args, kwargs, request.epsilons, patch_values, recorders)
     # Each example draws its own randomness, as in a batched model.
     keys, rebuild_kwargs = per_example_keys(kwargs, batch_size(args))
@@ -472,10 +523,10 @@ def replay_model(
     """`call_model`'s `(outputs, state, activations, inputs, ran)`, from
     discovery's jaxpr evaluated with the epsilons and patches planted at the
     markers (`computation.replay`): the model's Python does not run. Under
-    `vmap=True` the jaxpr is the batched one: each epsilon, patch value and
-    recorded value holds the whole batch after the iterations of the scans
-    around its site, as the result does, and a patch function is given the
-    whole batch."""
+    `vmap=True` the jaxpr is one example's, mapped over the batch as the
+    model's run is: each epsilon, patch value and recorded value holds the
+    whole batch after the iterations of the scans around its site, as the
+    result does, and a patch function is given the whole batch."""
     chosen = {site.name: site for site in plan.chosen}
     asked = frozenset(chosen) | frozenset(plan.patches)
     patched = {site.name: site for site in plan.discovered if site.name in plan.patches}
@@ -487,10 +538,12 @@ def replay_model(
             epsilons=dict(epsilons),
             patches=dict(plan.patches),
             patched=patched,
+            batch_axis=BATCH_AXIS if probe.vmap else None,
             planted=asked,
         )
     )
-    dynamic, _ = split_arrays((plan.args, plan.kwargs))
+    kwargs = mapped_call(plan.args, plan.kwargs)[0] if probe.vmap else plan.kwargs
+    dynamic, _ = split_arrays((plan.args, kwargs))
     structures = {
         site.name: computation.Structure.of_struct(site.struct)
         for site in plan.discovered

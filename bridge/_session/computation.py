@@ -98,9 +98,11 @@ _EXPRESSED = frozenset({"scan", "cond", "remat2", "checkpoint"})
 #: Why a primitive without a rule holds no site, and the way out.
 _REFUSALS: Mapping[str, tuple[str, str, str]] = {
     "while": (
-        "jax.lax.while_loop",
+        # JAX runs a `fori_loop` with traced bounds as a `while_loop` too.
+        "jax.lax.while_loop or a jax.lax.fori_loop with traced bounds",
         UNBOUNDED_LOOP,
-        "write the loop as a jax.lax.scan or a jax.lax.fori_loop of static bounds",
+        "write the loop as a jax.lax.scan, or give a jax.lax.fori_loop Python "
+        "int bounds",
     ),
     "custom_jvp_call": (
         "a jax.custom_jvp function",
@@ -695,6 +697,50 @@ def _join(
 # -- discovery's computation, evaluated again by later runs ---------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeVmap:
+    """The probe's `vmap=True` around an evaluation of one example's trace.
+
+    Attributes:
+      axis_name: the probe's batch axis, named as in the model's collectives.
+      inputs: per input of the jaxpr, its mapped axis (`0`) or `None`.
+      outputs: per output of the jaxpr, `0` (the model's outputs) or `None`
+        (its state, the same for every example).
+    """
+
+    axis_name: str
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+
+    def mapped(self, evaluated: Callable, stacked: Mapping[str, int]) -> Callable:
+        """`evaluated` mapped over the batch: each epsilon, patch value and
+        record holds the batch axis after the iterations of the scans around
+        its site (`stacked`), as the result does."""
+
+        def run(inputs, epsilons, patch_values):
+            flat, *records = jax.vmap(
+                evaluated,
+                in_axes=(
+                    list(self.inputs),
+                    {name: stacked[name] for name in epsilons},
+                    {name: stacked[name] for name in patch_values},
+                ),
+                out_axes=(list(self.outputs), 0, 0, 0),
+                axis_name=self.axis_name,
+            )(inputs, epsilons, patch_values)
+            return flat, *(
+                {
+                    name: jax.tree.map(
+                        lambda v, k=stacked[name]: jnp.moveaxis(v, 0, k), value
+                    )
+                    for name, value in found.items()
+                }
+                for found in records
+            )
+
+        return run
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Replay:
     """Discovery's trace of the model, kept so that a run evaluates it rather
@@ -708,9 +754,10 @@ class Replay:
     and patches planted at the markers, as `run_planted` does for a run's
     own trace: the model's
     Python, the adapter's routes and the session's bookkeeping do not run
-    again. Under the probe's `vmap=True` the jaxpr is the batched one, so a
-    marker holds the whole batch (first, after the iterations of the scans
-    around it), as the epsilon and the recorded value do.
+    again. Under the probe's `vmap=True` the jaxpr is one example's, and the
+    evaluation is mapped over the batch (`ProbeVmap`): a branch on a
+    per-example predicate is a `cond` there, whose rule brings out where
+    each example's branch ran.
 
     Attributes:
       closed_jaxpr: discovery's jaxpr; its outputs are the array leaves of
@@ -725,17 +772,20 @@ class Replay:
         call's inputs discovery marked once, where its value is marked (the
         same transforms around, the same axes first): a run that records
         inputs (`with_inputs=True`) reads them there.
+      vmapped: how the probe's `vmap=True` maps the evaluation, else `None`.
     """
 
     closed_jaxpr: Any
     outputs: tuple[Any, list]
     markable: frozenset[str]
     inputs: Mapping[str, Structure] = dataclasses.field(default_factory=dict)
+    vmapped: ProbeVmap | None = None
     _evaluations: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def evaluation(self, planted: Planted) -> Callable:
         """The jaxpr evaluated with what `planted` asks, as one `jax.jit` of
-        `(inputs, epsilons, patch values) -> (outputs, records)`, one per
+        `(inputs, epsilons, patch values) -> (outputs, activations, inputs,
+        ran)`, one per
         request (the sites, the patch functions): a later trace of the step
         binds that one call, and JAX's caches serve its differentiation, where
         binding each equation again would differentiate each one anew (JAX's
@@ -758,8 +808,14 @@ class Replay:
                     inputs,
                     planted.inner(epsilons, patch_values),
                 )
-                return flat, records.as_tree()
+                activations: dict[str, Any] = {}
+                recorded_inputs: dict[str, Any] = {}
+                ran: dict[str, Any] = {}
+                _join(records, planted, activations, recorded_inputs, ran)
+                return flat, activations, recorded_inputs, ran
 
+            if self.vmapped is not None:
+                evaluated = self.vmapped.mapped(evaluated, planted.stacked)
             if len(self._evaluations) >= _EVALUATIONS_KEPT:
                 self._evaluations.clear()  # a new patch function every call
             found = self._evaluations.setdefault(key, jax.jit(evaluated))
@@ -771,7 +827,7 @@ class Replay:
         closed_jaxpr: Any,
         outputs: tuple[Any, list],
         sites_found: Iterable[Site],
-        batched: bool,
+        vmapped: ProbeVmap | None = None,
         input_structures: Mapping[str, Structure] | None = None,
     ) -> Replay | None:
         """The replay of a discovery, or `None` where no run could use it: a
@@ -796,7 +852,7 @@ class Replay:
             for site in sites_found
             if counts.get((site.name, VALUE)) == 1
             and site.name not in passed_by
-            and _acted_on_at_marker(site, found[site.name], batched)
+            and _acted_on_at_marker(site, found[site.name])
         )
         # Walked only where the discovery marked inputs (a plain one did not).
         found_inputs = enclosures(closed_jaxpr, INPUTS) if input_structures else {}
@@ -805,9 +861,9 @@ class Replay:
             for name, structure in (input_structures or {}).items()
             if name in markable
             and counts.get((name, INPUTS)) == 1
-            and _inputs_beside_value(found_inputs[name], found[name], batched)
+            and _inputs_beside_value(found_inputs[name], found[name])
         }
-        return cls(closed_jaxpr, outputs, markable, inputs)
+        return cls(closed_jaxpr, outputs, markable, inputs, vmapped)
 
     def serves(self, names: Iterable[str], inputs_of: Iterable[str] = ()) -> bool:
         """Whether a run acting on the sites `names`, and recording the
@@ -916,17 +972,15 @@ def _census(
                 passed_by.add(name)
 
 
-def _acted_on_at_marker(site: Site, enclosure: Enclosure, batched: bool) -> bool:
-    """Whether acting on `site` at its marker is what its run does: no
-    refusal, every primitive around it crossed by a rule, the batch axis on
-    every leaf under the probe's vmap, and the site's value laid out as the
-    marker's operands with the iterations of the scans around it first (a
-    site whose adapter's route brings out where it ran, in a branch the
-    probe's vmap turned into a select, is left to that route: the
-    computation holds no branch there)."""
+def _acted_on_at_marker(site: Site, enclosure: Enclosure) -> bool:
+    """Whether acting on `site` (one example's, under the probe's vmap) at
+    its marker is what its run does: no refusal, every primitive around it
+    crossed by a rule, and the site's value laid out as the marker's
+    operands with the iterations of the scans around it first (a site whose
+    adapter's route brings out where it ran, in a branch the model's own
+    vmap turned into a select, is left to that route: the computation holds
+    no branch there)."""
     if site.refused or enclosure.blocked(site.name) is not None:
-        return False
-    if batched and not enclosure.batched:
         return False
     if _ran_known_to_its_route(site) and all(
         name != "cond" for name, _ in enclosure.transforms
@@ -942,15 +996,11 @@ def _acted_on_at_marker(site: Site, enclosure: Enclosure, batched: bool) -> bool
     )
 
 
-def _inputs_beside_value(inputs: Enclosure, value: Enclosure, batched: bool) -> bool:
+def _inputs_beside_value(inputs: Enclosure, value: Enclosure) -> bool:
     """Whether a call's inputs, read at their marker, are laid out as its
     value is at its own: the same transforms around both, the same mapped
-    axes first, and under the probe's vmap the batch axis on every leaf."""
-    return (
-        inputs.transforms == value.transforms
-        and inputs.mapped == value.mapped
-        and (inputs.batched or not batched)
-    )
+    axes first."""
+    return inputs.transforms == value.transforms and inputs.mapped == value.mapped
 
 
 def _ran_known_to_its_route(site: Site) -> bool:
@@ -969,19 +1019,14 @@ def replay(kept: Replay, inputs: Iterable[Any], planted: Planted) -> Any:
     on: `(outputs, state, activations, inputs, ran)`."""
     # Every site asked for is `markable`: its marker is in the jaxpr, and
     # discovery judged the jaxpr's liveness itself (`Site.dead`).
-    flat, records = kept.evaluation(planted)(
+    flat, activations, recorded_inputs, ran = kept.evaluation(planted)(
         list(inputs), dict(planted.epsilons), dict(planted.patch_values)
     )
-    records = Records.of_tree(records)
     treedef, leaves = kept.outputs
     computed = iter(flat)
     outputs, state = jax.tree.unflatten(
         treedef, [next(computed) if leaf is None else leaf for leaf in leaves]
     )
-    activations: dict[str, Any] = {}
-    recorded_inputs: dict[str, Any] = {}
-    ran: dict[str, Any] = {}
-    _join(records, planted, activations, recorded_inputs, ran)
     return outputs, state, activations, recorded_inputs, ran
 
 
