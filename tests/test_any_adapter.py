@@ -16,6 +16,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import close
 from jax import lax
@@ -238,6 +239,56 @@ def test_cond_holds_the_branch_that_ran(sign, mode):
         close(res.activation_grads[name], grads[name])
     b = dense(probe.params["b"], dense(probe.params["a"], x))
     close(res.activations["b"], b if took else jnp.zeros_like(b))
+
+
+def branched_per_example(layers, x):
+    h = layers["a"](x)
+    return lax.cond(
+        jnp.sum(x) > 0,
+        lambda v: layers["c"](step(layers, v)),
+        lambda v: 2.0 * v[:2],
+        h,
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_probe_vmap_around_a_branch_on_each_example(mode):
+    """`vmap=True` around a branch on a per-example predicate, where JAX
+    computes both branches and selects: `ran` says which examples took it,
+    their values are the branch's and the others' zeros, and each example's
+    gradients are its own, against the branch taken by hand per example."""
+    probe = bridge.probe(model(LAYERS, branched_per_example), vmap=True)
+    took = jnp.sum(X, axis=1) > 0
+    assert took.any() and not took.all(), "the batch must take both branches"
+    call = lambda p, x: p.value_and_grad(loss_fn, x)  # noqa: E731
+    res = (jax.jit(call) if mode == "jit" else call)(probe, X)
+    assert set(res.ran) == {"b", "t", "c"}
+    for where in res.ran.values():
+        np.testing.assert_array_equal(where, took)
+
+    def hand(params, eps):
+        outputs = []
+        for i, x in enumerate(X):
+            h = dense(params["a"], x) + eps["a"][i]
+            if not took[i]:
+                outputs.append(2.0 * h[:2])
+                continue
+            t = jnp.tanh(dense(params["b"], h) + eps["b"][i]) + eps["t"][i]
+            outputs.append(dense(params["c"], t) + eps["c"][i])
+        return loss_fn(jnp.stack(outputs))
+
+    sites = probe.sites(X)
+    assert sites["b"].shape == (3, 5)
+    zeros = {name: jnp.zeros(s.shape) for name, s in sites.items()}
+    loss, (param_grads, grads) = jax.value_and_grad(hand, argnums=(0, 1))(
+        probe.params, zeros
+    )
+    close(res.loss, loss)
+    jax.tree.map(close, res.grads, param_grads)
+    for name in sites:
+        close(res.activation_grads[name], grads[name])
+    b = dense(probe.params["b"], dense(probe.params["a"], X))
+    close(res.activations["b"], jnp.where(took[:, None], b, 0.0))
 
 
 def per_example(layers, tokens):

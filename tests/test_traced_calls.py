@@ -321,30 +321,18 @@ class _Branching(nn.Module):
         return nn.Dense(OUT)(h)
 
 
-class _BranchingShift(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Dense(HIDDEN)(x)
-        if TAPPING["on"]:
-            # The same for every example: under `vmap=True` no per-example
-            # epsilon can be added at its marker, so the run traces the model.
-            shift = self.param("shift", nn.initializers.ones, (HIDDEN,))
-            h = h + bridge.tap("branch", jnp.tanh(shift))
-        return nn.Dense(OUT)(h)
-
-
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_a_selected_site_the_run_does_not_reach_raises(mode):
-    """A run that traces the model's Python again (a site the same for every
-    example under `vmap=True`, which discovery's trace does not serve) and
-    finds a branch of Python taken otherwise than at discovery raises, never
-    a zero gradient. A run that evaluates discovery's trace computes what was
+    """A run that traces the model's Python again (a probe with `inside=`,
+    whose runs rewrite functions discovery's trace does not know) and finds
+    a branch of Python taken otherwise than at discovery raises, never a
+    zero gradient. A run that evaluates discovery's trace computes what was
     discovered, as `jax.jit` reuses its trace; a cleared discovery cache sees
     the model as it is."""
-    shifted = _BranchingShift()
     TAPPING["on"] = True
-    probe = bridge.probe(shifted, shifted.init(jax.random.key(0), X[0]), vmap=True)
     model = _Branching()
+    variables = model.init(jax.random.key(0), X)
+    probe = bridge.probe(model, variables, inside=_Branching)
     discovery_cache.CACHE.clear()  # another test may have kept this structure's
     try:
         assert "branch" in probe.sites(X)  # discovery kept for this structure
@@ -360,7 +348,7 @@ def test_a_selected_site_the_run_does_not_reach_raises(mode):
         ):
             jax.jit(run)(probe, X) if mode == "jit" else run(probe, X)
 
-        probe = bridge.probe(model, model.init(jax.random.key(0), X))
+        probe = bridge.probe(model, variables)
         TAPPING["on"] = True
         assert "branch" in probe.sites(X)
         TAPPING["on"] = False

@@ -126,10 +126,6 @@ class Interceptor:
         bundle = _joined(prefix, hk.experimental.current_name())
         route = transforms.route(name, where, self.base, module)
         method_name = None if method == "__call__" else method
-        import os
-        if os.environ.get("PLAIN_HAIKU"):
-            call = session.enter(name, method_name, module, call_args)
-            return session.exit(call, run())
         match route:
             case ThroughControlFlow(flow):
                 return session.call_in_control_flow(

@@ -68,14 +68,11 @@ class Enclosure:
         (one iteration of the scans around it, mapped axes first).
       mapped: how many of the model's own vmaps map it (the probe's is not
         counted).
-      batched: under the probe's `vmap=True`, whether every leaf holds the
-        batch axis (first); `True` without it.
     """
 
     transforms: tuple[tuple[str, int], ...]
     leaves: tuple[jax.ShapeDtypeStruct, ...]
     mapped: int = 0
-    batched: bool = True
 
     @property
     def iterations(self) -> tuple[int, ...]:
@@ -178,7 +175,6 @@ def enclosures(closed_jaxpr: Any, part: str = VALUE) -> dict[str, Enclosure]:
                             for v in eqn.invars
                         ),
                         eqn.params.get("mapped", 0),
-                        eqn.params.get("batched", True),
                     )
                 continue
             name = eqn.primitive.name

@@ -58,12 +58,6 @@ def _marker_batched(values, dims, **params):
 
 def _marker_batched_on_axis(axis_data, values, dims, **params):
     # `mapped` counts the model's own vmaps around the marker, not the probe's.
-    # Under the probe's, `batched` says whether every leaf holds the batch
-    # axis (first): a value the same for every example does not, and an
-    # evaluation of this jaxpr cannot add an epsilon per example there
-    # (`computation.Replay`).
-    if axis_data.name == PROBE_AXIS:
-        params = {**params, "batched": all(dim is not None for dim in dims)}
     values, dims = _mapped_first(values, dims)
     mapped = params.get("mapped", 0) + (axis_data.name != PROBE_AXIS)
     return site_marker.bind(*values, **{**params, "mapped": mapped}), dims
