@@ -2,7 +2,7 @@
 
 `probe`, `run` (the interceptor), `variables` (Haiku state as the route of
 bridge's values), `transforms` (the rules of Haiku's transforms, by which the
-router routes a call; `hk.scan`'s carry), `jax_transforms`, `internals`
+router routes a call; `hk.scan`'s carry), `internals`
 (version-checked), `guest`, `porting`: each name as `bridge.adapters` says.
 """
 

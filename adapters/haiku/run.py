@@ -4,11 +4,11 @@ reported to the session by an interceptor (`hk.intercept_methods`), and every
 
 The call router decides how each is reached, from the Haiku transforms around
 it (read off the Python call stack, `bridge.adapters.haiku.internals`) and
-JAX's (`bridge.adapters.haiku.transforms.route`): at the probe's own trace a
-call is an ordinary site; inside the model's own `jax.vmap`s its value is
-handed out whole (`bridge.adapters.haiku.jax_transforms`); inside branches
-and loops of static bounds it takes the session's control-flow route; inside
-Haiku's lifted transforms its epsilon and recording ride in state
+JAX's (`bridge.adapters.haiku.transforms.route`): at the probe's own trace, and
+inside JAX's branches, loops of known bounds and the model's own `jax.vmap`s,
+a call is reported plainly and the core reads where it runs from the
+computation (`bridge._session.computation`); inside Haiku's lifted
+transforms its epsilon and recording ride in state
 (`bridge.adapters.haiku.transforms`, `bridge.adapters.haiku.variables`);
 inside a transform that carries neither, it is listed and refused where
 selected or patched, with the router's sentence.
@@ -40,7 +40,7 @@ from bridge.adapter_api import (
 
 from ..shared import jax_internals, unexpressible
 from ..shared.scan_bodies import ScanBodies
-from . import internals, jax_transforms, transforms, variables
+from . import internals, transforms, variables
 from .variables import Origin
 
 
@@ -127,20 +127,11 @@ class Interceptor:
         route = transforms.route(name, where, self.base, module)
         method_name = None if method == "__call__" else method
         match route:
-            case ThroughControlFlow(flow):
-                return session.call_in_control_flow(
-                    name,
-                    method_name,
-                    module,
-                    call_args,
-                    flow,
-                    run,
-                    Origin(bundle, tap=tap),
-                )
-            case Mapped(depth):
-                origin = Origin(bundle, tap=tap)
-                return jax_transforms.mapped(
-                    session, run, call_args, module, method, name, origin, depth
+            case ThroughControlFlow() | Mapped():
+                # JAX's branches and loops, the model's own vmaps: reported
+                # plainly, the core reads them from the computation.
+                return session.exit(
+                    session.enter(name, method_name, module, call_args), run()
                 )
             case Refused():
                 # Listed, and refused where selected or patched.
