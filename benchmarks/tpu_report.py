@@ -360,7 +360,9 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "JAX's caches and bridge's discovery cache cleared before each "
             "lowering (what the first lowering of a new shape costs), over "
             "plain's cold lowering. Rows before 2026-12-07 ran the model's "
-            "Python again in every probed lowering.",
+            "Python again in every probed lowering; the TPU backend's rows "
+            "of 2026-12-07 are the later run, where discovery of a "
+            "`vmap=True` probe (Equinox's) traces one example.",
             "",
         ] + lowering
     failed = failures(records)

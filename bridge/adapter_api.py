@@ -265,7 +265,6 @@ from ._session.routing import describe as describe_transforms
 from ._session.routing import refusal as refusal
 from ._session.routing import route as route
 from ._session.scan_counters import count_scans_of as count_scans_of
-from ._session.scan_counters import counter_calling as counter_calling
 from ._session.scan_counters import running as counted_scans
 from ._session.session import Request as Request
 from ._session.session import Session as Session
@@ -302,7 +301,6 @@ __all__ = [
     "counted_scans",
     "inlining_jits",
     "count_scans_of",
-    "counter_calling",
     "PLAIN",
     "LOOP_AMONG",
     "JAX_RULES",

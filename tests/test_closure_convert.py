@@ -17,6 +17,8 @@ differentiated with `jax.grad`.
 
 from __future__ import annotations
 
+import re
+
 import equinox as eqx
 import haiku as hk
 import jax
@@ -33,8 +35,24 @@ pytestmark = NEEDS_JAXPR_PARENTS
 
 WIDTH, OUT, BATCH = 4, 2, 3
 X = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
-#: How each conversion is named where bridge refuses a call inside it.
+#: How each conversion is named where bridge refuses a call inside it: by
+#: its own name where the adapter's route reads the Python call stack; where
+#: the core reads the computation (an adapter reporting every call plainly,
+#: Haiku's), JAX's by its trace's name and Equinox's, traced as a `jax.jit`
+#: of its own, as a function traced apart.
 NAMES = {"equinox": "equinox.filter_closure_convert", "jax": "jax.closure_convert"}
+READ_FROM_THE_COMPUTATION = {
+    "equinox": re.escape(
+        "a function the model's code traced apart and runs as a jaxpr (a closure "
+        "conversion such as equinox.filter_closure_convert, jax.make_jaxpr)"
+    ),
+    "jax": "jax.closure_convert",
+}
+
+
+def named(library: str, conversion: str) -> str:
+    """The pattern of the conversion's name in `library`'s refusal."""
+    return (READ_FROM_THE_COMPUTATION if library == "haiku" else NAMES)[conversion]
 
 
 def converted(conversion, function, example):
@@ -183,7 +201,8 @@ def test_the_default_selection_leaves_the_conversion_out_and_probes_the_rest(
     def run(x):
         return probe.value_and_grad(loss_fn, x)
 
-    said = rf"\('op'\).*bridge cannot see through {NAMES[conversion]} around site 'op'"
+    name = named(library, conversion)
+    said = rf"\('op'\).*bridge cannot see through {name} around site 'op'"
     with pytest.warns(bridge.BridgeWarning, match=said):
         res = run(x) if mode == "eager" else jax.jit(run)(x)
     assert set(res.activations) == {"rhs_net", "head"}
@@ -201,7 +220,8 @@ def test_selecting_or_patching_a_call_inside_a_conversion_names_it(
     trace for every call of the converted function) and the way out."""
     probe, _, x = BUILDERS[library](conversion, vmap)
     message = (
-        rf"'op'.*bridge cannot see through {NAMES[conversion]} around site 'op'.*"
+        rf"'op'.*bridge cannot see through {named(library, conversion)} "
+        r"around site 'op'.*"
         r"one epsilon would serve every call of the converted function.*"
         r"call the layer outside the converted function"
     )

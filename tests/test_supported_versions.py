@@ -68,8 +68,6 @@ def test_haiku_adapter_needs_its_lifting_module(monkeypatch):
         "bridge.adapters.haiku",
         "bridge.adapters.haiku.probe",
         "bridge.adapters.haiku.run",
-        "bridge.adapters.haiku.transforms",
-        "bridge.adapters.haiku.variables",
         "bridge.adapters.haiku.internals",
     )
     monkeypatch.delattr(lift, "LiftingModule")
@@ -156,8 +154,6 @@ def test_a_guest_library_of_an_unsupported_release_leaves_the_host_probed(
         "bridge.adapters.haiku.guest",
         "bridge.adapters.haiku.probe",
         "bridge.adapters.haiku.run",
-        "bridge.adapters.haiku.transforms",
-        "bridge.adapters.haiku.variables",
         "bridge.adapters.haiku.internals",
     )
     monkeypatch.delattr(lift, "LiftingModule")

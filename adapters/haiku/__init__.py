@@ -1,9 +1,7 @@
-"""dm-haiku: an epsilon read from Haiku state, added by `hk.intercept_methods`.
+"""dm-haiku: every module method call reported by `hk.intercept_methods`.
 
-`probe`, `run` (the interceptor), `variables` (Haiku state as the route of
-bridge's values), `transforms` (the rules of Haiku's transforms, by which the
-router routes a call; `hk.scan`'s carry), `internals`
-(version-checked), `guest`, `porting`: each name as `bridge.adapters` says.
+`probe`, `run` (the interceptor), `internals` (version-checked), `guest`,
+`porting`: each name as `bridge.adapters` says.
 """
 
 from ..shared import jax_internals

@@ -1,47 +1,19 @@
-"""dm-haiku: an epsilon read from Haiku state, added by `hk.intercept_methods`.
+"""dm-haiku: every module method call reported by `hk.intercept_methods`.
 
 Every module method call passes through an interceptor, installed around
-`apply` from outside, that reports it to the probe's session. At a selected
-call of an `hk.transform_with_state` model the interceptor adds
-`hk.get_state(...)` to the call's output: the epsilons travel in the state
-passed to `apply`, in the module's own state bundle (keyed like its params),
-so Haiku threads them wherever it threads state, and the gradient with respect
-to those state entries is the activation gradient. They are stripped from the
-state `apply` returns.
+`apply` from outside, that reports it to the probe's session, and every
+`bridge.tap` through the session's tap handler. The epsilon, the patch and
+the recording are the core's: it reads where each call runs from the
+computation JAX builds (`bridge._session.computation`), so a site inside
+Haiku's lifted transforms is a site like any other: a layer stack's and
+`hk.scan`'s sites hold every layer or iteration (`(layers, *value shape)`,
+in the order of `xs`), `hk.remat` and `hk.jit` are crossed as JAX's
+`checkpoint` and `jit`, `hk.cond`/`hk.switch` as branches (`ran` says where
+each ran), `hk.vmap` as the model's own `jax.vmap` (the site holds every
+mapped example), and a `hk.while_loop` is refused with the core's sentence.
 
-Haiku refuses state inside a plain `hk.transform` (`NonEmptyStateError`), so
-there the epsilon comes from the probe's session instead: the same interceptor
-adds it from a closure. Both give the same numbers; the state route is kept
-where Haiku allows it because it is Haiku's own way to feed a value into a
-module call.
-
-Haiku's transforms run a module's call inside a JAX transform, where a value
-seen by the interceptor is a tracer of the inner trace; they are recognised
-on the Python call stack. Inside `hk.experimental.layer_stack`, `hk.remat`
-(and `hk.jit`) and `hk.scan`, epsilons ride in with state and recordings leave
-with `hk.set_state`, so a site there is a real site: a layer stack slices
-state per layer going in and stacks it coming out (its sites hold every layer,
-`(layers, *value shape)`); `hk.remat` threads it through; `hk.scan` carries it,
-so the carry holds the whole stacked epsilon and recording and a step counter
-picks the iteration's row (sites hold every iteration, in the order of `xs`).
-A patch value there is given in the site's stacked shape and rides in state
-beside the epsilon, so each layer or iteration takes its row; a patch
-function is applied per layer or iteration; `with_inputs=True` records each
-one's positional inputs, stacked like the values. A plain `hk.transform`
-model with such a site runs as the `hk.transform_with_state` of the function
-it wraps (Haiku keeps it on `apply`). `hk.fori_loop`, `hk.while_loop`,
-`hk.vmap`, `hk.cond`, `hk.switch` and a user's `hk.lift` carry state as one
-value for every iteration or example: a site inside them takes the
-control-flow route where JAX's branches and loops of known bounds alone
-enclose it (a layer stack's and `hk.scan`'s scans among them, which count
-their iterations while a probe runs: a branch in a layer stack is a site per
-layer), and selecting or patching one elsewhere raises, naming the
-transform.
-
-The interceptor is `bridge.adapters.haiku.run`; the state route is
-`bridge.adapters.haiku.variables`, through Haiku's lifted transforms
-`bridge.adapters.haiku.transforms`; reading the enclosing transforms off the
-call stack, the one use of Haiku's internals, is
+The interceptor is `bridge.adapters.haiku.run`; naming a call inside a
+layer stack, the one use of Haiku's internals, is
 `bridge.adapters.haiku.internals`.
 """
 
@@ -57,22 +29,12 @@ import jax
 
 from bridge.adapter_api import (
     BridgeTypeError,
-    BridgeValueError,
     ProbeBase,
     Session,
-    Site,
-    is_carrier_name,
 )
 
 from ..shared import guests, unexpressible
 from .run import Interceptor
-from .variables import (
-    NeedsState,
-    with_epsilons,
-    without_epsilons,
-)
-from .variables import placed as placed_in_state
-from .variables import with_state as with_state_transform
 
 _PLAIN_USAGE = (
     "bridge.probe(transformed, params) with params = transformed.init(rng, x)"
@@ -103,7 +65,6 @@ def probe(
             )
         params, state = variables
         _check_mapping("state", state, _STATE_USAGE)
-        _check_reserved(state)
     else:
         if len(variables) != 1:
             hint = (
@@ -135,8 +96,8 @@ class HaikuProbe(ProbeBase):
     porting_side = "bridge.adapters.haiku.porting"
 
     #: The transformed functions are in the treedef, params and state are
-    #: leaves, and an origin is a state bundle's name and flags: a discovery
-    #: is reused by structure.
+    #: leaves, and a site has no origin of the adapter's: a discovery is
+    #: reused by structure.
     reuses_discovery = True
 
     def __init__(
@@ -187,63 +148,18 @@ class HaikuProbe(ProbeBase):
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
         unexpressible.refuse_patched(session)
-        placed = placed_in_state(session)
-        if self.with_state:
-            return self._apply(trainable, args, kwargs, session, True, placed)
-        return session.run_with_fallback(
-            lambda state_route: self._apply(
-                trainable, args, kwargs, session, state_route, placed
-            ),
-            NeedsState,
-            lambda origin: origin.lifted,
-        )
-
-    def _apply(
-        self,
-        trainable: Any,
-        args: tuple,
-        kwargs: dict,
-        session: Session,
-        state_route: bool,
-        placed: Mapping[str, Site],
-    ) -> tuple[Any, Any]:
         model_kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
         leading = (kwargs.get("rng"),) if self.takes_rng else ()
-        # Haiku's transforms around a call are read off the stack up to this
+        state = (self.state,) if self.with_state else ()
+        # The layer stacks around a call are read off the stack up to this
         # frame: what runs the probe (a user's jit, a scan of it) is not the
         # model's.
-        here = sys._getframe()
-        interceptor = Interceptor(session, state_route, placed, here)
-        tapping = session.taps.tapping(interceptor.tap)
-        if not state_route:  # a plain transform: epsilons from the session
-            with tapping, hk.intercept_methods(interceptor):
-                outputs = self.transformed.apply(
-                    trainable, *leading, *args, **model_kwargs
-                )
-            return outputs, None
-        transformed = (
-            self.transformed
-            if self.with_state
-            else with_state_transform(self.transformed, self.takes_rng)
-        )
-        state = with_epsilons(self.state or {}, session, placed)
-        with tapping, hk.intercept_methods(interceptor):
-            outputs, new_state = transformed.apply(
-                trainable, state, *leading, *args, **model_kwargs
+        interceptor = Interceptor(session, sys._getframe())
+        with session.taps.tapping(interceptor.tap), hk.intercept_methods(interceptor):
+            result = self.transformed.apply(
+                trainable, *state, *leading, *args, **model_kwargs
             )
-        # The values recorded inside lifted transforms, as they leave them in
-        # state (stacked over a layer stack's layers).
-        session.carrier.hand_over(lambda where: new_state[where[0]][where[1]])
-        new_state = without_epsilons(new_state)
-        if self.with_state:
-            return outputs, new_state
-        if new_state:
-            raise BridgeValueError(  # what Haiku's own plain apply refuses too
-                "The model uses hk.get_state or hk.set_state, so it needs "
-                "hk.transform_with_state: pass bridge.probe(transformed, params, "
-                "state) with params, state = transformed.init(rng, x)."
-            )
-        return outputs, None
+        return result if self.with_state else (result, None)
 
     # -- taking the model out (`ActivationProbe.unwrap`) -------------------------
 
@@ -292,14 +208,3 @@ def _check_mapping(name: str, value: Any, usage: str) -> None:
             f"`{name}` must be the dict of dicts that transformed.init returns "
             f"({usage}); got {type(value).__name__}.{hint}"
         )
-
-
-def _check_reserved(state: Mapping) -> None:
-    for bundle, entries in state.items():
-        for entry in entries:
-            if is_carrier_name(entry):
-                raise BridgeValueError(
-                    f"`state[{bundle!r}]` has an entry {entry!r}: bridge reserves "
-                    "state names of the form 'bridge_<kind>:<method>#<index>' "
-                    "for its own epsilons and recordings. Rename it."
-                )

@@ -2,77 +2,42 @@
 reported to the session by an interceptor (`hk.intercept_methods`), and every
 `bridge.tap`, from where it runs.
 
-The call router decides how each is reached, from the Haiku transforms around
-it (read off the Python call stack, `bridge.adapters.haiku.internals`) and
-JAX's (`bridge.adapters.haiku.transforms.route`): at the probe's own trace, and
-inside JAX's branches, loops of known bounds and the model's own `jax.vmap`s,
-a call is reported plainly and the core reads where it runs from the
-computation (`bridge._session.computation`); inside Haiku's lifted
-transforms its epsilon and recording ride in state
-(`bridge.adapters.haiku.transforms`, `bridge.adapters.haiku.variables`);
-inside a transform that carries neither, it is listed and refused where
-selected or patched, with the router's sentence.
+Each is reported plainly: where it runs (Haiku's lifted transforms, JAX's
+branches and loops, the model's own `jax.vmap`s) the core reads from the
+computation (`bridge._session.computation`), which gives a site its epsilon,
+its patch and its recording, or refuses it with the one sentence of the
+primitive no rule crosses. The adapter names the call, as Haiku names its
+params.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
 import haiku as hk
-import jax.numpy as jnp
 
-from bridge.adapter_api import (
-    PLAIN,
-    BodyTraces,
-    BridgeValueError,
-    Carried,
-    Mapped,
-    Refused,
-    Session,
-    Site,
-    ThroughControlFlow,
-    add_epsilon,
-    carrier_name,
-)
+from bridge.adapter_api import BridgeValueError, Session
 
-from ..shared import jax_internals, unexpressible
-from ..shared.scan_bodies import ScanBodies
-from . import internals, transforms, variables
-from .variables import Origin
+from . import internals
 
 
 class Interceptor:
-    """Reports every module method call of one `apply` to the session.
+    """Reports every module method call of one `apply` to the session, and
+    every `bridge.tap`.
 
     Inside `hk.experimental.layer_stack` a module's name is relative to the
     layer (`lin`); the site is named like its params,
     `__layer_stack_no_per_layer/lin`, with the name of the `LiftingModule` the
-    stack calls first. A site there holds every layer stacked: its epsilon and
-    recording live in state, which the stack slices per layer going in and
-    stacks coming out; so does a patch value for it (`placed`). A repeated
-    trace of a stack's body re-uses the names of the first.
+    stack calls first. Where a call runs (a layer stack's or `hk.scan`'s
+    scan, `hk.remat`, `hk.cond`, the model's own `jax.vmap`) the core reads
+    from the computation: a site in a layer stack holds every layer.
     """
 
-    def __init__(
-        self,
-        session: Session,
-        state_route: bool,
-        placed: Mapping[str, Site],
-        apply_frame: Any,
-    ):
+    def __init__(self, session: Session, apply_frame: Any):
         self.session = session
         self.apply_frame = apply_frame  # where the walks up the stack stop
-        self.base = jax_internals.current_trace()  # the trace of that apply
-        self.state_route = state_route
-        self.placed = placed  # sites whose patch value rides in state
         self.prefixes: dict[Any, str] = {}  # `_LayerStack.__call__` frame -> name
-        self.traces = BodyTraces(session)  # of each stack's body, by stack call
-        self.bodies: dict[Any, Any] = {}  # each stack's body frame traced last
-        # The bodies of the model's own `lax.scan`s, by the scan's frame.
-        self.scan_bodies = ScanBodies(session, self.base, apply_frame)
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         if not is_site(context):
@@ -80,109 +45,35 @@ class Interceptor:
         module = context.module
         if self.session.batch_axis is not None:
             _check_batch_norm_mapped(module, self.session.batch_axis)
-        where = internals.enclosing(self.apply_frame)
-        prefix = self.prefixes.get(where.stack_call, "")
+        stack_call = internals.layer_stack_call(self.apply_frame)
+        prefix = self.prefixes.get(stack_call, "")
         if internals.is_lifting(module):
             # Returns the lifted params, not an activation: not a site.
             value = next_fun(*call_args, **call_kwargs)
             caller = internals.layer_stack_caller()
             if caller is not None:
                 self.prefixes[caller] = _joined(prefix, module.module_name)
-                self.traces.begin(caller)
             return value
-        if where.body is not None:
-            first = self.bodies.setdefault(where.stack_call, where.body)
-            if first is not where.body:  # the stack's body traced again
-                self.traces.again(where.stack_call)
-                self.bodies[where.stack_call] = where.body
-        return self._site(
-            lambda: next_fun(*call_args, **call_kwargs),
-            call_args,
-            module,
-            context.method_name,
-            where,
+        method = context.method_name
+        call = self.session.enter(
             _joined(prefix, module.module_name),
+            None if method == "__call__" else method,
+            module,
+            call_args,
         )
+        return self.session.exit(call, next_fun(*call_args, **call_kwargs))
 
     def tap(self, name: str, value: Any) -> Any:
         """The session's tap handler: a `bridge.tap` named under the module
-        calling it, a site of its own where the router routes it anywhere
-        but the probe's own trace; inside a layer stack, `hk.scan` or
-        `hk.remat` its state bundle holds its values (see `carrier_name`'s
-        `tap`)."""
-        where = internals.enclosing(self.apply_frame)
+        calling it; in a layer stack's body outside any module, like its
+        params."""
         enclosing = self.session.enclosing
         if enclosing:
             path = f"{enclosing[-1]}/{name}"
-        else:  # in the stack's body, outside any module: named like its params
-            path = _joined(self.prefixes.get(where.stack_call, ""), name)
-        return self._site(lambda: value, (), None, "__call__", where, path, name)
-
-    def _site(self, run, call_args, module, method, where, name, tap=None):
-        """The call `run()` of `module`'s `method`, named `name`, as a site;
-        a `bridge.tap` named `tap` inside the module running now."""
-        session = self.session
-        prefix = self.prefixes.get(where.stack_call, "")
-        bundle = _joined(prefix, hk.experimental.current_name())
-        route = transforms.route(name, where, self.base, module)
-        method_name = None if method == "__call__" else method
-        match route:
-            case ThroughControlFlow() | Mapped():
-                # JAX's branches and loops, the model's own vmaps: reported
-                # plainly, the core reads them from the computation.
-                return session.exit(
-                    session.enter(name, method_name, module, call_args), run()
-                )
-            case Refused():
-                # Listed, and refused where selected or patched.
-                if not where.transforms:  # in a scan's body, maybe traced again
-                    self.scan_bodies.traced()
-                origin = Origin(bundle, tap=tap)
-                call = session.enter(
-                    name, method_name, module, call_args, origin=origin, record=False
-                )
-                # The sentence names the site as the session named the call.
-                call.origin = dataclasses.replace(origin, blocked=route.at(call.name))
-                return unexpressible.listed(
-                    session, call, run(), self.base, self.apply_frame
-                )
-        if route is PLAIN and tap is not None:
-            return session.tap_here(tap, run())
-        # At the probe's own trace, or carried through Haiku's transforms.
-        inside = isinstance(route, Carried)
-        origin = Origin(bundle, inside, scan=where.scan, tap=tap)
-        if inside and not self.state_route:
-            session.recorder.fall_back()  # discovery: again, through state
-        call = session.enter(
-            name, method_name, module, call_args, origin=origin, record=not inside
-        )
-        value = run()
-        if not self.state_route:
-            return session.exit(call, value)  # the session's own epsilon
-        entry = carrier_name("epsilon", method, call.index, tap)
-        recording_entry = carrier_name("recording", method, call.index, tap)
-        patched = call.name in self.placed
-        if origin.scan is not None:
-            value = transforms.scanned(
-                session, call, value, call_args, origin, method, patched
-            )
-            if call.name in session.selected:  # its recording rows are carried
-                session.carrier.defer(call.name, (origin.bundle, recording_entry))
-            return value
-
-        def perturb(value):
-            epsilon = hk.get_state(
-                entry, (), jnp.float32, init=variables.unreachable(call)
-            )
-            return add_epsilon(value, epsilon)
-
-        patch = variables.patch_from_state(call, method) if patched else None
-        value = session.exit(call, value, perturb, record=not inside, patch=patch)
-        carrier = session.carrier
-        if inside and carrier.carries_out(call.name):
-            hk.set_state(recording_entry, carrier.to_carry_out(value, call_args))
-            carrier.defer(call.name, (origin.bundle, recording_entry))
-        return value
+        else:
+            stack_call = internals.layer_stack_call(self.apply_frame)
+            path = _joined(self.prefixes.get(stack_call, ""), name)
+        return self.session.exit(self.session.enter(path, None, None), value)
 
 
 def _joined(prefix: str, name: str) -> str:

@@ -177,7 +177,9 @@ class ProbeBase(ProbeFront):
             loss_struct = UNCHECKED_LOSS
         (session,) = sessions
         discovered = liveness.in_the_computation(session.discovered(), jaxpr)
-        discovered = computation.located(discovered, jaxpr)
+        discovered = computation.located(
+            discovered, jaxpr, session.recorder.traced_apart
+        )
         replay = None
         if outputs_found[-1] is not None and computed_as[-1] is not None:
             vmapped = None

@@ -47,7 +47,7 @@ from .._errors import BridgeAssertionError, BridgeRuntimeError
 from . import liveness, sites
 from .backward import InControlFlow
 from .liveness import site_marker
-from .routing import UNBOUNDED_LOOP, refusal
+from .routing import CONVERTED, CONVERTED_FIX, UNBOUNDED_LOOP, refusal
 from .sites import Site, SiteOrigin, differentiable_part
 
 #: The part of a call a marker holds: its value, or its positional inputs
@@ -68,11 +68,13 @@ class Enclosure:
         (one iteration of the scans around it, mapped axes first).
       mapped: how many of the model's own vmaps map it (the probe's is not
         counted).
+      in_call: whether a call evaluated in place (a `jax.jit`) holds it.
     """
 
     transforms: tuple[tuple[str, int], ...]
     leaves: tuple[jax.ShapeDtypeStruct, ...]
     mapped: int = 0
+    in_call: bool = False
 
     @property
     def iterations(self) -> tuple[int, ...]:
@@ -137,6 +139,48 @@ def refusal_of(primitive: str, site: str) -> str:
     return refusal(site, transform, why, fix)
 
 
+def _traced_apart(site: str, traced_for: str) -> str:
+    """The refusal of a call in a function the model's code traced apart."""
+    transform = (
+        "jax.closure_convert"
+        if traced_for == "closure_convert"
+        else "a function the model's code traced apart and runs as a jaxpr "
+        "(a closure conversion such as equinox.filter_closure_convert, "
+        "jax.make_jaxpr)"
+    )
+    return refusal(site, transform, CONVERTED, CONVERTED_FIX)
+
+
+def trace_apart(value: Any, base: Any) -> str | None:
+    """JAX's name of the trace a tracer among `value`'s leaves belongs to
+    (`traced_for`, e.g. `closure_convert`), where it is not `base`, the
+    trace the model's call started in; else `None`. Read from JAX's trace
+    objects (`Tracer._trace`, the jaxpr trace's debug info), where they are
+    not found: `None`."""
+    if base is None:
+        return None
+    for leaf in jax.tree.leaves(value):
+        trace = (
+            getattr(leaf, "_trace", None) if isinstance(leaf, jax.core.Tracer) else None
+        )
+        if trace is None:
+            continue
+        if trace is base:
+            return None
+        debug = getattr(getattr(trace, "frame", None), "debug_info", None)
+        return str(getattr(debug, "traced_for", None) or type(trace).__name__)
+    return None
+
+
+def current_trace() -> Any:
+    """The trace JAX traces in now, `None` where this JAX keeps it elsewhere."""
+    try:
+        from jax._src import core
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(getattr(core, "trace_ctx", None), "trace", None)
+
+
 # -- reading the computation -----------------------------------------------------
 
 
@@ -164,7 +208,7 @@ def enclosures(closed_jaxpr: Any, part: str = VALUE) -> dict[str, Enclosure]:
     a call's inputs) in the jaxpr."""
     found: dict[str, Enclosure] = {}
 
-    def walk(jaxpr: Any, around: tuple[tuple[str, int], ...]) -> None:
+    def walk(jaxpr: Any, around: tuple[tuple[str, int], ...], in_call: bool) -> None:
         for eqn in jaxpr.eqns:
             if eqn.primitive is site_marker:
                 if eqn.params.get("part", VALUE) == part:
@@ -175,14 +219,15 @@ def enclosures(closed_jaxpr: Any, part: str = VALUE) -> dict[str, Enclosure]:
                             for v in eqn.invars
                         ),
                         eqn.params.get("mapped", 0),
+                        in_call,
                     )
                 continue
             name = eqn.primitive.name
             inner = around if name in _IN_PLACE else (*around, (name, _extent(eqn)))
             for sub, _ in _sub_jaxprs(eqn.params):
-                walk(sub, inner)
+                walk(sub, inner, in_call or name in _IN_PLACE)
 
-    walk(closed_jaxpr.jaxpr, ())
+    walk(closed_jaxpr.jaxpr, (), False)
     return found
 
 
@@ -194,7 +239,9 @@ class NoRule(SiteOrigin):
     blocked: str | None = None
 
 
-def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
+def located(
+    sites: list[Site], closed_jaxpr: Any, traced_apart: Mapping[str, str] = {}
+) -> list[Site]:
     """The sites of a discovery, each one the adapter gave no origin of its
     own and that sits inside a transform of the model's code (or its own
     `jax.vmap`) given its true shape there, read from the jaxpr: the
@@ -202,11 +249,29 @@ def located(sites: list[Site], closed_jaxpr: Any) -> list[Site]:
     then the value; and its refusal where a primitive around it has no
     rule. A site an adapter's own route refused is the computation's where a
     rule crosses every primitive around it. Other sites are returned as they
-    are."""
+    are.
+
+    `traced_apart`: `{marker name: JAX's name of the trace}` of the calls
+    reported without an origin whose value was a tracer of another trace
+    than the model's (`trace_apart`). Where the computation holds such a
+    marker inside no primitive at all, the model's code traced the function
+    apart and inlined its jaxpr (`jax.closure_convert`,
+    `eqx.filter_closure_convert`, `jax.make_jaxpr` evaluated again): one
+    trace standing for every call of the function, refused."""
     found = enclosures(closed_jaxpr)
     placed = []
     for site in sites:
-        enclosure = found.get(site.traced_as or site.name)
+        marker = site.traced_as or site.name
+        enclosure = found.get(marker)
+        if (
+            site.origin is None
+            and marker in traced_apart
+            and enclosure is not None
+            and not (enclosure.transforms or enclosure.mapped or enclosure.in_call)
+        ):
+            sentence = _traced_apart(site.name, traced_apart[marker])
+            placed.append(dataclasses.replace(site, origin=NoRule(sentence)))
+            continue
         if enclosure is None or not (enclosure.transforms or enclosure.mapped):
             placed.append(site)
             continue

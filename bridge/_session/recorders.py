@@ -135,6 +135,11 @@ class DiscoveryRecorder(Recorder):
         # The exception that starts discovery again on the fallback route,
         # while the first attempt of `run_with_fallback` runs.
         self._fallback: type[Exception] | None = None
+        # The trace the model's call starts in, and `{name: JAX's name of
+        # the trace}` of each call reported without an origin whose value
+        # belongs to another (`computation.located` reads where).
+        self._base = computation.current_trace()
+        self.traced_apart: dict[str, str] = {}
 
     def entered(self, call: Call, args: tuple, record: bool) -> None:
         call.slot = len(self._sites)
@@ -146,6 +151,10 @@ class DiscoveryRecorder(Recorder):
 
     def exited(self, call, value, perturb, record, patch):
         if self._arrays is JAX_ARRAYS:
+            if call.origin is None:
+                apart = computation.trace_apart(value, self._base)
+                if apart is not None:
+                    self.traced_apart[call.name] = apart
             value, _ = computation.mark(call.name, value)  # is it in what JAX keeps?
         self._sites[call.slot] = Site(
             call.name,

@@ -76,19 +76,6 @@ def running() -> tuple[tuple[Any, int], ...]:
     return tuple(reversed(_RUNNING.get()))
 
 
-def counter_calling(frame: Any) -> Any:
-    """The counter of the counted scan whose body called the function running
-    in `frame` (a library's scan body, called by the counting wrapper's), or
-    `None`: how an adapter finds the trace its scan's body runs in."""
-    caller = frame.f_back
-    if caller is None or (caller.f_code.co_name, caller.f_code.co_filename) != (
-        "counted_body",
-        __file__,
-    ):
-        return None
-    return caller.f_locals.get("counter")
-
-
 def _counts(caller: Any) -> bool:
     """Whether a scan called from the frame `caller` is the model's, during a
     probe's run."""
