@@ -19,7 +19,6 @@ from helpers import (
     NEEDS_JAXPR_PARENTS,
     add_at_float_leaves,
     assert_tree_allclose,
-    jaxpr_traces_record_their_parent,
     numpy_snapshot,
     random_like,
     tree_vdot,
@@ -566,25 +565,27 @@ def _branch_in_a_layer_stack(kind):
     return lambda x: hk.experimental.layer_stack(2)(block)(x)
 
 
-@pytest.mark.skipif(
-    jaxpr_traces_record_their_parent(),
-    reason="jax >= 0.6.2 probes it (tests/test_control_flow.py, Haiku)",
-)
-@pytest.mark.parametrize(
-    ("kind", "named"), [("lax.cond", "jax.lax.cond"), ("lax.scan", "jax.lax.scan")]
-)
-def test_on_old_jax_a_branch_or_loop_in_a_layer_stack_is_refused_naming_it(kind, named):
-    """Where jax does not read the traces around a call back to the layer
-    stack's body (< 0.6.2), a call in JAX's branch or loop there is listed
-    and refused naming it, not carried by Haiku's state out of JAX's trace
-    (an UnexpectedTracerError before)."""
+@pytest.mark.parametrize("kind", ["lax.cond", "lax.scan"])
+def test_a_branch_or_loop_in_a_layer_stack_is_read_from_the_computation(kind):
+    """On every supported jax (the floor's too, whose traces do not record
+    their parent): a call in JAX's branch or loop in a layer stack's body is a
+    site of every layer (and iteration), whose gradient summed over the
+    iterations and the batch is each layer's bias gradient, from plain
+    `jax.grad`."""
     x = _inputs(4, 8)
     transformed = hk.without_apply_rng(hk.transform(_branch_in_a_layer_stack(kind)))
-    probe = bridge.probe(transformed, transformed.init(jax.random.key(0), x))
+    params = transformed.init(jax.random.key(0), x)
+    probe = bridge.probe(transformed, params)
     site = f"{STACK}/lin"
-    assert site in probe.sites(x)
-    with pytest.raises(bridge.BridgeValueError, match=rf"{named} around site '{site}'"):
-        probe.value_and_grad(mse, x, at=[site])
+    plain = jax.grad(lambda p: mse(transformed.apply(p, x)))(params)
+    for res in (
+        probe.value_and_grad(mse, x, at=[site]),
+        jax.jit(lambda p, x: p.value_and_grad(mse, x, at=[site]))(probe, x),
+    ):
+        grads = res.activation_grads[site]
+        assert grads.shape == ((2, 4, 8) if kind == "lax.cond" else (2, 2, 4, 8))
+        summed = grads.sum(axis=tuple(range(1, grads.ndim - 1)))
+        np.testing.assert_allclose(summed, plain[site]["b"], rtol=1e-5, atol=1e-6)
 
 
 def recurrent(x, reverse=False):
