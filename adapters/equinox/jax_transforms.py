@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -76,6 +76,10 @@ class Mapped(SiteOrigin):
         innermost vmap first (`None`: not mapped there).
       input_ndim: that argument's rank as the layer sees it.
     """
+
+    #: Where the call runs the core reads from the computation: this origin
+    #: only describes the inputs' layout.
+    routes: ClassVar[bool] = False
 
     input_axes: tuple[int | None, ...]
     input_ndim: int

@@ -29,8 +29,11 @@ import equinox as eqx
 import jax
 
 from bridge.adapter_api import (
+    BOUNDED_WHILE,
+    CHECKPOINTED_WHILE,
     BridgeValueError,
     Carried,
+    ControlFlow,
     Mapped,
     Refused,
     Route,
@@ -95,10 +98,20 @@ def observed_call(
     if not _a_call(context, enclosing, found):
         return function(*args, **kwargs)
     match found:
-        case ThroughControlFlow(flow):
+        case ThroughControlFlow(flow) if _in_equinox_loops(flow):
+            # Equinox's own while loops run a `custom_vjp`, whose backward
+            # pass the computation does not see: the core's one fallback.
             return session.call_in_control_flow(
                 path, method, module, args, flow, lambda: function(*args, **kwargs)
             )
+        case Mapped(depth):
+            # The model's own vmaps: reported plainly, the core reads them from
+            # the computation; the origin says how the inputs were mapped
+            # (for `compare`).
+            call = session.enter(
+                path, method, module, args, jax_transforms.mapped_origin(args, depth)
+            )
+            return _report(session, call, function(*args, **kwargs))
         case Carried():
             return transforms.call_in_transform(
                 context, site, method, module, function, args, kwargs, enclosing, found
@@ -115,45 +128,18 @@ def observed_call(
                 enclosing,
                 refused,
             )
-        case Mapped(depth):
-            return _call_mapped(
-                session, path, method, module, function, args, kwargs, depth
-            )
-        case _:  # PLAIN
+        case _:
+            # At the probe's trace, in JAX's branches and loops of known
+            # bounds, in the model's own vmaps: reported plainly, the core
+            # reads where from the computation.
             call = session.enter(path, method, module, args)
             return _report(session, call, function(*args, **kwargs))
 
 
-def _call_mapped(
-    session: Session,
-    path: str,
-    method: str | None,
-    module: Any,
-    function: Callable,
-    args: tuple,
-    kwargs: dict,
-    depth: int,
-) -> Any:
-    """A call `depth` of the model's own vmaps deep: its value (and its
-    inputs) handed out to the probe's trace whole, mapped axes first."""
-    entered = []
-    origin = jax_transforms.mapped_origin(args, depth)
-
-    def enter(full_args: tuple) -> tuple:
-        entered.append(session.enter(path, method, module, full_args, origin))
-        return full_args
-
-    if session.with_inputs:
-        # Inputs are recorded at the probe's trace too, mapped axes first.
-        jax_transforms.lift(args, depth, enter)
-    else:
-        enter(())
-    (call,) = entered
-    value = function(*args, **kwargs)
-    if not session.recorder.needs_value(call.name):
-        # Nothing to list, record or change: bookkeeping only, and no cost.
-        return session.exit(call, value)
-    return jax_transforms.lift(value, depth, lambda full: _report(session, call, full))
+def _in_equinox_loops(flow: ControlFlow) -> bool:
+    """Whether Equinox's checkpointed or bounded while loop is among the loops
+    around a call (read by the router: `bridge.adapters.shared.equinox_loops`)."""
+    return bool({CHECKPOINTED_WHILE, BOUNDED_WHILE} & set(flow.transforms))
 
 
 def _a_call(context: Context, enclosing: rules.Enclosing, found: Route) -> bool:
@@ -247,7 +233,7 @@ def tap(context: Context, name: str, value: Any) -> Any:
             "a tap."
         )
     match found:
-        case ThroughControlFlow(flow):
+        case ThroughControlFlow(flow) if _in_equinox_loops(flow):
             return session.call_in_control_flow(
                 path, None, None, (), flow, lambda: value
             )
@@ -264,11 +250,7 @@ def tap(context: Context, name: str, value: Any) -> Any:
                 refused,
                 jax_transforms.whole_axes(enclosing.names, None),
             )
-        case Mapped(depth):
-            return jax_transforms.lift(
-                value, depth, lambda full: session.tap_here(name, full)
-            )
-        case _:  # PLAIN
+        case _:  # reported plainly, as a call
             return session.tap_here(name, value)
 
 

@@ -263,8 +263,9 @@ def located(
     for site in sites:
         marker = site.traced_as or site.name
         enclosure = found.get(marker)
+        routed = site.origin is not None and site.origin.routes
         if (
-            site.origin is None
+            not routed
             and marker in traced_apart
             and enclosure is not None
             and not (enclosure.transforms or enclosure.mapped or enclosure.in_call)
@@ -291,7 +292,7 @@ def located(
             # there would be acted on too.)
             placed.append(dataclasses.replace(site, computed=enclosure))
             continue
-        if site.origin is not None:
+        if routed:
             # An adapter's route refused it at one of JAX's transforms: the
             # computation takes it where a rule crosses every primitive
             # around it and no vmap of the model's maps it. (A refusal at a

@@ -151,7 +151,7 @@ class DiscoveryRecorder(Recorder):
 
     def exited(self, call, value, perturb, record, patch):
         if self._arrays is JAX_ARRAYS:
-            if call.origin is None:
+            if call.origin is None or not call.origin.routes:
                 apart = computation.trace_apart(value, self._base)
                 if apart is not None:
                     self.traced_apart[call.name] = apart

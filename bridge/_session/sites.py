@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +78,16 @@ class SiteOrigin:
     A call bridge cannot express (inside a `while_loop`, a `cond`, a scan
     that broadcasts its parameters) has as `blocked` the error to raise
     where it is selected or patched, naming the transform that holds it: it
-    is listed by `sites()` and left out of `at=None`."""
+    is listed by `sites()` and left out of `at=None`.
+
+    `routes`: whether the adapter's own route carries the call's epsilon and
+    value; an origin that only describes the call (the layout of its inputs,
+    for porting) leaves where it runs to the core, which reads it from the
+    computation as for a call reported without one."""
 
     __slots__ = ()
 
+    routes: ClassVar[bool] = True
     scan: tuple[int, bool] | None = None
     value: Any = None
     inputs: Any = None
