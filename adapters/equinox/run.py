@@ -4,11 +4,13 @@ session from where it runs.
 The wrappers of the surgery (`bridge.adapters.equinox.surgery`) report each
 call here (`observed_call`), and the call router decides how it reaches its
 site from the transforms around it (`bridge.adapters.equinox.rules`): at
-the probe's own trace it is an ordinary site; inside the model's own
-`jax.vmap`s its value is handed out to the probe's trace whole
-(`bridge.adapters.equinox.jax_transforms.lift`); inside branches and loops
-of known bounds it is a site of the session's control-flow route; inside
-`lax.scan` or `jax.checkpoint` it goes through the tree
+the probe's own trace, inside the model's own `jax.vmap`s and inside JAX's
+branches and loops of known bounds it is reported plainly, and the core
+reads where it runs from the computation (`bridge._session.computation`);
+inside Equinox's checkpointed or bounded while loop (a `custom_vjp`, whose
+backward pass the computation does not see) it takes the session's
+control-flow route, the core's one fallback; inside `lax.scan` over stacked
+layers or `jax.checkpoint` it goes through the tree
 (`bridge.adapters.equinox.transforms`); elsewhere it is listed and refused
 where selected or patched. `bridge.tap` is routed the same way (`tap`). A
 trace is not a call: inside the model's own `jax.eval_shape` a call or a tap

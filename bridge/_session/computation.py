@@ -48,7 +48,7 @@ from . import liveness, sites
 from .backward import InControlFlow
 from .liveness import site_marker
 from .routing import CONVERTED, CONVERTED_FIX, UNBOUNDED_LOOP, refusal
-from .sites import Site, SiteOrigin, differentiable_part
+from .sites import Site, SiteOrigin, differentiable_part, routes
 
 #: The part of a call a marker holds: its value, or its positional inputs
 #: (recorded only: nothing flows on from them).
@@ -263,7 +263,7 @@ def located(
     for site in sites:
         marker = site.traced_as or site.name
         enclosure = found.get(marker)
-        routed = site.origin is not None and site.origin.routes
+        routed = routes(site.origin)
         if (
             not routed
             and marker in traced_apart

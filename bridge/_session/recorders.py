@@ -29,6 +29,7 @@ from .sites import (
     Site,
     differentiable_part,
     patch_misfit,
+    routes,
 )
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class DiscoveryRecorder(Recorder):
 
     def exited(self, call, value, perturb, record, patch):
         if self._arrays is JAX_ARRAYS:
-            if call.origin is None or not call.origin.routes:
+            if not routes(call.origin):
                 apart = computation.trace_apart(value, self._base)
                 if apart is not None:
                     self.traced_apart[call.name] = apart

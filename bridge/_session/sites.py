@@ -112,6 +112,13 @@ class SiteOrigin:
         return None
 
 
+def routes(origin: Any) -> bool:
+    """Whether an adapter's `origin` of a call carries its route (any origin
+    an adapter gives but a `SiteOrigin` whose `routes` is false): where
+    not, the core reads where the call runs from the computation."""
+    return origin is not None and getattr(origin, "routes", True)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Site:
     """One call of a submodule, as seen by abstract evaluation.
