@@ -109,7 +109,8 @@ class ProbeBase(ProbeFront):
         The inputs' array leaves are traced, never closed over, so no operation
         on them can run eagerly. Where an output cannot leave the trace as
         plain data, `loss_fn` is evaluated inside it and its abstract value
-        returned too (else `None`).
+        returned too (else `None`; `UNCHECKED_LOSS` with `vmap=True`, whose
+        trace holds one example).
         """
         # With `vmap=True` discovery traces one example (the probe's batch
         # axis named in the trace's axis environment, for a model's
@@ -121,7 +122,8 @@ class ProbeBase(ProbeFront):
         axis_env = None
         if self.vmap:
             kwargs, mapped = mapped_call(args, kwargs)
-            axis_env = [(BATCH_AXIS, batch_size(args))]
+            batch = batch_size(args)
+            axis_env = [(BATCH_AXIS, batch)]
         dynamic, rebuild = split_arrays((args, kwargs))
         traced_dynamic = [
             without_axis(abstract_array(leaf), 0) if mapped and mapped[i] else leaf
@@ -148,10 +150,7 @@ class ProbeBase(ProbeFront):
             )
             found = discovery_cache.abstract_outputs(outputs)
             if found is not None and self.vmap:
-                found = (
-                    found[0],
-                    [with_leading_axis(leaf, axis_env[0][1]) for leaf in found[1]],
-                )
+                found = (found[0], [with_leading_axis(v, batch) for v in found[1]])
             outputs_found.append(found)
             # What the model computes for: its outputs and its new state, the
             # ends against which a call is live or dead.
@@ -201,7 +200,7 @@ class ProbeBase(ProbeFront):
                 input_structures=session.recorder.input_structures,
             )
         if self.vmap:
-            batch, spec = batch_size(args), batch_sharding(args)
+            spec = batch_sharding(args)
             discovered = [with_batch_axis(site, batch, spec) for site in discovered]
         found = discovery_cache.Discovery(tuple(discovered), outputs_found[-1], replay)
         return found, loss_struct
