@@ -228,6 +228,15 @@ def test_cond_holds_the_branch_that_ran(sign, mode):
         t = jnp.tanh(dense(params["b"], h) + eps["b"]) + eps["t"]
         return loss_fn(dense(params["c"], t) + eps["c"])
 
+    assert_matches_by_hand(res, probe, x, hand)
+    b = dense(probe.params["b"], dense(probe.params["a"], x))
+    close(res.activations["b"], b if took else jnp.zeros_like(b))
+
+
+def assert_matches_by_hand(res, probe, x, hand):
+    """The loss, parameter and activation gradients of `res` equal those of
+    `hand(params, offsets)`, the model written by hand with an offset at
+    every site, differentiated by `jax.grad` at zero offsets."""
     sites = probe.sites(x)
     zeros = {name: jnp.zeros(s.shape) for name, s in sites.items()}
     loss, (param_grads, grads) = jax.value_and_grad(hand, argnums=(0, 1))(
@@ -237,8 +246,6 @@ def test_cond_holds_the_branch_that_ran(sign, mode):
     jax.tree.map(close, res.grads, param_grads)
     for name in sites:
         close(res.activation_grads[name], grads[name])
-    b = dense(probe.params["b"], dense(probe.params["a"], x))
-    close(res.activations["b"], b if took else jnp.zeros_like(b))
 
 
 def branched_per_example(layers, x):
@@ -277,16 +284,8 @@ def test_probe_vmap_around_a_branch_on_each_example(mode):
             outputs.append(dense(params["c"], t) + eps["c"][i])
         return loss_fn(jnp.stack(outputs))
 
-    sites = probe.sites(X)
-    assert sites["b"].shape == (3, 5)
-    zeros = {name: jnp.zeros(s.shape) for name, s in sites.items()}
-    loss, (param_grads, grads) = jax.value_and_grad(hand, argnums=(0, 1))(
-        probe.params, zeros
-    )
-    close(res.loss, loss)
-    jax.tree.map(close, res.grads, param_grads)
-    for name in sites:
-        close(res.activation_grads[name], grads[name])
+    assert probe.sites(X)["b"].shape == (3, 5)
+    assert_matches_by_hand(res, probe, X, hand)
     b = dense(probe.params["b"], dense(probe.params["a"], X))
     close(res.activations["b"], jnp.where(took[:, None], b, 0.0))
 
