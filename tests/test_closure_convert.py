@@ -52,7 +52,8 @@ READ_FROM_THE_COMPUTATION = {
 
 def named(library: str, conversion: str) -> str:
     """The pattern of the conversion's name in `library`'s refusal."""
-    return (READ_FROM_THE_COMPUTATION if library == "haiku" else NAMES)[conversion]
+    plainly = library in ("haiku", "equinox")
+    return (READ_FROM_THE_COMPUTATION if plainly else NAMES)[conversion]
 
 
 def converted(conversion, function, example):

@@ -24,6 +24,7 @@ from helpers import (
     assert_tree_allclose,
     jaxpr_traces_record_their_parent,
     leaves_out,
+    value_and_grad_in,
 )
 from jax.lax import scan as uncounted_scan
 
@@ -454,31 +455,69 @@ def _stacked_linears(key):
     )
 
 
-@pytest.mark.parametrize(
-    "model, site, message",
-    [
-        # A scan JAX's own scan bound at import runs is read from the
-        # computation (`uncounted_scan`: tests/test_closed_over_scans.py,
-        # test_a_tap_in_the_model_scan_is_a_site_per_iteration).
-        pytest.param(
-            eqx.nn.MLP(3, 2, 4, 3, scan=True, key=jax.random.key(0))
-            if _MLP_SCANS
-            else None,
-            "activation#1",
-            "the scan does not slice its parameters.*eqx.nn.MLP",
-            marks=pytest.mark.skipif(
-                not _MLP_SCANS, reason="eqx.nn.MLP(scan=True): equinox >= 0.13.5"
-            ),
-        ),
-    ],
-    ids=["vmap_in_scan"],
-)
-def test_a_transform_bridge_cannot_see_through_raises_naming_it(model, site, message):
-    # A jax.jit inside the model is traced through: tests/test_equinox_jit.py.
-    x = jax.random.normal(jax.random.key(1), (2, 3))
-    probe = bridge.probe(model, vmap=not isinstance(model, ClosedOverCell))
-    with pytest.raises(bridge.BridgeError, match=message):
-        probe.value_and_grad(jnp.sum, x, at=site)  # 2 steps for the RNN
+@pytest.mark.skipif(not _MLP_SCANS, reason="eqx.nn.MLP(scan=True): equinox >= 0.13.5")
+@pytest.mark.parametrize("mode", MODES)
+def test_mlp_scanning_its_hidden_layers_is_a_site_per_layer(mode):
+    """`eqx.nn.MLP(scan=True)` scans its stacked hidden layers and indexes its
+    per-neuron activations by the traced step inside its own `jax.vmap`: each
+    hidden layer and activation is a site per step, against the MLP written
+    by hand with an offset at every site."""
+    mlp = eqx.nn.MLP(3, 2, 4, 3, scan=True, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    SCANNED = ("layers/1", "activation#1")
+    first, hidden, last = mlp.layers
+
+    def by_hand(offsets, x):
+        h = first.weight @ x + first.bias + offsets["layers/0"]
+        h = jax.nn.relu(h) + offsets["activation"]
+        for k in range(2):
+            h = hidden.weight[k] @ h + hidden.bias[k] + offsets["layers/1"][k]
+            h = jax.nn.relu(h) + offsets["activation#1"][k]
+        y = last.weight @ h + last.bias + offsets["layers/2"]
+        return y + offsets["final_activation"]
+
+    def values(x):
+        """Every site's value for one example, by hand."""
+        h0 = first.weight @ x + first.bias
+        h, hiddens, activations = jax.nn.relu(h0), [], []
+        for k in range(2):
+            hiddens.append(hidden.weight[k] @ h + hidden.bias[k])
+            h = jax.nn.relu(hiddens[-1])
+            activations.append(h)
+        y = last.weight @ h + last.bias
+        return {
+            "layers/0": h0,
+            "activation": jax.nn.relu(h0),
+            "layers/1": jnp.stack(hiddens),
+            "activation#1": jnp.stack(activations),
+            "layers/2": y,
+            "final_activation": y,
+        }
+
+    def loss_fn(outputs):
+        return jnp.sum(jnp.square(outputs - 0.3))
+
+    def steps_first(per_example):
+        """A site scanned over is `(steps, batch, ...)` (the batch after
+        the iterations); the others `(batch, ...)`."""
+        return {
+            name: jnp.moveaxis(value, 0, 1) if name.startswith(SCANNED) else value
+            for name, value in per_example.items()
+        }
+
+    recorded = steps_first(jax.vmap(values)(x))
+    zeros = jax.tree.map(jnp.zeros_like, recorded)
+    loss, grads = jax.value_and_grad(
+        lambda offsets: loss_fn(jax.vmap(by_hand)(steps_first(offsets), x))
+    )(zeros)
+    probe = bridge.probe(mlp, vmap=True)
+    assert {name: s.shape for name, s in probe.sites(x).items()} == {
+        name: value.shape for name, value in recorded.items()
+    }
+    res = value_and_grad_in(mode, probe, loss_fn, (x,))
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.activations, recorded)
+    assert_tree_allclose(res.activation_grads, grads)
 
 
 @NEEDS_JAXPR_PARENTS

@@ -48,7 +48,7 @@ def test_equinox_adapter_needs_the_jax_trace_stack(monkeypatch):
         monkeypatch,
         "bridge.adapters.equinox",
         "bridge.adapters.equinox.probe",
-        "bridge.adapters.equinox.transforms",
+        "bridge.adapters.equinox.run",
         "bridge.adapters.shared.jax_internals",
     )
     monkeypatch.delattr(core, "trace_ctx")

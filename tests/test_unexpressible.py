@@ -24,6 +24,7 @@ patches per step, beside the same checks of every other site.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 
@@ -715,12 +716,13 @@ def test_equinox_ode_solver_sites_are_listed_batch_first_and_refused_naming_the_
     assert shapes(sites["field/activation"]) == (5, 8)
     assert shapes(sites["field#3"]) == (5, 3)
     # The loop is named, never the solver's jit around it.
-    message = r"through jax.lax.while_loop around site 'field'"
+    message = r"through jax.lax.while_loop.* around site 'field'"
     assert_refused(probe, (x,), "field", message)
     with pytest.raises(bridge.BridgeError) as refusal:
         probe.apply(x, at="field/activation#2")
-    assert "through jax.lax.while_loop around site 'field/activation#2'" in str(
-        refusal.value
+    assert re.search(
+        r"through jax.lax.while_loop.* around site 'field/activation#2'",
+        str(refusal.value),
     )
     assert "through a jax.jit" not in str(refusal.value)
     # Every other site is recorded (reverse mode through a while_loop is

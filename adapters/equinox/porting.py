@@ -40,8 +40,8 @@ from bridge.adapter_api import (
     weight_by_weight,
 )
 
-from .jax_transforms import Mapped
 from .probe import clone_state
+from .run import Mapped
 from .surgery import is_function
 
 #: The step count written with a moved `mode="batch"` statistic (see above).

@@ -9,17 +9,13 @@ probe builds inside its traced function: the user's model is never changed.
 The epsilon of a selected call is the session's own, added to the call's
 value.
 
-A wrapper reports its call from where it runs (`bridge.adapters.equinox.run`):
-calls inside JAX transforms of the model's own code are the work of
-`bridge.adapters.equinox.jax_transforms` (its `jax.vmap`s, and the calls no
-route reaches) and `bridge.adapters.equinox.transforms` (a `lax.scan` over
-stacked layers, `jax.checkpoint`, and the model's vmaps inside those, through
-the leaves in the tree of `bridge.adapters.equinox.variables`).
+A wrapper reports its call from where it runs (`bridge.adapters.equinox.run`),
+plainly: where that is inside the model's own transforms the core reads from
+the computation JAX builds.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import equinox as eqx
@@ -35,9 +31,7 @@ from bridge.adapter_api import (
 )
 
 from ..shared import guests, jax_internals
-from ..shared.scan_bodies import ScanBodies
 from . import run, surgery
-from .variables import Leaves, run_with_tree_leaves
 
 
 def probe(model: eqx.Module, *variables: Any, vmap: bool = False) -> EquinoxProbe:
@@ -122,35 +116,18 @@ class EquinoxProbe(ProbeBase):
         # What `eqx.filter_grad` differentiates: the floating-point arrays.
         return eqx.filter(self.model, eqx.is_inexact_array)
 
+    @guests.hosted("equinox")
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
-    ) -> tuple[Any, Any]:
-        return run_with_tree_leaves(
-            lambda leaves: self._call_model(trainable, args, kwargs, session, leaves),
-            session,
-            self.vmap,
-            type(self.model).__name__,
-        )
-
-    @guests.hosted("equinox")
-    def _call_model(
-        self,
-        trainable: Any,
-        args: tuple,
-        kwargs: dict,
-        session: Session,
-        leaves: dict[str, Leaves],
     ) -> tuple[Any, Any]:
         # A fresh token in every wrapper's static structure: JAX caches the traces
         # of scan and checkpoint bodies by structure, and a cached trace would
         # skip the wrappers, and so the sites.
         model = surgery.instrument(
-            eqx.combine(trainable, self.model), (), self.vmap, leaves, surgery.Token()
+            eqx.combine(trainable, self.model), (), self.vmap, surgery.Token()
         )
-        base, stop = jax_internals.current_trace(), sys._getframe()
-        context = run.Context(session, base, stop, ScanBodies(session, base, stop))
+        context = run.Context(session, jax_internals.current_trace())
         token = run.CONTEXT.set(context)
-        # `bridge.tap` inside the model's own vmap must leave it the same way.
         tapping = session.taps.tapping(
             lambda name, value: run.tap(context, name, value)
         )

@@ -2,20 +2,15 @@
 session from where it runs.
 
 The wrappers of the surgery (`bridge.adapters.equinox.surgery`) report each
-call here (`observed_call`), and the call router decides how it reaches its
-site from the transforms around it (`bridge.adapters.equinox.rules`): at
-the probe's own trace, inside the model's own `jax.vmap`s and inside JAX's
-branches and loops of known bounds it is reported plainly, and the core
-reads where it runs from the computation (`bridge._session.computation`);
-inside Equinox's checkpointed or bounded while loop (a `custom_vjp`, whose
-backward pass the computation does not see) it takes the session's
-control-flow route, the core's one fallback; inside `lax.scan` over stacked
-layers or `jax.checkpoint` it goes through the tree
-(`bridge.adapters.equinox.transforms`); elsewhere it is listed and refused
-where selected or patched. `bridge.tap` is routed the same way (`tap`). A
-trace is not a call: inside the model's own `jax.eval_shape` a call or a tap
-is no site, and a scan body JAX traces twice lists its sites once
-(`_a_call_of_the_model`).
+call here (`observed_call`), and each `bridge.tap` (`tap`), plainly: where
+it runs (the model's own `jax.vmap`s, `lax.scan` over stacked layers or
+closing over a layer, branches, loops, `jax.checkpoint`) the core reads from
+the computation (`bridge._session.computation`), which gives a site its
+epsilon, its patch and its recording, or refuses it with the one sentence of
+the primitive no rule crosses. One exception: inside Equinox's checkpointed
+or bounded while loop (a `custom_vjp`, whose backward pass calls the body
+again where the computation does not see it) a call takes the session's
+control-flow route, the core's one fallback.
 """
 
 from __future__ import annotations
@@ -25,29 +20,22 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
-    BridgeValueError,
-    Carried,
     ControlFlow,
-    Mapped,
-    Refused,
-    Route,
     Session,
-    ThroughControlFlow,
+    SiteOrigin,
     current_session,
-    tapping_a_local,
 )
 
-from ..shared import jax_internals
-from ..shared.scan_bodies import ScanBodies
-from . import jax_transforms, rules, transforms, variables
+from ..shared import jax_internals, unexpressible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +44,6 @@ class Context:
 
     session: Session
     base_trace: Any  # the trace the probe runs the model in
-    stop: Any = None  # the Python frame of the probe's call of the model
-    # The first trace of each `lax.scan`'s body, by the scan's frame.
-    scan_bodies: ScanBodies | None = None
 
 
 CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
@@ -67,105 +52,72 @@ CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 
 
 @dataclasses.dataclass(frozen=True)
-class Site:
-    """A wrapped submodule at one of its calls: its `path`, its leaves in the
-    tree (`bridge.adapters.equinox.variables.Leaves`, per call name), the shapes of
-    its arrays as given (`shapes`: a scan slices them) and the plain module
-    the call runs on."""
+class Mapped(SiteOrigin):
+    """Where the model's own vmaps took a call's input from.
 
-    path: str
-    bridge_leaves: dict
-    shapes: tuple
-    module: Any
+    The site's value holds the mapped axes first, outermost first (the
+    contract's layout); `compare` needs the layout around the layer instead:
+    a LayerNorm applied per pixel of a channel-first image by
+    `jax.vmap(jax.vmap(norm, 1, 1), 2, 2)` holds `(W, H, C)` per example,
+    which no shape tells from `(H, W, C)`.
+
+    Attributes:
+      input_axes: the axis each vmap mapped in the first array argument,
+        innermost vmap first (`None`: not mapped there).
+      input_ndim: that argument's rank as the layer sees it.
+    """
+
+    #: Where the call runs the core reads from the computation: this origin
+    #: only describes the inputs' layout.
+    routes: ClassVar[bool] = False
+
+    input_axes: tuple[int | None, ...]
+    input_ndim: int
 
 
 def observed_call(
-    site: Any,
+    path: str,
     method: str | None,
     module: Any,
     function: Callable,
     args: tuple,
     kwargs: dict,
 ) -> Any:
-    """`function(*args, **kwargs)`, the call of a wrapper `site` (its
-    `module`'s `method`), reported to the probe's session by the route the
-    router gives it (`bridge.adapters.equinox.rules`)."""
+    """`function(*args, **kwargs)`, the call of the wrapper at `path` (its
+    `module`'s `method`), reported to the probe's session."""
     context = CONTEXT.get()
     session = current_session()
     if context is None or session is not context.session:
         return function(*args, **kwargs)
-    path = site.path
-    enclosing = rules.enclosing(context.base_trace)
-    found = enclosing.route(path if method is None else f"{path}.{method}")
-    if not _a_call(context, enclosing, found):
-        return function(*args, **kwargs)
-    match found:
-        case ThroughControlFlow(flow) if _in_equinox_loops(flow):
-            # Equinox's own while loops run a `custom_vjp`, whose backward
-            # pass the computation does not see: the core's one fallback.
-            return session.call_in_control_flow(
-                path, method, module, args, flow, lambda: function(*args, **kwargs)
-            )
-        case Mapped(depth):
-            # The model's own vmaps: reported plainly, the core reads them from
-            # the computation; the origin says how the inputs were mapped
-            # (for `compare`).
-            call = session.enter(
-                path, method, module, args, jax_transforms.mapped_origin(args, depth)
-            )
-            return _report(session, call, function(*args, **kwargs))
-        case Carried():
-            return transforms.call_in_transform(
-                context, site, method, module, function, args, kwargs, enclosing, found
-            )
-        case Refused() as refused:
-            return transforms.refused(
-                context,
-                site,
-                method,
-                module,
-                function,
-                args,
-                kwargs,
-                enclosing,
-                refused,
-            )
-        case _:
-            # At the probe's trace, in JAX's branches and loops of known
-            # bounds, in the model's own vmaps: reported plainly, the core
-            # reads where from the computation.
-            call = session.enter(path, method, module, args)
-            return _report(session, call, function(*args, **kwargs))
+    flow = _in_equinox_loops(context)
+    if flow is not None:
+        return session.call_in_control_flow(
+            path, method, module, args, flow, lambda: function(*args, **kwargs)
+        )
+    call = session.enter(path, method, module, args, _mapped_origin(context, args))
+    return _report(session, call, function(*args, **kwargs))
 
 
-def _in_equinox_loops(flow: ControlFlow) -> bool:
-    """Whether Equinox's checkpointed or bounded while loop is among the loops
-    around a call (read by the router: `bridge.adapters.shared.equinox_loops`)."""
-    return bool({CHECKPOINTED_WHILE, BOUNDED_WHILE} & set(flow.transforms))
+def _in_equinox_loops(context: Context) -> ControlFlow | None:
+    """Where a call runs inside Equinox's checkpointed or bounded while loop
+    (read by `bridge.adapters.shared.equinox_loops`), or `None` elsewhere."""
+    flow = unexpressible.control_flow(context.base_trace)
+    if flow is None or not {CHECKPOINTED_WHILE, BOUNDED_WHILE} & set(flow.transforms):
+        return None
+    return flow
 
 
-def _a_call(context: Context, enclosing: rules.Enclosing, found: Route) -> bool:
-    """Whether a call or a tap `found` routed inside `enclosing` is a call of
-    the model's: at the probe's trace or inside the model's own vmaps only it
-    is; inside another transform, see `_a_call_of_the_model`."""
-    if not enclosing.transforms or isinstance(found, Mapped):
-        return True
-    return _a_call_of_the_model(context)
-
-
-def _a_call_of_the_model(context: Context) -> bool:
-    """For a call or a tap inside a transform of the model's own code: whether
-    it is a call of the model's. Not inside the model's own `jax.eval_shape`
-    (diffrax's of its vector field), a pass that learns shapes and whose
-    values JAX discards. Inside a `lax.scan` body that JAX traces again (its
-    carry changes type), the calls of the body's first trace are forgotten
-    here (`ScanBodies`): a trace is not a call, so each is one site, never
-    a phantom `#1`."""
-    if jax_internals.in_a_shape_pass(context.stop):
-        return False
-    if context.scan_bodies is not None:
-        context.scan_bodies.traced()
-    return True
+def _mapped_origin(context: Context, args: tuple) -> Mapped | None:
+    """For a call inside the model's own vmaps (those directly around it),
+    how they mapped its first array argument; `None` elsewhere, or where
+    that cannot be read."""
+    names = unexpressible.transform_names(context.base_trace) or ()
+    depth = next((i for i, name in enumerate(names) if name != "vmap"), len(names))
+    arrays = [leaf for leaf in jax.tree.leaves(args) if eqx.is_array(leaf)]
+    if not depth or not arrays:
+        return None
+    axes = jax_internals.mapped_dims(arrays[0], jax_internals.current_trace(), depth)
+    return None if axes is None else Mapped(axes, jnp.ndim(arrays[0]))
 
 
 #: The wrappers `jax.jit` and `eqx.filter_jit` return, told by the public
@@ -177,11 +129,9 @@ def unjitted(module: Any, name: str) -> Callable:
     """`module.name` bound, without the `jax.jit` or `eqx.filter_jit` that
     wraps the method itself (`@eqx.filter_jit def __call__`, as Equinox's
     examples write a model): traced inline, its calls run at the trace of
-    their caller, where their values can be handed out; jitted, they would
-    run in a jaxpr trace of their own, which no value leaves. A jit only
-    groups operations for the compiler, with the same values: the probe
-    compiles the whole call under the user's `jax.jit` anyway. A jit called
-    elsewhere in the model's code stays, its sites refused where selected."""
+    their caller. A jit only groups operations for the compiler, with the
+    same values: the probe compiles the whole call under the user's
+    `jax.jit` anyway."""
     method = inspect.getattr_static(type(module), name, None)
     if isinstance(method, JITS) and callable(getattr(method, "__wrapped__", None)):
         return functools.partial(method.__wrapped__, module)
@@ -196,16 +146,11 @@ def _report(session: Session, call: Any, value: Any) -> Any:
     def is_state(x: Any) -> bool:
         return isinstance(x, eqx.nn.State | eqx.Module)
 
-    def exit(value: Any) -> Any:
-        return variables.through_patch(
-            session, call.name, value, session.exit(call, value)
-        )
-
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_state)
     if not any(is_state(leaf) for leaf in leaves):
-        return exit(value)
+        return session.exit(call, value)
     reported = [None if is_state(leaf) else leaf for leaf in leaves]
-    returned = exit(jax.tree.unflatten(treedef, reported))
+    returned = session.exit(call, jax.tree.unflatten(treedef, reported))
     returned_leaves = treedef.flatten_up_to(returned)
     merged = [
         leaf if is_state(leaf) else new
@@ -215,55 +160,11 @@ def _report(session: Session, call: Any, value: Any) -> Any:
 
 
 def tap(context: Context, name: str, value: Any) -> Any:
-    """`bridge.tap` in the model's code, by the route the router gives it
-    with `rules.for_a_tap`: a site at the probe's trace, handed out of the
-    model's own vmaps, or of the session's control-flow route; listed with
-    the shape its value has for the model, run as it is and refused where
-    selected or patched elsewhere (a tap has no leaves in the tree that carry
-    a module call's value out of a scan or a checkpoint)."""
+    """`bridge.tap` in the model's code: reported plainly, as a call, except
+    inside Equinox's own while loops (see `observed_call`)."""
     session = context.session
-    enclosing = rules.enclosing(context.base_trace, TAP_RULES)
-    path = session.naming.under_enclosing(name)
-    found = enclosing.route(path)
-    if not _a_call(context, enclosing, found):
-        return value
-    if tapping_a_local() and not isinstance(found, Mapped) and enclosing.transforms:
-        # A local of the probe's `inside=`: the core lists it and says so.
-        raise BridgeValueError(
-            f"bridge.tap({name!r}) is inside "
-            f"{jax_transforms.describe(enclosing.names)}, where bridge cannot see "
-            "a tap."
-        )
-    match found:
-        case ThroughControlFlow(flow) if _in_equinox_loops(flow):
-            return session.call_in_control_flow(
-                path, None, None, (), flow, lambda: value
-            )
-        case Refused() as refused:
-            return jax_transforms.unreachable(
-                session,
-                _TapSite(path),
-                None,
-                None,
-                lambda: value,
-                (),
-                {},
-                variables.InTransform(None, enclosing.names),
-                refused,
-                jax_transforms.whole_axes(enclosing.names, None),
-            )
-        case _:  # reported plainly, as a call
-            return session.tap_here(name, value)
-
-
-#: The rules a `bridge.tap` is routed by.
-TAP_RULES = rules.for_a_tap(rules.RULES)
-
-
-@dataclasses.dataclass(frozen=True)
-class _TapSite:
-    """A `bridge.tap` as `jax_transforms.unreachable` takes a call: its path,
-    and no module."""
-
-    path: str
-    module: Any = None
+    flow = _in_equinox_loops(context)
+    if flow is not None:
+        path = session.naming.under_enclosing(name)
+        return session.call_in_control_flow(path, None, None, (), flow, lambda: value)
+    return session.tap_here(name, value)

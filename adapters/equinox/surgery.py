@@ -11,8 +11,7 @@ wrapper that the model never calls but unwraps) see the module they expect.
 Only calls are sites: `__call__`, and every other method the model calls on
 a submodule from outside, private ones included (`base._log_prob`). A
 wrapper's call is reported from where it runs by
-`bridge.adapters.equinox.run`; its leaves in the tree (inside a scan or a
-checkpoint) are `bridge.adapters.equinox.variables`.
+`bridge.adapters.equinox.run`.
 """
 
 from __future__ import annotations
@@ -28,16 +27,15 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from bridge.adapter_api import BATCH_AXIS, key_name, strip_call_index
+from bridge.adapter_api import BATCH_AXIS, key_name
 
-from . import internals, run, variables
+from . import internals, run
 
 
 def instrument(
     module: eqx.Module,
     prefix: tuple[str, ...],
     vmap: bool,
-    leaves: dict[str, variables.Leaves] | None = None,
     token: Token | None = None,
 ) -> Any:
     """A copy of `module` whose submodules and function fields report their calls.
@@ -60,31 +58,12 @@ def instrument(
             if vmap and isinstance(child, eqx.nn.BatchNorm):
                 # The probe's vmap is the batch: average over it.
                 child = eqx.tree_at(lambda bn: bn.axis_name, child, BATCH_AXIS)
-            inner = instrument(child, path, vmap, leaves, token)
-            name = "/".join(path)
-            child = _wrapped(
-                inner,
-                _leaves_of(leaves, name),
-                name,
-                variables.param_shapes(child),
-                token,
-            )
+            inner = instrument(child, path, vmap, token)
+            child = _wrapped(inner, "/".join(path), token)
         elif is_function(child) and not _is_plumbing(module, key_path):
-            name = "/".join(path)
-            child = _FunctionSite(child, _leaves_of(leaves, name), name, (), token)
+            child = _FunctionSite(child, "/".join(path), token)
         replaced.append(child)
     return jax.tree_util.tree_unflatten(treedef, replaced)
-
-
-def _leaves_of(
-    leaves: dict[str, variables.Leaves] | None, path: str
-) -> dict[str, variables.Leaves]:
-    """The leaves of the calls of the module at `path` (`path`, `path#1`, ...)."""
-    return {
-        name: leaf
-        for name, leaf in (leaves or {}).items()
-        if strip_call_index(name).partition(".")[0] == path
-    }
 
 
 def _is_plumbing(module: Any, key_path: tuple) -> bool:
@@ -112,7 +91,7 @@ class Token:
 
 #: The fields a wrapper adds to its module's own (`_site_class`); names no
 #: model's field is likely to take.
-_SITE_FIELDS = ("bridge_leaves", "bridge_path", "bridge_shapes", "bridge_token")
+_SITE_FIELDS = ("bridge_path", "bridge_token")
 
 
 #: Methods that are protocol rather than a step of the forward pass.
@@ -127,9 +106,7 @@ _SITE_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SITE_CLASSES_LOCK = threading.Lock()
 
 
-def _wrapped(
-    inner: eqx.Module, leaves: dict, path: str, shapes: tuple, token: Any
-) -> eqx.Module:
+def _wrapped(inner: eqx.Module, path: str, token: Any) -> eqx.Module:
     """`inner` as a site: an instance of a subclass of its own class
     (`_site_class`) holding the same fields, and bridge's; where its class
     is not to be subclassed, a `_ForwardingSite` holding it."""
@@ -140,10 +117,10 @@ def _wrapped(
             if isinstance(inner, eqx.nn.StatefulLayer)
             else _ForwardingSite
         )
-        return forwarding(inner, leaves, path, shapes, token)
+        return forwarding(inner, path, token)
     wrapper = object.__new__(site_class)
     vars(wrapper).update(vars(inner))
-    for name, value in zip(_SITE_FIELDS, (leaves, path, shapes, token), strict=True):
+    for name, value in zip(_SITE_FIELDS, (path, token), strict=True):
         object.__setattr__(wrapper, name, value)
     return wrapper
 
@@ -189,9 +166,7 @@ def _make_site_class(cls: type) -> type | None:
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
         "__annotations__": {name: Any for name in _SITE_FIELDS},
-        "bridge_leaves": eqx.field(default=None),
         "bridge_path": eqx.field(static=True, default=""),
-        "bridge_shapes": eqx.field(static=True, default=()),
         "bridge_token": eqx.field(static=True, default=None),
     }
     for name in _method_names(cls, fields):
@@ -239,10 +214,11 @@ def _observed_method(cls: type, name: str) -> Callable:
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         inner = _unwrapped(self, cls)
-        site = run.Site(self.bridge_path, self.bridge_leaves, self.bridge_shapes, inner)
         function = run.unjitted(inner, name)
         method_name = None if name == "__call__" else name
-        return run.observed_call(site, method_name, inner, function, args, kwargs)
+        return run.observed_call(
+            self.bridge_path, method_name, inner, function, args, kwargs
+        )
 
     method.__name__ = name
     method.__qualname__ = f"{cls.__qualname__}.{name}"
@@ -251,7 +227,7 @@ def _observed_method(cls: type, name: str) -> Callable:
 
 
 def _unwrapped(wrapper: Any, cls: type) -> Any:
-    """A plain `cls` instance with the wrapper's fields (sliced, inside a scan)."""
+    """A plain `cls` instance with the wrapper's fields."""
     module = object.__new__(cls)
     for name, value in vars(wrapper).items():
         if name not in _SITE_FIELDS:
@@ -267,9 +243,7 @@ class _ForwardingSite(eqx.Module):
     through it."""
 
     module: eqx.Module
-    bridge_leaves: dict
     bridge_path: str = eqx.field(static=True)
-    bridge_shapes: tuple = eqx.field(static=True)
     bridge_token: Any = eqx.field(static=True, default=None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -292,12 +266,11 @@ class _ForwardingSite(eqx.Module):
         return lambda *args, **kwargs: self._observed(name, args, kwargs)
 
     def _observed(self, name: str, args: tuple, kwargs: dict) -> Any:
-        site = run.Site(
-            self.bridge_path, self.bridge_leaves, self.bridge_shapes, self.module
-        )
         function = run.unjitted(self.module, name)
         method = None if name == "__call__" else name
-        return run.observed_call(site, method, self.module, function, args, kwargs)
+        return run.observed_call(
+            self.bridge_path, method, self.module, function, args, kwargs
+        )
 
     def __getitem__(self, index: Any) -> Any:
         return self.module[index]
@@ -323,10 +296,10 @@ class _FunctionSite(eqx.Module):
     """Stands in for a function-valued field such as `eqx.nn.MLP.activation`."""
 
     function: Callable
-    bridge_leaves: dict
     path: str = eqx.field(static=True)
-    shapes: tuple = eqx.field(static=True, default=())
     token: Token | None = eqx.field(static=True, default=None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return run.observed_call(self, None, self.function, self.function, args, kwargs)
+        return run.observed_call(
+            self.path, None, self.function, self.function, args, kwargs
+        )

@@ -309,10 +309,6 @@ def located(
                 site = dataclasses.replace(site, computed=enclosure)
             placed.append(site)
             continue
-        blocked = enclosure.blocked(site.name)
-        if blocked is not None:
-            placed.append(dataclasses.replace(site, origin=NoRule(blocked)))
-            continue
         leaves, treedef = jax.tree.flatten(site.struct)
         floats = iter(enclosure.leaves)
         iterations = enclosure.iterations
@@ -325,14 +321,16 @@ def located(
                 shape = marked.shape[len(marked.shape) - kept :]
                 leaf = jax.ShapeDtypeStruct((*iterations, *shape), leaf.dtype)
             whole.append(leaf)
-        placed.append(
-            dataclasses.replace(
-                site,
-                struct=jax.tree.unflatten(treedef, whole),
-                stacked=len(iterations),
-                computed=enclosure,
-            )
+        site = dataclasses.replace(
+            site, struct=jax.tree.unflatten(treedef, whole), stacked=len(iterations)
         )
+        # Listed whole where it is refused too: a site is the same shape
+        # whether it can be probed or not.
+        blocked = enclosure.blocked(site.name)
+        if blocked is not None:
+            placed.append(dataclasses.replace(site, origin=NoRule(blocked)))
+        else:
+            placed.append(dataclasses.replace(site, computed=enclosure))
     return placed
 
 
