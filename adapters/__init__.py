@@ -34,8 +34,7 @@ the same thing in every package that has it:
 - `porting`: its side of `transfer`/`compare` (its `LayerKinds` table and
   `with_weights`).
 
-Names one package alone needs: `nnx.carried` (a module `nnx.scan` carries
-rather than slices), `linen.hub` (Hugging Face Flax model objects),
+Names one package alone needs: `linen.hub` (Hugging Face Flax model objects),
 `torch.session` (the gradient caught at each call), `torch.arrays` (torch
 tensors as the core's arrays), `torch.discovery` (discovery on fake
 tensors). `shared` holds what several of them use, and imports no library

@@ -52,7 +52,7 @@ READ_FROM_THE_COMPUTATION = {
 
 def named(library: str, conversion: str) -> str:
     """The pattern of the conversion's name in `library`'s refusal."""
-    plainly = library in ("haiku", "equinox")
+    plainly = library in ("haiku", "equinox", "nnx")
     return (READ_FROM_THE_COMPUTATION if plainly else NAMES)[conversion]
 
 

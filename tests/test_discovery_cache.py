@@ -471,23 +471,11 @@ def _site_names_under(mode, probe, x):
 
 @pytest.mark.parametrize("library", LIBRARIES)
 @pytest.mark.parametrize("first", ["jit", "disable_jit"])
-def test_disable_jit_is_part_of_the_structure(library, first, request):
+def test_disable_jit_is_part_of_the_structure(library, first):
     # `jax.disable_jit` changes what a trace sees (a scan runs as a Python
     # loop, one call per layer), so a discovery made in one mode is not the
     # other's: each mode lists what it lists in a fresh process, whichever
     # ran first.
-    if library == "nnx":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "nnx.scan under jax.disable_jit runs its body once per layer, "
-                    "and the recording bridge sets on the module per call changes "
-                    "the scan's carried graph between iterations (a crash in a "
-                    "fresh process too)"
-                ),
-            )
-        )
     probe, x = scanned(library)
     modes = [first, "jit" if first == "disable_jit" else "disable_jit"]
     fresh = {mode: uncached(_site_names_under, mode, probe, x) for mode in modes}

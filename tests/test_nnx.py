@@ -19,7 +19,6 @@ from helpers import (
     NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
     assert_tree_equal,
-    left_out_or_refused,
     nnx_supported,
 )
 
@@ -640,49 +639,42 @@ class TapInScan(ScannedStack):
         return self.head(forward(self.embed(x), self.blocks))
 
 
+def _cell_by_hand(builder, model, xs, offsets):
+    """`builder`'s model written by hand, the cell's value shifted by
+    `offsets` (a row per step, per mapped example, or per step and inner
+    iteration); the outputs and the cell's values."""
+    if builder is NestedUncountedScans:
+        return _nested_by_hand(model, xs, offsets)
+    linear = model.cell.linear
+
+    def cell(v):
+        return jnp.tanh(linear(v))
+
+    if builder in (BroadcastVmap, TreeModeRemat):  # every row at once
+        values = cell(xs) + offsets
+        return values, values
+    carry, values = jnp.zeros(xs.shape[1:]), []
+    for step in range(xs.shape[0]):
+        carry = cell(carry + xs[step]) + offsets[step]
+        values.append(carry)
+    return jnp.stack(values), jnp.stack(values)
+
+
 @pytest.mark.parametrize(
-    "builder, site, shape, message",
+    "builder, shape",
     [
-        (
-            BroadcastScan,
-            "cell",
-            (3, 5, 4),
-            "nnx.scan around site 'cell': it broadcasts",
-        ),
-        (
-            BroadcastParamsScan,
-            "cell",
-            (3, 5, 4),
-            "nnx.scan around site 'cell': it broadcasts",
-        ),
-        # The mapped axis first, as the model's own vmaps' axes always are.
-        (
-            BroadcastVmap,
-            "cell",
-            (3, 5, 4),
-            "nnx.vmap around site 'cell': it broadcasts",
-        ),
-        (
-            CarriedInVmap,
-            "cell",
-            (3, 5, 4),
-            "nnx.vmap around site 'cell': it broadcasts",
-        ),
-        # JAX's own scan counts nothing: the nnx.scan's carried route refuses
-        # (the counted one is a loop of known bounds inside the nnx.scan's,
-        # `test_a_call_in_a_counted_scan_or_a_tap_inside_an_nnx_scan_...`).
-        (
-            NestedUncountedScans,
-            "cell",
-            (3, 2, 5, 4),
-            "nnx.scan around site 'cell': the scan carries .* inside nested scans",
-        ),
+        # A cell the transform broadcasts (the same weights at every step,
+        # for every mapped example), carries, or calls in a scan of JAX's
+        # own nested in the nnx.scan: a site per step (per mapped example,
+        # mapped axis first), read from the computation.
+        (BroadcastScan, (3, 5, 4)),
+        (BroadcastParamsScan, (3, 5, 4)),
+        (BroadcastVmap, (3, 5, 4)),
+        (CarriedInVmap, (3, 5, 4)),
+        (NestedUncountedScans, (3, 2, 5, 4)),
         pytest.param(
             TreeModeRemat,
-            "cell",
             (3, 5, 4),
-            "an NNX transform with graph=False or graph_updates=False around "
-            "site 'cell'",
             marks=pytest.mark.skipif(
                 "graph_updates" not in inspect.signature(nnx.remat).parameters,
                 reason="nnx.remat(graph_updates=...): flax >= 0.12.6",
@@ -690,25 +682,40 @@ class TapInScan(ScannedStack):
         ),
     ],
 )
-def test_a_transform_bridge_cannot_see_through_is_listed_and_refused_naming_it(
-    builder, site, shape, message
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_cell_broadcast_or_carried_by_nnx_transforms_is_a_site_per_step(
+    builder, shape, mode
 ):
-    x = _inputs(3, 5, 4)
+    """Where NNX's transforms broadcast a module, carry it, or run it inside
+    a scan of JAX's own in their body (or in tree mode), each call is a site
+    of its own: values, per-step gradients and a patch, against the model
+    written by hand with offsets; parameter gradients are plain
+    `nnx.grad`'s."""
+    xs = _inputs(3, 5, 4)
     model = _build(builder)
     probe = bridge.probe(model)
-    assert probe.sites(x)[site].shape == shape
-    with pytest.raises(bridge.BridgeError, match="cannot see through " + message):
-        probe.value_and_grad(loss_fn, x, at=site)
-    with pytest.raises(bridge.BridgeError, match=message):
-        probe.apply(x, patch={site: jnp.zeros(shape)})
-    # `at=None` leaves this one out and says so; every other site probes as
-    # usual, and where none is left, the call raises (never an empty result).
-    res = left_out_or_refused(lambda: probe.value_and_grad(loss_fn, x), site)
-    if res is None:
-        return
-    assert site not in res.activations
-    _, plain = plain_step(nnx.clone(model), x)
+    assert probe.sites(xs)["cell"].shape == shape
+    offsets = jnp.zeros(shape)
+    ys, values = _cell_by_hand(builder, model, xs, offsets)
+    grads = jax.grad(lambda o: loss_fn(_cell_by_hand(builder, model, xs, o)[0]))(
+        offsets
+    )
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, at=["cell"])
+
+    res = (jax.jit(run) if mode == "jit" else run)(probe, xs)
+    np.testing.assert_allclose(res.loss, loss_fn(ys), rtol=1e-6)
+    np.testing.assert_allclose(res.activations["cell"], values, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.activation_grads["cell"], grads, rtol=1e-4, atol=1e-7
+    )
+    _, plain = plain_step(nnx.clone(model), xs)
     assert_tree_allclose(res.grads, plain)
+    # A patch of every step's value at once: the outputs are the patch's
+    # (the cell's last value in each step is the step's output).
+    patched = probe.apply(xs, patch={"cell": jnp.full(shape, 0.25)})
+    np.testing.assert_allclose(patched.outputs, 0.25)
 
 
 def _nested_by_hand(model, xs, offsets):

@@ -279,9 +279,9 @@ def _stacked_model(library, kind):
 #: of known bounds inside it is one inside loops of known bounds.
 PROBED_IN_A_STACK = {
     "linen": {"jit", "cond", "fori_loop", "scan", "checkpoint"},
-    "nnx": {"jit", "cond", "fori_loop", "scan", "checkpoint"},
-    # Haiku reports every call plainly: the computation reads the model's
-    # own vmap in the stack's body too.
+    # Haiku and NNX report every call plainly: the computation reads the
+    # model's own vmap in the stack's body too.
+    "nnx": {"jit", "cond", "fori_loop", "scan", "checkpoint", "vmap"},
     "haiku": {"jit", "cond", "fori_loop", "scan", "checkpoint", "vmap"},
 }
 

@@ -87,7 +87,6 @@ def test_nnx_adapter_needs_the_transform_stack(monkeypatch):
         "bridge.adapters.nnx.probe",
         "bridge.adapters.nnx.run",
         "bridge.adapters.nnx.surgery",
-        "bridge.adapters.nnx.transforms",
         "bridge.adapters.nnx.internals",
     )
     monkeypatch.delattr(nnx.graphlib, "GRAPH_CONTEXT")

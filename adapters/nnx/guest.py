@@ -22,7 +22,7 @@ from flax import nnx
 from bridge.adapter_api import is_carrier_name
 
 from ..shared import guests, jax_internals
-from . import internals, rules, surgery
+from . import internals, surgery
 from .variables import PATH_ATTRIBUTE
 
 
@@ -102,7 +102,7 @@ class GuestRun:
         blocked = self.host.transform_around(self.trace)
         if blocked is None and path is None:
             inner = [t for t in internals.active_transforms() if t not in self.outer]
-            named = rules.name(inner[-1]) if inner else "an NNX transform"
+            named = internals.transform_name(inner[-1]) if inner else "an NNX transform"
             blocked = f"{named} in the Flax NNX module's own code"
         elif blocked is None and jax_internals.current_trace() is not self.trace:
             blocked = "a JAX transform in the Flax NNX module's own code"

@@ -2,23 +2,13 @@
 
 - `nnx.graphlib.GRAPH_CONTEXT.update_context_stacks`: which NNX transforms
   (`nnx.scan`, `nnx.vmap`, `nnx.remat`, `nnx.jit`, …) are running now, by
-  their update-context tags. A call inside one runs on new module objects
-  made by NNX's split and merge; which transform it is decides whether bridge's
-  variables on the module are carried in and out (see
-  `bridge.adapters.nnx`). NNX exposes no public "current transforms".
+  their update-context tags: named in the error for a guest library's call
+  inside one. NNX exposes no public "current transforms".
 - `nnx.List` and pytree modules (flax 0.12's module system): checked here,
   as the mark of the NNX bridge is written for; older NNX is a different API.
 - `Module._pytree__is_pytree`: whether a module class was declared with
   `pytree=False`; a reporting subclass must be declared the same way, and
   the class keyword is all NNX offers to say so (absent before it existed).
-- NNX's transforms' own frames on the Python call stack: whether code of an
-  NNX transform runs now (`in_transform_code`: a transform in tree mode
-  pushes no update context), and the `broadcast_deque` local of the graph-mode
-  wrapper of `nnx.scan` (`scan_broadcasts`: the states it broadcasts, which a
-  module carried through the scan has not).
-- `flax.nnx.transforms.iteration`, the module whose code calls
-  `jax.lax.scan` for `nnx.scan` (`SCAN_MODULE`): while a probe runs, bridge
-  counts that scan's iterations (`bridge.adapter_api.count_scans_of`).
 
 At import this module checks that the transform stack exists and raises an
 error naming the supported versions where it does not: an unsupported Flax
@@ -28,8 +18,6 @@ fails at `bridge.probe`, never with a silently dropped site.
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 from typing import Any
 
 from flax import nnx
@@ -89,42 +77,12 @@ def class_keywords(cls: type) -> dict[str, Any]:
     return {} if is_pytree is None else {"pytree": is_pytree}
 
 
-def depth(tag: str) -> int:
-    """How many NNX transforms of kind `tag` (`"scan"`) are running now."""
-    return len(graphlib.GRAPH_CONTEXT.update_context_stacks.get(tag, ()))
-
-
-#: The folder of NNX's transforms, and the one of them bridge sees through.
-_NNX_TRANSFORMS = os.path.join("flax", "nnx", "transforms") + os.sep
-_NNX_JIT = "compilation.py"
-
-#: The module of NNX's scan, which calls `jax.lax.scan` by that name.
-SCAN_MODULE = "flax.nnx.transforms.iteration"
-
-#: The file of NNX's scan, whose wrapper splits the modules it broadcasts.
-_NNX_ITERATION = os.path.join("nnx", "transforms", "iteration.py")
-
-
-def in_transform_code(stop: Any) -> bool:
-    """Whether code of an NNX transform other than `nnx.jit` runs now (a
-    frame of `flax/nnx/transforms/`), up to the frame `stop`."""
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        filename = frame.f_code.co_filename
-        if _NNX_TRANSFORMS in filename and not filename.endswith(_NNX_JIT):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def scan_broadcasts(stop: Any) -> Any:
-    """The states the graph-mode wrapper of the innermost `nnx.scan` running
-    now split as broadcast (its `broadcast_deque` local), read up to the frame
-    `stop`; `None` where no such frame runs (or it holds none)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        code = frame.f_code
-        if code.co_name == "scan_wrapper" and code.co_filename.endswith(_NNX_ITERATION):
-            return frame.f_locals.get("broadcast_deque")
-        frame = frame.f_back
-    return None
+def transform_name(tag: Any) -> str:
+    """An NNX transform's name (`nnx.scan`), from its update-context tag."""
+    if isinstance(tag, str):
+        return f"nnx.{tag.removesuffix('_body')}"
+    kind = type(tag).__name__.lower()
+    for transform in ("jit", "shard_map", "pmap", "cond", "switch"):
+        if transform in kind:
+            return f"nnx.{transform}"
+    return f"an NNX transform ({type(tag).__name__})"

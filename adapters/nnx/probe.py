@@ -21,10 +21,9 @@ the user's classes for everyone while it runs, and attaches `__captures__` to
 the module it is given.
 
 Each run's copy is given reporting classes by `bridge.adapters.nnx.surgery`,
-and its calls go to the run of the copy, `bridge.adapters.nnx.run`; NNX
-transforms in the model's own code (`nnx.scan`, `nnx.vmap`, `nnx.remat`) run
-the copy's modules as new objects, and the sites inside them are
-`bridge.adapters.nnx.transforms`.
+and its calls go to the run of the copy, `bridge.adapters.nnx.run`, which
+reports each plainly; where it runs (NNX's transforms, which run the copy's
+modules as new objects, and JAX's) the core reads from the computation.
 
 Modules of other libraries called inside the model — a Linen module under
 `nnx.bridge.ToNNX`, an `hk.transform`ed function's `apply` — are sites
@@ -38,7 +37,6 @@ bridge's attributes on the copy are hidden while it runs. The NNX module an
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import jax
@@ -48,7 +46,6 @@ from bridge.adapter_api import BridgeTypeError, ProbeBase, Session
 
 from ..shared import guests
 from . import internals, surgery
-from .carried import NeedsCarried
 from .run import Run
 
 
@@ -94,9 +91,8 @@ class NnxProbe(ProbeBase):
     #: What `bridge.transfer` and `bridge.compare` know of this library.
     porting_side = "bridge.adapters.nnx.porting"
 
-    #: The graph definition (static attributes included) is in the treedef,
-    #: the state is leaves, and an origin is a path, transform names and
-    #: abstract shapes: a discovery is reused by structure.
+    #: The graph definition (static attributes included) is in the treedef
+    #: and the state is leaves: a discovery is reused by structure.
     reuses_discovery = True
 
     def __init__(
@@ -137,48 +133,17 @@ class NnxProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        # Discovery first runs without markers; where it meets a module that
-        # nnx.scan carries or broadcasts, it runs again with one on each.
-        candidates: dict[tuple[str, str], int] = {}
-        return session.run_with_fallback(
-            lambda markers: self._run_once(
-                trainable, args, kwargs, session, candidates, markers
-            ),
-            NeedsCarried,
-            lambda origin: getattr(origin, "scan", None) is not None,
-        )
-
-    def _run_once(
-        self,
-        trainable: Any,
-        args: tuple,
-        kwargs: dict,
-        session: Session,
-        candidates: dict[tuple[str, str], int],
-        markers: bool,
-    ) -> tuple[Any, Any]:
         model = nnx.merge(self.graphdef, trainable, self.rest, copy=True)
-        # Scans around this frame (a user's jit or scan of the probe) are not
-        # the model's: the walks up the stack stop here.
-        modules = surgery.instrument(model)
-        run = Run(modules, sys._getframe(), session, candidates, markers)
-        run.variables.place(session)
+        run = Run(surgery.instrument(model))
         # Graph nodes among the inputs (an `nnx.Rngs` for dropout) are the
         # user's too: the model may advance them, so it gets copies.
         args, kwargs = _copy_graph_nodes((args, kwargs))
-        with surgery.running(run):
-            try:
-                with (
-                    session.taps.tapping(functools.partial(run.tap, session)),
-                    guests.hosting("nnx", run.innermost_transform),
-                ):
-                    outputs = model(*args, **kwargs)
-            except ValueError as error:
-                run.lifted.explain(error)
-                raise
-        if not markers and candidates:  # noted by discovery's first pass only
-            session.recorder.fall_back()  # again, with a marker on each
-        run.variables.hand_over(session)
+        with (
+            surgery.running(run),
+            session.taps.tapping(functools.partial(run.tap, session)),
+            guests.hosting("nnx", run.innermost_transform),
+        ):
+            outputs = model(*args, **kwargs)
         state = nnx.state(model, nnx.Not(nnx.Param))
         return outputs, state if jax.tree.leaves(state) else None
 

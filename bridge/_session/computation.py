@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -1103,12 +1104,61 @@ def fresh_traces() -> contextlib.AbstractContextManager[Any]:
     trace context; discovery's jaxpr is never compiled, so the metadata on
     its equations costs nothing. A later run may be served a trace a
     discovery made: its markers are there (`Structure.of_struct`). Without
-    the API (JAX before `jax.experimental.xla_metadata`), nothing."""
+    the API (JAX before `jax.experimental.xla_metadata`), nothing.
+
+    Within the discovery the context is renewed after a call inside a
+    traced function (`renew_traces`): a function JAX traces again is then
+    not served the trace it made of an earlier call either."""
     try:
         from jax.experimental.xla_metadata import set_xla_metadata
     except ImportError:  # pragma: no cover
         return contextlib.nullcontext()
-    return set_xla_metadata(**{_DISCOVERY_KEY: next(_discoveries)})
+    return _FreshTraces(set_xla_metadata)
+
+
+class _FreshTraces:
+    """`fresh_traces`' context: one key per discovery, renewed where a call
+    was reported inside a function JAX traces, and all of them undone at
+    its end (each nested in the one before)."""
+
+    def __init__(self, set_xla_metadata: Callable[..., Any]):
+        self._set = set_xla_metadata
+        self._contexts = contextlib.ExitStack()
+
+    def __enter__(self) -> _FreshTraces:
+        self.renew()
+        _renewing.traces = self
+        return self
+
+    def renew(self) -> None:
+        self._contexts.enter_context(self._set(**{_DISCOVERY_KEY: next(_discoveries)}))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        _renewing.traces = None
+        self._contexts.close()
+
+
+#: The discovery's `_FreshTraces` on this thread, while it traces.
+_renewing = threading.local()
+
+
+def renew_traces(base: Any) -> None:
+    """After a call reported inside a function JAX traces to a jaxpr (a
+    `jax.checkpoint`ed function, a scan body, a branch: not `base`, the
+    trace the model's call started in, nor a `jax.vmap`'s), a new trace
+    context for the rest of the discovery: JAX caches such a function's
+    trace by the function, its inputs' types and the trace context, so the
+    same function called again (a block `nnx.remat`ed and called twice)
+    would otherwise be served the first call's trace and run no Python, and
+    its calls be no sites. Only there: inside the model's own trace JAX's
+    caches of `jax.numpy`'s functions serve every layer."""
+    traces = getattr(_renewing, "traces", None)
+    trace = current_trace()
+    if traces is None or trace is None or trace is base:
+        return
+    if type(trace).__name__ == "BatchTrace":  # JAX's name of a vmap's trace
+        return
+    traces.renew()
 
 
 def not_reached(missing: list[str]) -> BridgeRuntimeError:

@@ -157,6 +157,7 @@ class DiscoveryRecorder(Recorder):
                 if apart is not None:
                     self.traced_apart[call.name] = apart
             value, _ = computation.mark(call.name, value)  # is it in what JAX keeps?
+            computation.renew_traces(self._base)
         self._sites[call.slot] = Site(
             call.name,
             call.path,
