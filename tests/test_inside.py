@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import leaves_out, nnx_supported
+from helpers import nnx_supported
 
 import bridge
 
@@ -856,11 +856,12 @@ def test_an_adapter_that_cannot_carry_inside_is_refused(registered):
     assert list(bridge.probe(model).sites(X)) == []  # without `inside`: as ever
 
 
-def test_a_local_bridge_cannot_hand_out_is_listed_and_refused_where_asked():
-    """A local inside a transform of the model's own code that the adapter
-    cannot see through (Equinox: `jax.checkpoint` inside `jax.vmap`) blocks
-    no other site: it is listed, and selecting or patching it is refused
-    before any work, naming the transforms."""
+def test_a_local_inside_the_models_vmap_and_checkpoint_is_a_site_per_token():
+    """A local of `inside=` inside transforms of the model's own code
+    (Equinox: `jax.checkpoint` inside `jax.vmap`) is reported plainly and
+    read from the computation: a site holding every token, each token's
+    gradient its own, against the model written by hand with an offset; a
+    patch applies to every token."""
     eqx = pytest.importorskip("equinox")
 
     class Block(eqx.Module):
@@ -885,30 +886,21 @@ def test_a_local_bridge_cannot_hand_out_is_listed_and_refused_where_asked():
         eqx.nn.Linear(WIDTH, WIDTH, key=keys[1]),
     )
     probe = bridge.probe(model, vmap=True, inside=Block)
-    names = list(probe.sites(X))
-    assert {"block/hidden", "block/gated", "out"} <= set(names)
-    with pytest.raises(
-        bridge.BridgeError,
-        match=r"'block/gated', a site bridge lists but cannot probe: .*a local of "
-        r"`inside`.*checkpoint inside",
-    ):
-        probe.value_and_grad(_loss, X, at="block/gated")
-    with pytest.raises(
-        bridge.BridgeError,
-        match=r"patch key 'block/hidden' .*cannot probe: .*jax.checkpoint",
-    ):
-        probe.apply(X, patch={"block/hidden": lambda v: v * 0})
-    # `at=None` leaves them out, and says so.
-    with leaves_out("block/gated"):
-        assert "block/gated" not in probe.apply(X).activations
-    # Every other site probes as usual.
-    result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="out"))(X)
+    assert {"block/hidden", "block/gated", "out"} <= set(probe.sites(X))
     block, out = model.block.linear, model.out
-    mixed = jnp.tanh(X @ block.weight.T + block.bias[None, None])
-    _close(result.activations["out"], mixed @ out.weight.T + out.bias[None, None])
-    _close(result.activation_grads["out"], WEIGHTS)
+    hidden = X @ block.weight.T + block.bias[None, None]
+
+    def by_hand(offset):
+        return _loss((jnp.tanh(hidden) + offset) @ out.weight.T + out.bias[None, None])
+
+    grad = jax.grad(by_hand)(jnp.zeros_like(hidden))
+    result = jax.jit(lambda x: probe.value_and_grad(_loss, x, at="block/gated"))(X)
+    _close(result.activations["block/gated"], jnp.tanh(hidden))
+    _close(result.activation_grads["block/gated"], grad)
     want = eqx.filter_grad(lambda m: _loss(jax.vmap(m)(X)))(model)
     jax.tree.map(_close, result.grads, want)
+    patched = probe.apply(X, patch={"block/hidden": lambda v: v * 0})
+    _close(patched.outputs, jnp.broadcast_to(out.bias, X.shape))
 
 
 # -- JAX's cached traces, sources that changed ---------------------------------------

@@ -290,3 +290,53 @@ def test_the_compiled_program_carries_nothing_of_discoverys_trace_context():
     )
     assert "bridge_discovery" not in text
     assert "scan" in str(jax.make_jaxpr(lambda x: probe.apply(x, at="layer"))(X[0]))
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["values", "inputs"])
+def test_a_scan_body_traced_twice_is_replayed_under_its_public_names(with_inputs):
+    """A `lax.scan` whose carry starts as a Python `0` traces its body twice
+    and keeps the second trace: discovery names the kept calls as if the
+    first were not there (`cell`, not `cell#1`), and a run evaluates the kept
+    trace, its markers given those names: the model's Python runs once, the
+    values and per-step gradients are the loop's unrolled by hand with an
+    offset, the inputs each step's."""
+
+    class Recurrent(eqx.Module):
+        cell: eqx.nn.Linear
+
+        def __call__(self, xs):
+            CALLS["python"] += 1
+
+            def step(carry, x):
+                h = jnp.tanh(self.cell(x + carry))
+                return jnp.mean(h), h
+
+            return jax.lax.scan(step, 0, xs)[1]
+
+    model = Recurrent(eqx.nn.Linear(4, 4, key=jax.random.key(3)))
+
+    def by_hand(offsets):
+        carry, ys, values, inputs = 0.0, [], [], []
+        for step in range(len(X)):
+            inputs.append(X[step] + carry)
+            values.append(model.cell(inputs[-1]) + offsets[step])
+            ys.append(jnp.tanh(values[-1]))
+            carry = jnp.mean(ys[-1])
+        return loss_fn(jnp.stack(ys)), (jnp.stack(values), jnp.stack(inputs))
+
+    (_, (values, inputs)), grads = jax.value_and_grad(by_hand, has_aux=True)(
+        jnp.zeros((len(X), 4))
+    )
+    probe = bridge.probe(model)
+    CALLS["python"] = 0
+
+    def run(probe, x):
+        return probe.value_and_grad(loss_fn, x, with_inputs=with_inputs)
+
+    for result in (run(probe, X), jax.jit(run)(probe, X)):
+        assert CALLS["python"] == 1  # discovery's trace only
+        assert list(result.activations) == ["cell"]
+        close(result.activations["cell"], values)
+        close(result.activation_grads["cell"], grads)
+        if with_inputs:
+            close(result.inputs["cell"][0], inputs)

@@ -29,13 +29,17 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
-    ControlFlow,
+    Refused,
+    Rule,
     Session,
     SiteOrigin,
+    ThroughControlFlow,
+    Transform,
     current_session,
+    route,
 )
 
-from ..shared import jax_internals, unexpressible
+from ..shared import equinox_loops, jax_internals, unexpressible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,22 +93,73 @@ def observed_call(
     session = current_session()
     if context is None or session is not context.session:
         return function(*args, **kwargs)
-    flow = _in_equinox_loops(context)
-    if flow is not None:
+    found = _in_equinox_loops(context, path)
+    if isinstance(found, ThroughControlFlow):
         return session.call_in_control_flow(
-            path, method, module, args, flow, lambda: function(*args, **kwargs)
+            path, method, module, args, found.flow, lambda: function(*args, **kwargs)
         )
-    call = session.enter(path, method, module, args, _mapped_origin(context, args))
+    origin = _mapped_origin(context, args) if found is None else EquinoxLoop(found)
+    call = session.enter(path, method, module, args, origin)
     return _report(session, call, function(*args, **kwargs))
 
 
-def _in_equinox_loops(context: Context) -> ControlFlow | None:
-    """Where a call runs inside Equinox's checkpointed or bounded while loop
-    (read by `bridge.adapters.shared.equinox_loops`), or `None` elsewhere."""
-    flow = unexpressible.control_flow(context.base_trace)
-    if flow is None or not {CHECKPOINTED_WHILE, BOUNDED_WHILE} & set(flow.transforms):
+@dataclasses.dataclass(frozen=True)
+class EquinoxLoop(SiteOrigin):
+    """A call inside an Equinox loop or a solve built on one that no route
+    reaches: the router's refusal, naming the loop or the solve and the way
+    out, which the computation, seeing a `while` or a `custom_vjp`, cannot."""
+
+    routes: ClassVar[bool] = False
+
+    refused: Refused | None = None
+
+    def refusal_at(self, name: str) -> str | None:
+        return None if self.refused is None else self.refused.at(name)
+
+
+def _in_equinox_loops(
+    context: Context, path: str
+) -> ThroughControlFlow | Refused | None:
+    """For a call inside Equinox's while loops or the solves built on them
+    (read by `bridge.adapters.shared.equinox_loops`): the control-flow route
+    inside the checkpointed or bounded kind with `max_steps` (the core's one
+    fallback: a `custom_vjp` whose backward pass calls the body again), or
+    the router's refusal naming the loop or the solve. `None` elsewhere: the
+    call is reported plainly."""
+    traces = list(unexpressible.traces(context.base_trace))
+    if not traces:
         return None
-    return flow
+    names = [unexpressible.name(trace) for trace in traces]
+    named = equinox_loops.blocking(traces, names)
+    flow = unexpressible.control_flow(context.base_trace)
+    in_loops = flow is not None and {CHECKPOINTED_WHILE, BOUNDED_WHILE} & set(
+        flow.transforms
+    )
+    if in_loops:
+        return ThroughControlFlow(flow)
+    if not named and not equinox_loops.running():
+        return None
+    # JAX's transforms, each Equinox loop's traces named as one.
+    transforms = unexpressible.enclosing(context.base_trace, {})
+    blocking = [_blocking(named.get(id(trace), "")) for trace in traces]
+    if len(transforms) == len(traces):
+        transforms = tuple(
+            block or transform
+            for block, transform in zip(blocking, transforms, strict=True)
+        )
+    else:
+        # Not read to the probe's trace (a trace past a `custom_jvp`'s
+        # function records no parent): the loops and solves named block,
+        # then what stands for the rest.
+        transforms = (*filter(None, blocking), transforms[-1])
+    found = route(path, transforms)
+    return found if isinstance(found, Refused) else None
+
+
+def _blocking(name: str) -> Transform | None:
+    """An Equinox loop or solve `equinox_loops` refuses, as a transform."""
+    refused = equinox_loops.refusal(name)
+    return None if refused is None else Transform(name, Rule.BLOCKS, *refused)
 
 
 def _mapped_origin(context: Context, args: tuple) -> Mapped | None:
@@ -163,8 +218,12 @@ def tap(context: Context, name: str, value: Any) -> Any:
     """`bridge.tap` in the model's code: reported plainly, as a call, except
     inside Equinox's own while loops (see `observed_call`)."""
     session = context.session
-    flow = _in_equinox_loops(context)
-    if flow is not None:
-        path = session.naming.under_enclosing(name)
-        return session.call_in_control_flow(path, None, None, (), flow, lambda: value)
-    return session.tap_here(name, value)
+    path = session.naming.under_enclosing(name)
+    found = _in_equinox_loops(context, path)
+    if isinstance(found, ThroughControlFlow):
+        return session.call_in_control_flow(
+            path, None, None, (), found.flow, lambda: value
+        )
+    if found is None:
+        return session.tap_here(name, value)
+    return session.exit(session.enter(path, None, None, (), EquinoxLoop(found)), value)

@@ -12,10 +12,9 @@ it), and the rule hands the result back in, mapped along axis 0 at every
 level. No tracer leaves its trace and autodiff sees ordinary operations, so
 gradients are per example, eager or jitted.
 
-The Linen, NNX and Haiku adapters use it; the Equinox adapter has a primitive
-of its own on the same mechanism, which also hands out the call's leaves in
-the model's tree (`bridge.adapters.equinox.jax_transforms`). The trace stack
-is read through `bridge.adapters.shared.jax_internals`.
+The Linen adapter uses it (the others report every call plainly, and the
+core reads the model's vmaps from the computation). The trace stack is read
+through `bridge.adapters.shared.jax_internals`.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from . import liveness, sites
 from .backward import InControlFlow
 from .liveness import site_marker
 from .routing import CONVERTED, CONVERTED_FIX, UNBOUNDED_LOOP, refusal
-from .sites import Site, SiteOrigin, differentiable_part, routes
+from .sites import Site, SiteOrigin, differentiable_part, origin_refusal, routes
 
 #: The part of a call a marker holds: its value, or its positional inputs
 #: (recorded only: nothing flows on from them).
@@ -265,8 +265,13 @@ def located(
         marker = site.traced_as or site.name
         enclosure = found.get(marker)
         routed = routes(site.origin)
+        # An adapter's refusal of a call it reports plainly: it names the
+        # library's construct (a loop, a solve) the computation sees only as
+        # a `while` or a `custom_vjp`.
+        named = None if routed else origin_refusal(site.origin, site.name)
         if (
             not routed
+            and not named
             and marker in traced_apart
             and enclosure is not None
             and not (enclosure.transforms or enclosure.mapped or enclosure.in_call)
@@ -328,7 +333,9 @@ def located(
         # Listed whole where it is refused too: a site is the same shape
         # whether it can be probed or not.
         blocked = enclosure.blocked(site.name)
-        if blocked is not None:
+        if named:
+            placed.append(site)
+        elif blocked is not None:
             placed.append(dataclasses.replace(site, origin=NoRule(blocked)))
         else:
             placed.append(dataclasses.replace(site, computed=enclosure))
@@ -893,15 +900,20 @@ class Replay:
     ) -> Replay | None:
         """The replay of a discovery, or `None` where no run could use it: a
         constant of the trace belongs to an enclosing trace (a model closing
-        over a traced value: a later trace cannot use it), or discovery
-        renamed a call (a marker then holds the name the call was traced
-        under)."""
+        over a traced value: a later trace cannot use it). Where discovery
+        renamed a call (it met a trace JAX discards first: a scan body traced
+        twice, Flax's pass over an `nn.scan` body before the scan), the
+        markers kept, which hold the names the calls were traced under, are
+        given the public names."""
         sites_found = list(sites_found)
-        if any(isinstance(c, jax.core.Tracer) for c in closed_jaxpr.consts) or any(
-            site.traced_as not in (None, site.name) for site in sites_found
-        ):
+        if any(isinstance(c, jax.core.Tracer) for c in closed_jaxpr.consts):
             return None
-        closed_jaxpr = _without_discovery_metadata(closed_jaxpr)
+        renames = {
+            site.traced_as: site.name
+            for site in sites_found
+            if site.traced_as not in (None, site.name)
+        }
+        closed_jaxpr = _without_discovery_metadata(closed_jaxpr, renames)
         if closed_jaxpr is None:
             return None
         counts: dict[tuple[str, str], int] = {}
@@ -917,9 +929,15 @@ class Replay:
         )
         # Walked only where the discovery marked inputs (a plain one did not).
         found_inputs = enclosures(closed_jaxpr, INPUTS) if input_structures else {}
+        # Marked under the names the calls were traced under.
+        input_structures = {
+            site.name: input_structures[site.traced_as or site.name]
+            for site in sites_found
+            if (site.traced_as or site.name) in (input_structures or {})
+        }
         inputs = {
             name: structure
-            for name, structure in (input_structures or {}).items()
+            for name, structure in input_structures.items()
             if name in markable
             and counts.get((name, INPUTS)) == 1
             and _inputs_beside_value(found_inputs[name], found[name])
@@ -934,32 +952,40 @@ class Replay:
         )
 
 
-def _without_discovery_metadata(closed_jaxpr: Any) -> Any:
+def _without_discovery_metadata(
+    closed_jaxpr: Any, renames: Mapping[str, str] = {}
+) -> Any:
     """`closed_jaxpr` with `fresh_traces`' XLA metadata taken off every
-    equation, or `None` where this JAX's equation context is not one known
-    here. An evaluation binds the top-level equations again in the run's own
-    context, but keeps the jaxprs inside those it binds whole (a scan body
-    without a site, a `custom_jvp` function's): their equations would
-    carry the key into the compiled program as frontend attributes."""
+    equation, and each marker named in `renames` (`{traced as: public
+    name}`) given its public name; `None` where this JAX's equation context
+    is not one known here. An evaluation binds the top-level equations again
+    in the run's own context, but keeps the jaxprs inside those it binds
+    whole (a scan body without a site, a `custom_jvp` function's): their
+    equations would carry the key into the compiled program as frontend
+    attributes."""
     try:
-        return _stripped(closed_jaxpr, {})
+        return _stripped(closed_jaxpr, {}, renames)
     except (AttributeError, TypeError):  # pragma: no cover - another JAX
         return None
 
 
-def _stripped(value: Any, done: dict[Any, Any]) -> Any:
+def _stripped(value: Any, done: dict[Any, Any], renames: Mapping[str, str]) -> Any:
     key = id(value)
     if key in done:
         return done[key]
     if type(value) in (tuple, list):  # not a NamedTuple of parameters
-        result = type(value)(_stripped(item, done) for item in value)
+        result = type(value)(_stripped(item, done, renames) for item in value)
     elif hasattr(value, "consts") and hasattr(value, "jaxpr"):  # a ClosedJaxpr
-        result = value.replace(jaxpr=_stripped(value.jaxpr, done))
+        result = value.replace(jaxpr=_stripped(value.jaxpr, done, renames))
     elif hasattr(value, "eqns"):  # a Jaxpr
         result = value.replace(
             eqns=[
                 eqn.replace(
-                    params={k: _stripped(v, done) for k, v in eqn.params.items()},
+                    params=_renamed(
+                        eqn,
+                        {k: _stripped(v, done, renames) for k, v in eqn.params.items()},
+                        renames,
+                    ),
                     ctx=_context_without_discovery(eqn.ctx, done),
                 )
                 for eqn in value.eqns
@@ -969,6 +995,13 @@ def _stripped(value: Any, done: dict[Any, Any]) -> Any:
         return value
     done[key] = result
     return result
+
+
+def _renamed(eqn: Any, params: dict[str, Any], renames: Mapping[str, str]) -> dict:
+    """A marker's `params` with its public name, where `renames` has one."""
+    if eqn.primitive is site_marker and params.get("name") in renames:
+        return {**params, "name": renames[params["name"]]}
+    return params
 
 
 def _context_without_discovery(ctx: Any, done: dict[Any, Any]) -> Any:

@@ -83,7 +83,12 @@ class SiteOrigin:
     `routes`: whether the adapter's own route carries the call's epsilon and
     value; an origin that only describes the call (the layout of its inputs,
     for porting) leaves where it runs to the core, which reads it from the
-    computation as for a call reported without one."""
+    computation as for a call reported without one. Such an origin may still
+    refuse the call, by a method `refusal_at(name)` giving the sentence for
+    the site's public name: the adapter names a construct of its library
+    that the computation sees only as a `while` or a `custom_vjp` (an
+    Equinox loop without `max_steps`, a solve), and the core lists the call
+    whole and raises that sentence."""
 
     __slots__ = ()
 
@@ -176,7 +181,17 @@ class Site:
         own route refused, where it can)."""
         if self.computed is not None:
             return None
-        return getattr(self.origin, "blocked", None) or None
+        return origin_refusal(self.origin, self.name)
+
+
+def origin_refusal(origin: Any, name: str) -> str | None:
+    """The refusal an `origin` gives the site `name`: its `refusal_at(name)`
+    where it renders one for the site's public name (a call renamed after a
+    trace JAX discarded), else its `blocked`."""
+    at = getattr(origin, "refusal_at", None)
+    if callable(at):
+        return at(name)
+    return getattr(origin, "blocked", None) or None
 
 
 def _is_inexact(leaf: Any) -> bool:
