@@ -112,11 +112,7 @@ bridge does not know is added from outside with this module alone, as
       length and counter; `ControlFlow.expressible` says which transforms
       qualify). The core closes the body over the epsilon (a loop's row of
       it) and brings the value out through the backward pass, with where
-      it ran (`ProbeResult.ran`); an adapter with a route of its own there
-      (Equinox's tree, sliced by a scan) uses `record` on `(value recorder,
-      inputs recorder, ran recorder)` leaves, `as_floats`/`from_floats` for
-      inputs that are not floats, and passes `ran` to
-      `carrier.carried_out`.
+      it ran (`ProbeResult.ran`).
 
     Register the subclass as a pytree whose leaves are the model's variables
     (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
@@ -224,36 +220,23 @@ from ._probe.norms import register_norms as register_norms
 from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
 from ._session.backward import BOUNDED_WHILE as BOUNDED_WHILE
-from ._session.backward import BRANCHES as BRANCHES
 from ._session.backward import CHECKPOINTED_WHILE as CHECKPOINTED_WHILE
 from ._session.backward import COUNTED_SCAN as COUNTED_SCAN
 from ._session.backward import FORI_LOOP as FORI_LOOP
 from ._session.backward import ControlFlow as ControlFlow
-from ._session.backward import InControlFlow as InControlFlow
-from ._session.backward import in_a_branch as in_a_branch
-from ._session.backward import pulled_out as pulled_out
-from ._session.backward import reaching as reaching
 from ._session.backward import record as record
-from ._session.context import tapping_a_local as tapping_a_local
-from ._session.cotangent_floats import Encoding as Encoding
-from ._session.cotangent_floats import as_floats as as_floats
-from ._session.cotangent_floats import from_floats as from_floats
 from ._session.jit import inlining as inlining_jits
 from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
 from ._session.routing import BRANCH as BRANCH
-from ._session.routing import CLOSED_OVER_LOOP as CLOSED_OVER_LOOP
 from ._session.routing import CONVERTED as CONVERTED
 from ._session.routing import CONVERTED_FIX as CONVERTED_FIX
 from ._session.routing import JAX_RULES as JAX_RULES
 from ._session.routing import LOOP_AMONG as LOOP_AMONG
 from ._session.routing import PLAIN as PLAIN
 from ._session.routing import TRACED_APART as TRACED_APART
-from ._session.routing import TRACED_BOUNDS as TRACED_BOUNDS
-from ._session.routing import TRACED_BOUNDS_FIX as TRACED_BOUNDS_FIX
 from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
-from ._session.routing import UNCARRIED as UNCARRIED
 from ._session.routing import Carried as Carried
 from ._session.routing import Mapped as Mapped
 from ._session.routing import Refused as Refused
@@ -261,7 +244,6 @@ from ._session.routing import Route as Route
 from ._session.routing import Rule as Rule
 from ._session.routing import ThroughControlFlow as ThroughControlFlow
 from ._session.routing import Transform as Transform
-from ._session.routing import describe as describe_transforms
 from ._session.routing import refusal as refusal
 from ._session.routing import route as route
 from ._session.scan_counters import count_scans_of as count_scans_of
@@ -289,7 +271,6 @@ from ._versions import unsupported as unsupported
 __all__ = [
     "BOUNDED_WHILE",
     "route",
-    "describe_transforms",
     "Transform",
     "ThroughControlFlow",
     "Rule",
@@ -297,7 +278,6 @@ __all__ = [
     "Refused",
     "Mapped",
     "Carried",
-    "UNCARRIED",
     "counted_scans",
     "inlining_jits",
     "count_scans_of",
@@ -317,21 +297,17 @@ __all__ = [
     "BridgeRuntimeError",
     "BridgeTypeError",
     "BridgeValueError",
-    "CLOSED_OVER_LOOP",
     "CONVERTED",
     "CONVERTED_FIX",
     "Call",
-    "BRANCHES",
     "CallPlan",
     "ControlFlow",
     "Converted",
     "Discovery",
     "DiscoveryOwner",
-    "Encoding",
     "CHECKPOINTED_WHILE",
     "COUNTED_SCAN",
     "FORI_LOOP",
-    "InControlFlow",
     "Layer",
     "LayerKinds",
     "ParameterisedCall",
@@ -346,15 +322,12 @@ __all__ = [
     "Site",
     "SiteOrigin",
     "TRACED_APART",
-    "TRACED_BOUNDS",
-    "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",
     "UNCHECKED_LOSS",
     "Weight",
     "abstract",
     "add_epsilon",
     "as_float",
-    "as_floats",
     "carrier_name",
     "channel_first_kernel_axes",
     "check_loss",
@@ -365,8 +338,6 @@ __all__ = [
     "differentiable_part",
     "flatten_trailing",
     "flattened",
-    "from_floats",
-    "in_a_branch",
     "is_array",
     "is_carrier_name",
     "key_name",
@@ -374,14 +345,11 @@ __all__ = [
     "norm_hyperparameters",
     "placed",
     "positional_arrays",
-    "pulled_out",
-    "reaching",
     "record",
     "refusal",
     "register_adapter",
     "replace_leaves",
     "strip_call_index",
-    "tapping_a_local",
     "torch_named_conv_hyperparameters",
     "unsupported",
     "weight_by_weight",

@@ -47,7 +47,6 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 from jax.extend.core import Primitive
 
 from bridge.adapter_api import unsupported
@@ -123,12 +122,6 @@ def require_scan_frame(adapter: str) -> None:
     """Raise, naming the supported versions, where `scan_frames` cannot work."""
     if _MISSING_SCAN:
         raise unsupported("jax", adapter, _MISSING_SCAN)
-
-
-def unreadable_scan(adapter: str) -> ImportError:
-    """The error of an adapter that needs a scan's length where `scan_frames`
-    could not read it."""
-    return unsupported("jax", adapter, ["lax.scan's `length` local"])
 
 
 #: How a refusal names JAX's transforms, by a trace's `traced_for`.
@@ -321,23 +314,3 @@ def scan_call(stop: Any) -> Any:
         (frame for frame in _loops_frames(stop) if frame.f_code.co_name == _SCAN),
         None,
     )
-
-
-def in_a_shape_pass(stop: Any) -> bool:
-    """Whether this runs inside a `jax.eval_shape` that the model itself
-    calls, below the frame `stop` (the adapter's own call of the model): a
-    pass that learns shapes and whose values JAX discards, as diffrax makes
-    of its vector field before a solve. Read from the Python call stack: the
-    frame of `jax.eval_shape` (`jax/_src/api.py`)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame is not stop:
-        code = frame.f_code
-        if code.co_name == "eval_shape" and os.path.abspath(code.co_filename) == (
-            _API_FILE
-        ):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_API_FILE = os.path.abspath(inspect.getsourcefile(inspect.unwrap(jax.eval_shape)) or "")

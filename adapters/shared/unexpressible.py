@@ -205,40 +205,6 @@ _UNRECORDED = Transform(
 )
 
 
-def within(
-    base: Any,
-    rules: Mapping[str, Transform],
-    body: frozenset[str],
-    body_trace: Any = None,
-) -> tuple[Transform, ...]:
-    """JAX's transforms of the model's own code inside the body of a
-    library's transform around the call (a `lax.cond` in an `nnx.scan`'s
-    body), innermost first, as `enclosing` gives them: those inside
-    `body_trace`, the trace the body runs in, where the adapter knows it and
-    it is around the call; else those before the first trace that JAX names
-    as it names the library's transform (`body`: `scan` for a scan of the
-    library's), which takes a scan of the model's own inside the library's
-    for the library's. None where there is no such trace, or where the trace
-    stack cannot be read: an adapter that knows its own transforms by other
-    means than JAX's traces adds these to them, so the router sees what
-    stands between the call and the library's body."""
-    read = _read(base)
-    if read is None:
-        return ()
-    names, stack, _ = read
-    ids = [id(trace) for trace in stack]
-    if body_trace is not None and id(body_trace) in ids:
-        inside = names[: ids.index(id(body_trace))]
-    elif any(name in body for name in names):
-        inside = names[: next(i for i, name in enumerate(names) if name in body)]
-    else:
-        return ()
-    known = {**JAX_RULES, **equinox_loops.RULES, **rules}
-    return tuple(
-        known.get(name) or Transform(f"jax's {name}", Rule.BLOCKS) for name in inside
-    )
-
-
 def route(site: str, base: Any, rules: Mapping[str, Transform] = {}) -> Route:
     """The route (`bridge.adapter_api.route`) of a call at `site` inside the
     transforms between here and `base`, the adapter's `rules` over JAX's;

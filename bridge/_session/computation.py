@@ -1157,9 +1157,11 @@ class _FreshTraces:
     def __init__(self, set_xla_metadata: Callable[..., Any]):
         self._set = set_xla_metadata
         self._contexts = contextlib.ExitStack()
+        self._outer: _FreshTraces | None = None
 
     def __enter__(self) -> _FreshTraces:
         self.renew()
+        self._outer = getattr(_renewing, "traces", None)
         _renewing.traces = self
         return self
 
@@ -1167,7 +1169,7 @@ class _FreshTraces:
         self._contexts.enter_context(self._set(**{_DISCOVERY_KEY: next(_discoveries)}))
 
     def __exit__(self, *exc_info: Any) -> None:
-        _renewing.traces = None
+        _renewing.traces = self._outer
         self._contexts.close()
 
 
