@@ -22,8 +22,6 @@ from cases.equinox import batch_norm
 from helpers import (
     NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
-    jaxpr_traces_record_their_parent,
-    leaves_out,
     value_and_grad_in,
 )
 from jax.lax import scan as uncounted_scan
@@ -371,7 +369,8 @@ class Checkpointed(eqx.Module):
         return self.outer(jax.checkpoint(lambda x: self.inner(x))(x))
 
 
-@NEEDS_JAXPR_PARENTS
+# On every jax, the floor's too: the core reads the checkpoint from the
+# computation, where the adapter's route needed jaxpr traces' parents.
 @pytest.mark.parametrize("filtered", [False, True], ids=["jax", "eqx"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_site_inside_checkpoint_equals_the_same_model_without_it(mode, filtered):
@@ -695,21 +694,6 @@ def test_a_jitted_step_partitions_its_probe_once_and_compares_it_by_identity(
     assert probe.tree_flatten()[1][0] is probe.tree_flatten()[1][0]
     # The user's model is left as it was given.
     assert "_parts" not in vars(model)
-
-
-@pytest.mark.skipif(
-    jaxpr_traces_record_their_parent(), reason="this jax records jaxpr parents"
-)
-def test_a_site_inside_checkpoint_on_an_older_jax_is_an_error_naming_the_version():
-    keys = jax.random.split(jax.random.key(0), 2)
-    inner, outer = eqx.nn.Linear(3, 3, key=keys[0]), eqx.nn.Linear(3, 2, key=keys[1])
-    probe = bridge.probe(Checkpointed(inner, outer, False), vmap=True)
-    x = jax.random.normal(jax.random.key(1), (4, 3))
-    # Listed, left out of `at=None`, refused where selected.
-    with leaves_out("inner"):
-        probe.value_and_grad(_mlp_loss, x)
-    with pytest.raises(ValueError, match=r"from jax 0\.6\.2"):
-        probe.value_and_grad(_mlp_loss, x, at="inner")
 
 
 @pytest.mark.parametrize(
