@@ -111,10 +111,10 @@ class EquinoxLoop(SiteOrigin):
 
     routes: ClassVar[bool] = False
 
-    refused: Refused | None = None
+    refused: Refused
 
-    def refusal_at(self, name: str) -> str | None:
-        return None if self.refused is None else self.refused.at(name)
+    def refusal_at(self, name: str) -> str:
+        return self.refused.at(name)
 
 
 def _in_equinox_loops(

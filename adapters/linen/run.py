@@ -166,13 +166,8 @@ class Interceptor:
         site of the calling module's, carried out and perturbed through its
         scope as the module's own calls are (a value there belongs to the
         transform's trace); elsewhere the session's own."""
-        if __import__("os").environ.get("LINEN_PLAIN") or (
-            not self.stack or not self._lifted(self.stack[-1])
-        ):
+        if not self.stack or not self._lifted(self.stack[-1]):
             scope = self.stack[-1].path if self.stack else ()
-            if __import__("os").environ.get("LINEN_PLAIN"):
-                path = "/".join((*scope, name))
-                return self.session.exit(self.session.enter(path, None, None), value)
             return self.jax.tap(name, value, scope)
         frame = self.stack[-1]
         return self._site(lambda: value, (), frame.module, "__call__", frame, name)
@@ -197,13 +192,6 @@ class Interceptor:
         session = self.session
         path = frame.path
         lifted = self._lifted(frame)
-        if __import__("os").environ.get("LINEN_PLAIN"):
-            name = "/".join(path if tap is None else (*path, tap))
-            shown = None if method == "__call__" else method
-            call = session.enter(
-                name, shown, module if tap is None else None, call_args
-            )
-            return session.exit(call, run())
         carried = not lifted or module.is_mutable_collection(RECORDING_COLLECTION)
         if not lifted:
             self.jax.scan_bodies.traced()
