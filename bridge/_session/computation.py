@@ -1158,6 +1158,8 @@ class _FreshTraces:
         self._set = set_xla_metadata
         self._contexts = contextlib.ExitStack()
         self._outer: _FreshTraces | None = None
+        # The trace of the last call after which the context was renewed.
+        self.renewed_in: Any = None
 
     def __enter__(self) -> _FreshTraces:
         self.renew()
@@ -1185,14 +1187,18 @@ def renew_traces(base: Any) -> None:
     trace by the function, its inputs' types and the trace context, so the
     same function called again (a block `nnx.remat`ed and called twice)
     would otherwise be served the first call's trace and run no Python, and
-    its calls be no sites. Only there: inside the model's own trace JAX's
-    caches of `jax.numpy`'s functions serve every layer."""
+    its calls be no sites. Only there, and once per trace of such a
+    function (its first call's exit): elsewhere JAX's caches of
+    `jax.numpy`'s functions keep serving every layer."""
     traces = getattr(_renewing, "traces", None)
     trace = current_trace()
     if traces is None or trace is None or trace is base:
         return
     if type(trace).__name__ == "BatchTrace":  # JAX's name of a vmap's trace
         return
+    if trace is traces.renewed_in:
+        return  # once per trace of a function: the next trace is another's
+    traces.renewed_in = trace
     traces.renew()
 
 
