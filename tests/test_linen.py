@@ -181,8 +181,6 @@ def test_variables_of_the_wrong_kind_are_refused():
         ValueError, match=r"no 'params' collection .* \{'params': params\}"
     ):
         bridge.probe(nn.Dense(3), params)
-    with pytest.raises(ValueError, match="bridge reserves for its own use"):
-        bridge.probe(nn.Dense(3), {"params": params, "bridge_epsilons": {}})
 
 
 def test_mutable_of_the_wrong_kind_is_refused(mlp):
@@ -565,13 +563,34 @@ def mse_zero(y):
     return jnp.mean(jnp.square(y))
 
 
-def test_nn_vmap_that_broadcasts_params_is_listed_and_refused_instead_of_summing():
-    x = jnp.ones((3, 2, 4))
-    probe = bridge.probe(Ensemble(True), Ensemble(True).init(jax.random.key(1), x))
-    # Every member's call, the mapped axis first.
-    assert probe.sites(x)["ScannedBlockBody_0"].shape == (3, 2, 4)
-    with pytest.raises(ValueError, match="cannot see through nn.vmap .*broadcasts"):
-        probe.value_and_grad(mse, x, at="ScannedBlockBody_0")
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_nn_vmap_that_broadcasts_params_is_a_site_per_member(mode):
+    """`variable_axes={'params': None}`: every member reads the same
+    parameters, and each member's call is its own (per-member gradients),
+    against the members written by hand with an offset at each site."""
+    x = jax.random.normal(jax.random.key(0), (3, 2, 4))
+    model = Ensemble(True)
+    variables = model.init(jax.random.key(1), x)
+    probe = bridge.probe(model, variables)
+    sites = probe.sites(x)
+    assert list(sites) == ["ScannedBlockBody_0", "ScannedBlockBody_0/Dense_0"]
+    assert sites["ScannedBlockBody_0"].shape == (3, 2, 4)  # the members first
+    dense = variables["params"]["ScannedBlockBody_0"]["Dense_0"]
+
+    def by_hand(offsets, dense):
+        pre = x @ dense["kernel"] + dense["bias"][None, None]
+        pre = pre + offsets["ScannedBlockBody_0/Dense_0"]
+        return mse(jnp.tanh(pre) + offsets["ScannedBlockBody_0"])
+
+    zeros = {name: jnp.zeros((3, 2, 4)) for name in sites}
+    loss, (site_grads, dense_grads) = jax.value_and_grad(by_hand, (0, 1))(zeros, dense)
+    res = value_and_grad_in(mode, probe, mse, (x,))
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.activation_grads, site_grads)
+    assert_tree_allclose(res.grads["ScannedBlockBody_0"]["Dense_0"], dense_grads)
+    pre = x @ dense["kernel"] + dense["bias"][None, None]
+    assert_tree_allclose(res.activations["ScannedBlockBody_0/Dense_0"], pre)
+    assert_tree_allclose(res.activations["ScannedBlockBody_0"], jnp.tanh(pre))
 
 
 # -- an `apply` the model makes itself (a tied LM head) -------------------------
@@ -936,17 +955,34 @@ class RematThenVmap(nn.Module):
         return jnp.sum(mapped(self, jnp.stack([h, 0.5 * h])), axis=0)
 
 
-def test_an_nn_vmap_refuses_only_its_own_sites_not_an_earlier_nn_remat():
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_an_nn_remat_then_an_nn_vmap_broadcasting_params_are_sites(mode):
+    """Functional `nn.remat` and `nn.vmap` of the model itself: `second` is
+    a site per member of the broadcasting `nn.vmap`, against the model
+    written by hand with an offset at each site."""
     x = jax.random.normal(jax.random.key(0), (4, 5))
     model = RematThenVmap()
     variables = model.init(jax.random.key(1), x)
     probe = bridge.probe(model, variables)
-    assert list(probe.sites(x)) == ["first", "second"]
-    with pytest.raises(bridge.BridgeError, match="nn.vmap around site 'second'"):
-        probe.value_and_grad(jnp.sum, x, at="second")
-    res = probe.value_and_grad(jnp.sum, x, at="first")
-    first = nn.Dense(3).bind({"params": variables["params"]["first"]})
-    np.testing.assert_allclose(res.activations["first"], first(x), rtol=1e-5)
+    sites = probe.sites(x)
+    assert list(sites) == ["first", "second"]
+    assert sites["second"].shape == (2, 4, 3)
+    params = variables["params"]
+
+    def by_hand(offsets, params):
+        first, second = (
+            nn.Dense(3).bind({"params": params[name]}) for name in ("first", "second")
+        )
+        h = first(x) + offsets["first"]
+        members = second(jnp.stack([h, 0.5 * h])) + offsets["second"]
+        return jnp.sum(jnp.sin(jnp.sum(members, axis=0)))
+
+    zeros = {name: jnp.zeros(site.shape) for name, site in sites.items()}
+    loss, (site_grads, param_grads) = jax.value_and_grad(by_hand, (0, 1))(zeros, params)
+    res = value_and_grad_in(mode, probe, lambda y: jnp.sum(jnp.sin(y)), (x,))
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    assert_tree_allclose(res.activation_grads, site_grads)
+    assert_tree_allclose(res.grads, param_grads)
 
 
 class RetracedScan(nn.Module):

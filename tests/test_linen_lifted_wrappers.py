@@ -153,7 +153,7 @@ def vmap_class(mdl, h):
 
 
 def vmap_broadcast(mdl, h):
-    """`params` broadcast: listed, refused when selected."""
+    """`params` broadcast: a site per member all the same."""
 
     def member(block, x):
         return block(x)
@@ -381,7 +381,6 @@ FORMS = [
         ["embed", *_block("Block_0"), "head"],
         Block,
         {"Block_0": "member:"},
-        refused="nn.vmap",
     ),
     Form(
         remat_function,
@@ -438,7 +437,7 @@ FORMS = [
         ["embed", *_block("Block_0"), "head"],
         Block,
         {"Block_0": "body:"},
-        refused="nn.while_loop",
+        refused="jax.lax.while_loop .* around site 'Block_0'",
     ),
     Form(
         methods,

@@ -9,8 +9,8 @@ inside it, and each is reported as a site named by its scope path under the
 path of the site around it, as in the Linen adapter.
 
 Lifted transforms (`nn.scan`, `nn.vmap`, ...) run their body in a new scope
-root; the Linen adapter's own interceptor tells them the same way
-(`bridge.adapters.linen.transforms.entering_linen_lifted_scope`).
+root, whose first call is the transform's own module (`ScanBlock`), which
+names the transform (`run.linen_transform_name`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
 
 import flax.linen as nn
 
 from bridge.adapter_api import current_session
 
 from ..shared import guests
-from .transforms import body_of, entering_linen_lifted_scope, runs_lifted_function
+from .run import linen_transform_name, runs_lifted_function
 
 
 class _LinenGuest(guests.Guest):
@@ -43,10 +42,8 @@ class _LinenGuest(guests.Guest):
             return next_fun(*call_args, **call_kwargs)
         root = module.scope.root
         frame, starts = self._frame(session, root)
-        if not starts and root is not self.frames[-1].root:
-            self._entering_lifted_scope(
-                self.frames[-1], module, method, body_of(context)
-            )
+        if not starts and root is not self.frames[-1].root and module.path == ():
+            frame.transform = linen_transform_name(module)
         run = functools.partial(
             guests.call_module, "linen", module, next_fun, call_args, call_kwargs
         )
@@ -68,14 +65,6 @@ class _LinenGuest(guests.Guest):
             run,
             (frame.transform or "a Flax lifted transform") if lifted else None,
         )
-
-    def _entering_lifted_scope(
-        self, parent: guests.Frame, module: Any, method: str, body: Any
-    ) -> None:
-        """As the Linen adapter's interceptor (`entering_linen_lifted_scope`)."""
-        transform = entering_linen_lifted_scope(parent.bodies, module, method, body)
-        if transform is not None:
-            parent.transform = transform
 
 
 @contextlib.contextmanager

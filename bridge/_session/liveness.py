@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 
 from .context import PROBE_AXIS
 from .naming import renumbered
@@ -63,7 +64,21 @@ def _marker_batched_on_axis(axis_data, values, dims, **params):
     return site_marker.bind(*values, **{**params, "mapped": mapped}), dims
 
 
+def _marker_partial_eval(trace, *tracers, **params):
+    """In a partial evaluation (`pe.trace_to_jaxpr_nounits`), a marker whose
+    value is known passes it on unmarked. JAX's default would bind it in the
+    enclosing trace, outside the function evaluated: Flax's pass over an
+    `nn.scan` body before the scan (to find what the body broadcasts), whose
+    jaxpr it discards, would leave there a marker of a call the scan makes,
+    with one iteration's value. An unknown value is marked in the jaxpr
+    built, as any primitive is: a discarded jaxpr takes its markers along."""
+    if all(tracer.pval.is_known() for tracer in tracers):
+        return list(tracers)
+    return trace.default_process_primitive(site_marker, tracers, params)
+
+
 ad.primitive_jvps[site_marker] = _marker_jvp
+pe.custom_partial_eval_rules[site_marker] = _marker_partial_eval
 if hasattr(batching, "fancy_primitive_batchers"):  # the axis's name: jax >= 0.4.36
     batching.fancy_primitive_batchers[site_marker] = _marker_batched_on_axis
 else:  # pragma: no cover
