@@ -7,23 +7,14 @@ the same thing in every package that has it:
 - `probe`: the probe class (a `ProbeBase`, PyTorch's a `ProbeFront`) and
   its factory `probe` (what the registry imports), and the probe's call of
   the model;
-- `run`: one run of the model, each module call reported to the session from
-  where it runs (Linen's and Haiku's interceptor, NNX's `Run`, Equinox's
-  wrappers' calls); Linen's hands the sites inside transforms to
-  `transforms` and `jax_transforms`, the others report every call plainly;
+- `run`: one run of the model, each module call reported plainly to the
+  session from where it runs (Linen's and Haiku's interceptor, NNX's `Run`,
+  Equinox's wrappers' calls): where it runs, and so how its epsilon crosses
+  any transform, the core reads from the computation;
 - `surgery`: the copy of the model whose modules report their calls (NNX's
   reporting subclasses, Equinox's wrappers);
-- `variables`: where the library keeps bridge's epsilons, patch values and
-  recordings, and a site's origin there (Linen's collections; NNX's holds
-  only the path each module of the copy carries);
-- `transforms` (Linen's): sites inside the lifted transforms that carry the
-  model's own variables, and so bridge's with them (`nn.scan`, `nn.vmap`,
-  `nn.remat`); the other libraries report every call plainly and the core
-  reads where it runs from the computation;
-- `jax_transforms` (Linen's): sites inside JAX's own transforms in the
-  model's code that carry none of bridge's variables: the model's own
-  `jax.vmap` (the value handed out whole, `shared.lifting`) and the others
-  (listed, refused where selected or patched);
+- `variables` (NNX's): the path each module of the copy carries through
+  NNX's transforms;
 - `internals`: the library's private API, all of it and only there
   (version-checked at import in NNX, Haiku and PyTorch; JAX's is
   `shared.jax_internals`);

@@ -56,63 +56,31 @@ bridge does not know is added from outside with this module alone, as
       `patches`, `patched` (the `Site` of each patched site), `with_inputs`,
       `batch_axis`, `arrays`; a discovery asks for nothing (all empty);
       `session.enclosing` gives the paths of the calls running now;
-    - naming (`session.naming`): each call's name, `path[.method][#k]`. A
-      library that traces a body more than once keeps a `BodyTraces(session)`
-      and calls `begin`/`again` (or `begin_or_again`) where a body's trace
-      starts, so a repeated trace re-uses the first one's names;
+    - naming (`session.naming`): each call's name, `path[.method][#k]`;
     - the recorder (`session.recorder`), the one part that differs between a
       discovery and a run, answers: `learns_sites()` (whether this pass learns
       each site's shapes and origin, which a run then relies on: also the
-      model's first trace on these inputs); `needs_value(name)` (whether the
-      site's value must reach the session's trace: every site's at
-      discovery, a selected or patched one's in a run); and takes
-      `holds_iterations(name, value, length)` (a site inside a scan holds
-      every iteration). An adapter whose library hides some sites from its
-      usual route runs the model with `session.run_with_fallback(run,
-      fallback, needs_fallback)` and calls the recorder's `fall_back()`
-      where it meets such a site:
-      a discovery starts again on the fallback route; a run, whose route was
-      chosen from the sites' origins, goes on;
+      model's first trace on these inputs) and `needs_value(name)` (whether
+      the site's value must reach the session: every site's at discovery, a
+      selected or patched one's in a run);
     - taps (`session.taps`): `with session.taps.tapping(handler):` routes
-      `bridge.tap` through the adapter, which calls `session.tap_here`
-      where the value is reachable, and inside a lifted transform may report
-      the tap as a site of the module calling it (`session.enter(path, None,
-      None)`, an origin with `tap=name`), carried like that module's own
-      values;
-    - patches: `session.exit(call, value, patch=row)` applies one iteration's
-      row of a patch value the adapter carried into a lifted transform
-      (`session.carrier.patched_with_values()` gives the `Site` of each).
+      `bridge.tap` through the adapter, which calls `session.tap_here`.
 
-    The carrier (`session.carrier`): a lifted transform (a scan, a layer
-    stack, a remat) sees only what its library carries through it, so an
-    adapter moves bridge's values through the library's own variables (Linen
-    collections, Haiku state, NNX module attributes), and the carrier says
-    what moves:
-
-    - in: `carrier.to_carry_in(carried, patch_carried)` lists what to place
-      before the call (epsilons, patch values, a scan's step counters and
-      recording rows), each under its `name`,
-      `carrier_name(kind, method, index)`; `is_carrier_name` tells them from
-      the user's variables;
-    - out: where `carrier.carries_out(name)` (every site at discovery, for
-      its stacked shape; a selected one in a run, for its recording;
-      `carries_out_any(where)` asks it of the sites where `where(site)`), a
-      site there carries `carrier.to_carry_out(value, args)`, says where
-      with `carrier.defer(name, where)`, and after the call
-      `carrier.hand_over(read)` reads each back (`read(where) -> (value,
-      inputs)`) into `carrier.carried_out(name, value, inputs)`: at discovery
-      that reshapes the site to its stacked shape, in a run it records it;
-    - through a transform of the adapter's own (Equinox records the sites in
-      a scan through a `jax.vjp` of the model): `carrier.recordings()`
-      leaves it as outputs and `carrier.adopt(...)` takes them back;
-    - inside branches (`lax.cond`, `lax.switch`, the library's own) and
-      loops of static bounds (`lax.fori_loop`) and nothing else bridge must
-      see through: `session.call_in_control_flow(..., flow, run)`, given
-      where the call runs (a `ControlFlow`: the transforms, and each loop's
-      length and counter; `ControlFlow.expressible` says which transforms
-      qualify). The core closes the body over the epsilon (a loop's row of
-      it) and brings the value out through the backward pass, with where
-      it ran (`ProbeResult.ran`).
+    Report every call plainly, wherever it runs: inside the model's own
+    `jax.vmap`, `lax.scan` (however spelled), `lax.cond`, `jax.checkpoint`,
+    `jax.jit` or a library's lifted transforms built on them, the core reads
+    where the call runs from the computation JAX builds (each value passes
+    through a marker primitive, and one rule per higher-order primitive
+    carries the site's epsilon, patch and value across it: a site per
+    iteration of a scan, per example of the model's vmap, `ran` for a
+    branch) and refuses, with one sentence, a call inside a primitive no
+    rule crosses (a `while_loop`). An adapter decides no route. What the
+    core cannot see in the computation — a `custom_vjp` whose backward
+    pass calls the body again (Equinox's checkpointed while loop) — has one
+    fallback: `session.call_in_control_flow(..., flow, run)`, given where
+    the call runs (a `ControlFlow`: the transforms, and each loop's length
+    and counter), which closes the body over the epsilon and brings the
+    value out through the backward pass.
 
     Register the subclass as a pytree whose leaves are the model's variables
     (`jax.tree_util.register_pytree_node_class`), so `jax.jit(step)(probe, x)`
@@ -146,7 +114,8 @@ breaks it breaks a tested API, not an adapter's private import:
   `check_loss`;
 - the session: `Session`, `Request` (what one trace is asked to do, from
   which a backend of its own makes its sessions), `Recorder` (what
-  `session.recorder` answers), `Call` (what `enter` returns), `BodyTraces`,
+  `session.recorder` answers), `Call` (what `enter` returns), `BodyTraces`
+  (a body a library traces more than once re-uses its first trace's names),
   `current_session()` (the session tracing the model now, or `None`),
   `positional_arrays(args)` (a call's inputs as a recording keeps them);
 - sites and values: `Site`, `SiteOrigin`, `Arrays` (a framework's values as

@@ -1,40 +1,33 @@
 """The JAX internals bridge's adapters rely on: all of them, and only here.
 
-A call inside the model's own `jax.vmap` sees one example, yet its site holds
-every example (`bridge.adapters.shared.lifting`). An adapter hands the value
-out one `vmap` at a time through a primitive's batching rule, and for that it
-must know which traces stand between a call and the probe's own trace. JAX
-has no public API for the trace stack: `jax.extend` exports `Primitive` (used
-directly) but neither the current trace nor its parent. So this module reads:
+Where a call runs the core reads from the computation; what is read here
+serves the adapters' few remaining needs: Equinox's while-loop fallback (the
+transforms between a call and the probe's own trace, a static `fori_loop`'s
+counter), the layout of the model's own `vmap`s around an Equinox call (for
+`compare`), and the guest framework's check of the trace a guest call runs
+in. JAX has no public API for the trace stack: `jax.extend` exports
+`Primitive` but neither the current trace nor its parent. So this module
+reads:
 
 - `jax._src.core.trace_ctx.trace`, the trace now running, and a trace's
   `parent_trace` (JAX's "stackless" core, jax 0.4.36 onwards);
-- `jax._src.interpreters.batching.BatchTrace`, the trace of a `jax.vmap`,
-  and its `axis_data.size` (the size a site refused inside one is listed with);
+- `jax._src.interpreters.batching.BatchTrace`, the trace of a `jax.vmap`;
 - a tracing trace's `frame.debug_info.traced_for`, JAX's name of the transform
   it traces (`scan`, `checkpoint / remat`), read with a fallback: it names
   transforms in errors and recognises `lax.scan` and `jax.checkpoint`;
-- `jax.interpreters.batching.fancy_primitive_batchers` (a public module, an
-  undocumented table), the batching rules that receive the mapped axis's
-  size (`AxisData.size`) and run one trace out.
 
 `jax.extend.core` comes closest: `take_current_trace` changes the current
 trace rather than reading it, and `unsafe_am_i_under_a_vmap_DO_NOT_USE` says
 whether, not how deep or under what else.
 
-One more is read where an adapter needs a scan's length: the `length` and
-`reverse` locals of the innermost `lax.scan` frame
-(`jax._src.lax.control_flow.loops.scan`, or the `scan_nocarry` it calls under
-`jax_scan3`) on the Python call stack. A module a scan carries (not sliced)
-holds its site's whole stacked epsilon and recording, whose row for the step
-it must know: no public API tells the body its scan's length or direction
-(`lax.scan` infers `length` from `xs` into that local before it traces the
-body).
+One more is read inside Equinox's loops only: a static `lax.fori_loop`'s
+counter and bounds, from the frames of `jax._src.lax.control_flow.loops`
+(`fori_loop_rows`).
 
 This module raises nothing at import: each adapter that uses it calls
 `require(adapter)` at its own import, which checks that each exists and
 raises an error naming that adapter and the supported versions where one
-does not (`require_scan_frame(adapter)` for the scan frame). An unsupported
+does not. An unsupported
 JAX fails at `bridge.probe`, never with a wrong number.
 """
 
@@ -44,10 +37,8 @@ import inspect
 import itertools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
-
-from jax.extend.core import Primitive
 
 from bridge.adapter_api import unsupported
 
@@ -97,31 +88,16 @@ def require(adapter: str) -> None:
         raise unsupported("jax", adapter, missing)
 
 
-#: The functions of `lax.scan` whose frames hold its `length` and `reverse`.
-_SCAN = "scan"
-_SCAN_NOCARRY = "scan_nocarry"
-
-
-def _missing_scan() -> tuple[str | None, list[str]]:
-    """The file of `lax.scan`'s own code, and what is missing of it."""
+def _loops_file() -> str | None:
+    """The file of `lax.scan`'s and `fori_loop`'s own code."""
     try:
         from jax._src.lax.control_flow import loops
-    except ImportError as error:
-        return None, [str(error)]
-    scan = inspect.unwrap(getattr(loops, _SCAN, None) or (lambda: None))
-    parameters = inspect.signature(scan).parameters
-    if not {"length", "reverse"} <= set(parameters):
-        return None, ["jax._src.lax.control_flow.loops.scan(..., length, reverse)"]
-    return os.path.abspath(loops.__file__), []
+    except ImportError:
+        return None
+    return os.path.abspath(loops.__file__)
 
 
-_LOOPS_FILE, _MISSING_SCAN = _missing_scan()
-
-
-def require_scan_frame(adapter: str) -> None:
-    """Raise, naming the supported versions, where `scan_frames` cannot work."""
-    if _MISSING_SCAN:
-        raise unsupported("jax", adapter, _MISSING_SCAN)
+_LOOPS_FILE = _loops_file()
 
 
 #: How a refusal names JAX's transforms, by a trace's `traced_for`.
@@ -148,12 +124,6 @@ def current_trace() -> Any:
 
 def is_vmap(trace: Any) -> bool:
     return isinstance(trace, _batching.BatchTrace)
-
-
-def vmap_size(trace: Any) -> int | None:
-    """The size of the axis a `jax.vmap`'s trace maps (`None`: unknown)."""
-    size = getattr(getattr(trace, "axis_data", None), "size", None)
-    return size if isinstance(size, int) else None
 
 
 def trace_of(tracer: Any) -> Any:
@@ -233,49 +203,6 @@ def _loops_frames(stop: Any = None) -> Iterator[Any]:
         frame = frame.f_back
 
 
-def mapped_primitive(
-    name: str, rule: Callable[..., tuple[list, list]], outside: Callable[..., Any]
-) -> Primitive:
-    """A primitive of several results whose only meaning is its batching rule.
-
-    `rule(axis_size, values, dims, **params) -> (values, dims)` runs one trace
-    out of the `vmap` that maps it; `outside` is its implementation and
-    abstract evaluation elsewhere, where it must not run.
-    """
-    primitive = Primitive(name)
-    primitive.multiple_results = True
-
-    def batched(axis_data: Any, values: list, dims: list, **params: Any):
-        return rule(axis_data.size, values, dims, **params)
-
-    _batching.fancy_primitive_batchers[primitive] = batched
-    primitive.def_impl(outside)
-    primitive.def_abstract_eval(outside)
-    return primitive
-
-
-def scan_frames(stop: Any) -> list[tuple[int, bool]] | None:
-    """`(length, reverse)` of each `lax.scan` running now, innermost first,
-    read from the Python call stack up to the frame `stop` (the adapter's own
-    call of the model: scans around the probe are not the model's); `None`
-    where a scan's `length` local cannot be read (an adapter that needs it
-    raises `unsupported`, naming itself)."""
-    found: list[tuple[int, bool]] = []
-    inferred = None  # `scan_nocarry`'s length, inferred, under `jax_scan3`
-    for frame in _loops_frames(stop):
-        name, local = frame.f_code.co_name, frame.f_locals
-        if name == _SCAN_NOCARRY:
-            inferred = local.get("length")
-        elif name == _SCAN:
-            length = local.get("length")
-            length = length if isinstance(length, int) else inferred
-            if not isinstance(length, int):
-                return None
-            found.append((length, bool(local.get("reverse", False))))
-            inferred = None
-    return found
-
-
 _FORI_BODY = "scanned_fun"
 _FORI_WHILE_BODY = "while_body_fun"
 _FORI = "fori_loop"
@@ -303,14 +230,3 @@ def fori_loop_rows(count: int) -> list[tuple[Any, int]] | None:
             found.append((counter - lower if lower else counter, length))
             counter = None
     return found if len(found) == count else None
-
-
-def scan_call(stop: Any) -> Any:
-    """The Python frame of the innermost `lax.scan` running now, up to the
-    frame `stop`; `None` where none runs. A body JAX traces twice (its carry
-    changes type) is traced both times from the same frame, and another
-    scan's body from another frame."""
-    return next(
-        (frame for frame in _loops_frames(stop) if frame.f_code.co_name == _SCAN),
-        None,
-    )

@@ -27,9 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
@@ -39,17 +36,12 @@ from bridge.adapter_api import (
     TRACED_APART,
     BridgeValueError,
     ControlFlow,
-    Refused,
-    Route,
     Rule,
     Session,
-    ThroughControlFlow,
     Transform,
     counted_scans,
     inlining_jits,
-    is_array,
 )
-from bridge.adapter_api import route as routing_route
 
 from . import equinox_loops, jax_internals
 
@@ -203,83 +195,6 @@ _UNRECORDED = Transform(
     "bridge cannot tell which transforms hold the call",
     "upgrade jax: bridge reads the transforms around a call from jax 0.6.2",
 )
-
-
-def route(site: str, base: Any, rules: Mapping[str, Transform] = {}) -> Route:
-    """The route (`bridge.adapter_api.route`) of a call at `site` inside the
-    transforms between here and `base`, the adapter's `rules` over JAX's;
-    `ThroughControlFlow` with its `flow` read. Where the transforms are
-    branches and loops of known bounds only but where the call runs cannot
-    be read, refused, naming the innermost."""
-    transforms = enclosing(base, rules)
-    found = routing_route(site, transforms)
-    if not isinstance(found, ThroughControlFlow):
-        return found
-    flow = control_flow(base)
-    if flow is not None:
-        return ThroughControlFlow(flow)
-    innermost = next(t for t in transforms if t.rule is Rule.FLOWS)
-    return Refused(
-        innermost,
-        site,
-        "bridge cannot read where a call in it runs on this version of jax",
-        "move the call out of it, or upgrade jax",
-    )
-
-
-def mapped_sizes(base: Any) -> tuple[int, ...] | None:
-    """The sizes of the model's own `vmap`s between here and `base`, outermost
-    first: the axes a site's value has in front of what a call inside them
-    sees. `None` where one's size cannot be read."""
-    sizes = []
-    for trace in traces(base):
-        if jax_internals.is_vmap(trace):
-            size = jax_internals.vmap_size(trace)
-            if size is None:
-                return None
-            sizes.append(size)
-    return tuple(reversed(sizes))
-
-
-def iterations(base: Any, stop: Any) -> tuple[int, ...]:
-    """The lengths of the scans between here and `base`, outermost first,
-    read from `lax.scan`'s frames on the Python call stack up to `stop` (the
-    adapter's own call of the model); none where their count does not match
-    the scans' traces (a library tracing a scan's body outside `lax.scan`)."""
-    count = sum(name(trace) in SCANS for trace in traces(base))
-    if not count:
-        return ()
-    frames = jax_internals.scan_frames(stop)
-    if frames is None or len(frames) != count:
-        return ()
-    return tuple(length for length, _ in reversed(frames))
-
-
-def listed(session: Session, call: Any, value: Any, base: Any, stop: Any) -> Any:
-    """Finish a refused call: discovery lists it with its whole value, the
-    model's own vmaps' axes in front (outermost first), stacked over the
-    iterations of the scans around it (outermost first, read up to the frame
-    `stop`: see `iterations`); a run changes nothing, except where the core
-    routes the site through the computation (`bridge._session.computation`),
-    which the value the session returns carries on. Returns the value the
-    model goes on with."""
-    if not session.recorder.learns_sites():
-        # Where the computation routes the site, the value goes on marked.
-        return session.exit(call, value, perturb=lambda v: v, record=False)
-    sizes = mapped_sizes(base) or ()
-    whole = _broadcast(value, sizes)
-    session.exit(call, whole, perturb=lambda v: v, record=False)
-    for length in reversed(iterations(base, stop)):  # innermost first
-        session.recorder.holds_iterations(call.name, whole, length)
-        whole = _broadcast(whole, (length,))
-    return value
-
-
-def _broadcast(value: Any, leading: tuple[int, ...]) -> Any:
-    return jax.tree.map(
-        lambda v: jnp.broadcast_to(v, (*leading, *jnp.shape(v))) if is_array(v) else v,
-        value,
-    )
 
 
 def refuse_patched(session: Session) -> None:
