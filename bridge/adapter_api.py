@@ -190,11 +190,9 @@ from ._probe.registry import register_adapter as register_adapter
 from ._probe.result import ProbeResult as ProbeResult
 from ._session.backward import BOUNDED_WHILE as BOUNDED_WHILE
 from ._session.backward import CHECKPOINTED_WHILE as CHECKPOINTED_WHILE
-from ._session.backward import COUNTED_SCAN as COUNTED_SCAN
 from ._session.backward import FORI_LOOP as FORI_LOOP
 from ._session.backward import ControlFlow as ControlFlow
 from ._session.backward import record as record
-from ._session.jit import inlining as inlining_jits
 from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
@@ -204,7 +202,6 @@ from ._session.routing import CONVERTED_FIX as CONVERTED_FIX
 from ._session.routing import JAX_RULES as JAX_RULES
 from ._session.routing import LOOP_AMONG as LOOP_AMONG
 from ._session.routing import PLAIN as PLAIN
-from ._session.routing import TRACED_APART as TRACED_APART
 from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
 from ._session.routing import Carried as Carried
 from ._session.routing import Mapped as Mapped
@@ -215,8 +212,6 @@ from ._session.routing import ThroughControlFlow as ThroughControlFlow
 from ._session.routing import Transform as Transform
 from ._session.routing import refusal as refusal
 from ._session.routing import route as route
-from ._session.scan_counters import count_scans_of as count_scans_of
-from ._session.scan_counters import running as counted_scans
 from ._session.session import Request as Request
 from ._session.session import Session as Session
 from ._session.session import current as current_session
@@ -247,9 +242,6 @@ __all__ = [
     "Refused",
     "Mapped",
     "Carried",
-    "counted_scans",
-    "inlining_jits",
-    "count_scans_of",
     "PLAIN",
     "LOOP_AMONG",
     "JAX_RULES",
@@ -275,7 +267,6 @@ __all__ = [
     "Discovery",
     "DiscoveryOwner",
     "CHECKPOINTED_WHILE",
-    "COUNTED_SCAN",
     "FORI_LOOP",
     "Layer",
     "LayerKinds",
@@ -290,7 +281,6 @@ __all__ = [
     "Session",
     "Site",
     "SiteOrigin",
-    "TRACED_APART",
     "UNBOUNDED_LOOP",
     "UNCHECKED_LOSS",
     "Weight",

@@ -402,9 +402,6 @@ LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "haiku", "torch", "transformers
 
 #: The core's files that use JAX's internals, each for one purpose.
 CORE_INTERNALS = {
-    # `jax.jit`'s cache miss, wrapped so that a jitted function called inside
-    # a probed model inlines (`jax._src.pjit`, `jax._src.core`).
-    CORE / "_session" / "jit.py",
     # JAX's dead-code elimination of a jaxpr, which sees into `jit` and
     # `scan` (`jax._src.interpreters.partial_eval.dce_jaxpr`), with a
     # public-API fallback.

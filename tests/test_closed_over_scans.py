@@ -329,32 +329,51 @@ def test_a_patch_per_step_replaces_that_step(library):
     assert_close(patched.activations["cell"], theirs.activations["cell"])
 
 
+#: The functions of JAX's that bridge once replaced while a probe ran (the
+#: model's `jax.lax.scan`, counting its iterations; `jax.jit`'s cache miss,
+#: running jitted functions inline), where this JAX has them.
+_ONCE_REPLACED = [
+    (module, name)
+    for module, names in (
+        (jax.lax, ("scan",)),
+        (
+            __import__("jax._src.pjit", fromlist=["pjit"]),
+            ("_infer_params", "_run_python_pjit", "_python_pjit_helper"),
+        ),
+    )
+    for name in names
+    if hasattr(module, name)
+]
+
+
 class _Watching(EqxRNN):
     def __call__(self, xs):
-        _SEEN.append(jax.lax.scan)
+        _SEEN.append([getattr(module, name) for module, name in _ONCE_REPLACED])
         return super().__call__(xs)
 
 
 _SEEN: list = []
 
 
-def test_jax_lax_scan_is_jax_s_own_outside_a_probe():
-    """The counting scan stands in for `jax.lax.scan` only while a probe
-    runs the model: before and after, and in the loss, `jax.lax.scan` is
-    JAX's function."""
-    original = jax.lax.scan
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_no_function_of_jax_is_replaced_while_a_probe_runs(mode):
+    """Where a call runs, and a trace JAX cached, the core reads from the
+    computation: the model's code meets JAX's own functions while a probe
+    runs it, in discovery and in the run, and a site in its scan is still a
+    site per iteration."""
+    original = [getattr(module, name) for module, name in _ONCE_REPLACED]
+    assert original  # `jax.lax.scan` at least
     model = _Watching("forward", eqx.nn.GRUCell(IN, HIDDEN, key=jax.random.key(0)))
-    in_loss = []
-
-    def loss(outputs):
-        in_loss.append(jax.lax.scan)
-        return loss_fn(outputs)
-
     _SEEN.clear()
-    bridge.probe(model, vmap=True).value_and_grad(loss, sequences())
-    assert jax.lax.scan is original
-    assert in_loss and all(scan is original for scan in in_loss)
-    assert _SEEN and all(scan is not original for scan in _SEEN)
+
+    def step(probe, xs):
+        return probe.value_and_grad(loss_fn, xs)
+
+    probe = bridge.probe(model, vmap=True)
+    res = (jax.jit(step) if mode == "jit" else step)(probe, sequences())
+    assert len(_SEEN) >= 1
+    assert all(seen == original for seen in _SEEN)
+    assert res.activations["cell"].shape == (STEPS, BATCH, HIDDEN)
 
 
 # -- Linen's own nn.scan: a branch inside a scanned stack ---------------------------

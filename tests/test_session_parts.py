@@ -25,7 +25,6 @@ import bridge
 from bridge._errors import BridgeRuntimeError, BridgeTypeError, BridgeValueError
 from bridge._session import context
 from bridge._session.carrier import CarriedIn, Carrier
-from bridge._session.jit import inlining_supported
 from bridge._session.naming import DISCARDED, Naming, renames_of, renumbered
 from bridge._session.recorders import DiscoveryRecorder, RunRecorder
 from bridge._session.taps import Taps
@@ -969,20 +968,6 @@ def test_active_makes_the_session_current_only_inside():
     assert current_session() is None
 
 
-@pytest.mark.skipif(not inlining_supported(), reason="JAX internals not found")
-def test_active_runs_the_models_jitted_functions_inline():
-    @jax.jit
-    def block(x):
-        return bridge.tap("h", x * 2)
-
-    block(jnp.ones(2))  # traced and cached before the probe
-    session = Session()
-    with session.active():
-        block(jnp.ones(2))
-        block(jnp.ones(2))
-    assert [s.name for s in session.discovered()] == ["h", "h#1"]
-
-
 def test_body_traces_reuse_the_names_of_a_repeated_trace():
     session = Session()
     bodies = BodyTraces(session)
@@ -1124,39 +1109,3 @@ def test_a_session_is_freed_without_the_garbage_collector(kind):
     gc.collect()
     assert cyclic_ref() is None
     assert parts  # the parts outlive the session without reviving it
-
-
-@pytest.mark.skipif(not inlining_supported(), reason="JAX internals not found")
-def test_jaxs_jit_internals_are_bridges_only_while_a_probe_runs():
-    import threading
-
-    from jax._src import pjit
-
-    from bridge._session import jit as inline
-
-    names = list(inline._wrappers())
-    jaxs = {name: getattr(pjit, name) for name in names}
-    seen = {}
-    other_thread = {}
-
-    def beside():  # another thread's jitted call meanwhile: JAX's own result
-        other_thread["value"] = jax.jit(lambda x: x + 1)(jnp.ones(2))
-
-    @jax.jit
-    def block(x):
-        seen.update({name: getattr(pjit, name) for name in names})
-        worker = threading.Thread(target=beside)
-        worker.start()
-        worker.join()
-        return bridge.tap("h", x * 2)
-
-    session = Session()
-    with session.active():
-        block(jnp.ones(2))
-    assert all(seen[name] is not jaxs[name] for name in names)  # bridge's, inside
-    assert {name: getattr(pjit, name) for name in names} == jaxs  # JAX's, after
-    close(other_thread["value"], [2.0, 2.0])
-    with pytest.raises(KeyError), Session().active():
-        block(jnp.ones(2))
-        raise KeyError("the model raised")
-    assert {name: getattr(pjit, name) for name in names} == jaxs

@@ -30,17 +30,13 @@ from typing import Any
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
-    COUNTED_SCAN,
     FORI_LOOP,
     JAX_RULES,
-    TRACED_APART,
     BridgeValueError,
     ControlFlow,
     Rule,
     Session,
     Transform,
-    counted_scans,
-    inlining_jits,
 )
 
 from . import equinox_loops, jax_internals
@@ -85,10 +81,8 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     `control_flow` and `route` read them: JAX's names, each trace of an
     Equinox loop named as one (the checkpointed kind's `jit`:
     `CHECKPOINTED_WHILE`; the bounded kind's nest of `cond`, `scan` and
-    `checkpoint`: `BOUNDED_WHILE`; a scan of the model's code that counts
-    its iterations, `COUNTED_SCAN`), a `jit` left where the model's jax.jits
-    run inline named after what made it (`equinox_loops.closure_converted`,
-    else `TRACED_APART`); the traces;
+    `checkpoint`: `BOUNDED_WHILE`), a `jit` that is a closure conversion
+    named so (`equinox_loops.closure_converted`); the traces;
     and `{id of a loop's counter's trace: (step, max_steps, runs)}`. `None`
     where the trace stack cannot be read to `base`."""
     transforms = transform_names(base)
@@ -113,18 +107,13 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
         within.update(
             dict.fromkeys(nest, BOUNDED_WHILE if depth > 1 else CHECKPOINTED_WHILE)
         )
-    for counter, length in counted_scans():
-        position = index.get(id(jax_internals.trace_of(counter)))
-        if position is not None and transforms[position] == "scan":
-            loops[id(stack[position])] = (counter, length, None)
-            within[position] = COUNTED_SCAN
     transforms = tuple(within.get(i, name) for i, name in enumerate(transforms))
-    if inlining_jits() and any(t in _JITS for t in transforms):
-        # The model's jax.jits run inline and open no trace: a `jit` left is
-        # one the model's code makes of a function apart, which blocks.
+    if any(t in _JITS for t in transforms):
+        # A `jit` trace is the model's `jax.jit`, traced through, or a
+        # closure conversion, which blocks.
         converted = equinox_loops.closure_converted(stack, transforms)
         transforms = tuple(
-            converted.get(id(trace), TRACED_APART) if t in _JITS else t
+            converted.get(id(trace), t) if t in _JITS else t
             for trace, t in zip(stack, transforms, strict=True)
         )
     return transforms, stack, loops

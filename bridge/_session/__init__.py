@@ -4,6 +4,6 @@
 (the facade an adapter reports calls to) and its parts, each given what it
 needs at construction and none holding the session: `naming`, `recorders`,
 `carrier`, `taps`. Beside them: `sites` (the `Site` record and array
-helpers), `inside` (assignments as sites), `jit` (the model's own `jax.jit`
-run inline) and `liveness` (which calls the computation keeps).
+helpers), `inside` (assignments as sites), `computation` (sites read from
+the jaxpr) and `liveness` (which calls the computation keeps).
 """

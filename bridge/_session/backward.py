@@ -77,10 +77,7 @@ FORI_LOOP = "fori_loop"
 CHECKPOINTED_WHILE = "while_loop (checkpointed)"
 BOUNDED_WHILE = "while_loop (bounded)"
 WHILE_LOOPS = frozenset({CHECKPOINTED_WHILE, BOUNDED_WHILE})
-#: The name a `ControlFlow` gives a `lax.scan` of the model's code that
-#: counts its iterations while a probe runs (`bridge._session.scan_counters`).
-COUNTED_SCAN = "scan (counted)"
-LOOPS = frozenset({FORI_LOOP, COUNTED_SCAN, *WHILE_LOOPS})
+LOOPS = frozenset({FORI_LOOP, *WHILE_LOOPS})
 _TRACED_THROUGH = frozenset({"jit", "pjit"})
 
 

@@ -1209,8 +1209,8 @@ def not_reached(missing: list[str]) -> BridgeRuntimeError:
         "code did not reach it in this run"
         + (f" (nor {missing[1:]!r})" if missing[1:] else "")
         + ": its gradient would be a silent zero. JAX reuses a trace it "
-        "cached (a jitted function bridge cannot run inline on this JAX, "
-        "a `jax.checkpoint`ed function traced before), or the model takes "
+        "cached (a jitted or `jax.checkpoint`ed function traced before), "
+        "or the model takes "
         "another path than when its sites were found. Select sites the "
         "model reaches on every call, or clear JAX's caches "
         "(`jax.clear_caches()`) before probing."

@@ -25,7 +25,7 @@ JAX has no public hook for this: the rule is JAX's transpose table,
 `jax._src.lax.control_flow.loops.while_p`. bridge's rule is there only
 while a recording pullback runs (in any thread; in the others it passes
 every call on to JAX's rule, which raises), and JAX's own is put back after
-the last, as `bridge._session.jit` does with `jax.jit`'s cache miss. Where
+the last. Where
 these internals are not found, nothing is changed: JAX's error is raised.
 """
 

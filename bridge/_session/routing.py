@@ -5,10 +5,7 @@ Between a module call (or a `bridge.tap`) and the probe's own call of the
 model stand the transforms of the model's code, JAX's and the library's. Each
 has one rule (`Rule`), as JAX's own interpreters keep one rule per primitive:
 
-- `THROUGH`: bridge traces through it (a `jax.jit` inside the model, which
-  runs inline while a probe runs, and so opens no trace: a trace JAX names
-  `jit` left around a call is one the model's code makes of a function
-  apart, `TRACED_APART`, which blocks).
+- `THROUGH`: bridge traces through it (a `jax.jit` inside the model).
 - `MAPS`: the model's own `jax.vmap`, whose value bridge hands out whole, its
   mapped axis first.
 - `FLOWS`: a branch (`cond`, `switch`) or a loop of known bounds (a
@@ -44,8 +41,6 @@ import enum
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .backward import COUNTED_SCAN
-
 __all__ = [
     "BRANCH",
     "CLOSED_OVER_LOOP",
@@ -54,7 +49,6 @@ __all__ = [
     "JAX_RULES",
     "LOOP_AMONG",
     "PLAIN",
-    "TRACED_APART",
     "TRACED_BOUNDS",
     "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",
@@ -125,12 +119,6 @@ CONVERTED = (
     "function and sum their gradients"
 )
 CONVERTED_FIX = "call the layer outside the converted function and pass its output in"
-
-#: The name of a trace JAX names `jit` around a call while the model's own
-#: `jax.jit`s run inline (`bridge._session.jit`), which open none: one the
-#: model's code makes of a function apart (`jax.make_jaxpr`, a
-#: `jax.jit(...).trace`), or a closure conversion the reader does not name.
-TRACED_APART = "jit (traced apart)"
 
 #: Why a call inside a transform that carries none of bridge's state cannot
 #: be a site, where the adapter has nothing more precise to say.
@@ -234,25 +222,10 @@ JAX_RULES: Mapping[str, Transform] = {
         "write the loop as a jax.lax.scan of fixed length",
     ),
     "scan": Transform("jax.lax.scan", Rule.BLOCKS),
-    # The model's own scan, counting its iterations while a probe runs
-    # (`bridge._session.scan_counters`): a loop of known bounds.
-    COUNTED_SCAN: Transform(
-        "jax.lax.scan",
-        Rule.FLOWS,
-        LOOP_AMONG,
-        "move the other transform out of the scan, or unroll the loop",
-        nests=False,
-    ),
     "checkpoint / remat": Transform("jax.checkpoint", Rule.BLOCKS),
     "checkpoint": Transform("jax.checkpoint", Rule.BLOCKS),  # jax < 0.5
     "closure_convert": Transform(
         "jax.closure_convert", Rule.BLOCKS, CONVERTED, CONVERTED_FIX
-    ),
-    TRACED_APART: Transform(
-        "a trace of a function the model's code makes apart (jax.make_jaxpr, "
-        "a closure conversion)",
-        Rule.BLOCKS,
-        fix="call the layer outside that function",
     ),
 }
 JAX_RULES = {**JAX_RULES, "while_cond": JAX_RULES["while_body"]}

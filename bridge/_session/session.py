@@ -33,9 +33,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BridgeTypeError
-from . import backward, context, scan_counters
+from . import backward, context
 from .carrier import Carrier
-from .jit import traced_through
 from .naming import BodyTraces as BodyTraces
 from .naming import Call as Call
 from .naming import Naming
@@ -221,12 +220,11 @@ class Session:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Session]:
-        """The session of the model's calls while it runs: the model's own
-        `jax.jit`s run inline (`bridge._session.jit`), its `jax.lax.scan`s
-        count their iterations (`bridge._session.scan_counters`), and the
-        probe's `inside` rewrites are in place (`bridge._session.inside`),
-        all undone on leaving."""
-        with context.active(self), traced_through(), scan_counters.counting():
+        """The session of the model's calls while it runs, with the probe's
+        `inside` rewrites in place (`bridge._session.inside`), undone on
+        leaving. No function of JAX's is replaced: where a call runs, and a
+        trace JAX cached, the core reads from the computation."""
+        with context.active(self):
             if self.inside is None:
                 yield self
             else:
