@@ -362,7 +362,9 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "plain's cold lowering. Rows before 2026-12-07 ran the model's "
             "Python again in every probed lowering; the TPU backend's rows "
             "of 2026-12-07 are the later run, where discovery of a "
-            "`vmap=True` probe (Equinox's) traces one example.",
+            "`vmap=True` probe (Equinox's) traces one example. The rows shown "
+            "are the last run of 2026-12-07: every adapter reports every call "
+            "plainly and no function of JAX's is replaced while a probe runs.",
             "",
         ] + lowering
     failed = failures(records)

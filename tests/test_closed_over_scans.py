@@ -10,8 +10,8 @@ offset added by hand to the cell's output at each step (`hand`), a step's
 row taken by the step's index, which the model scans beside its inputs;
 differentiated or pushed forward by plain JAX.
 
-Linen's own `nn.scan` counts its iterations the same way: a branch inside
-a scanned stack is a site per layer, against the stack unrolled by hand.
+Linen's own `nn.scan` is read the same way: a branch inside a scanned
+stack is a site per layer, against the stack unrolled by hand.
 """
 
 from __future__ import annotations

@@ -394,12 +394,10 @@ def test_a_site_inside_checkpoint_equals_the_same_model_without_it(mode, filtere
 
 
 def _scan(counted: bool) -> Callable:
-    """The model's scan: `jax.lax.scan`, looked up when the model runs, which
-    bridge replaces while a probe runs by a scan that counts its iterations
-    (a call its body makes is then a site per iteration); or, where a test is
-    about what bridge refuses, `uncounted_scan`, JAX's own scan bound by name
-    when this module was imported, which bridge cannot count (a call in its
-    body is listed, and refused where selected or patched)."""
+    """The model's scan: `jax.lax.scan`, looked up when the model runs, or
+    `uncounted_scan`, JAX's own scan bound by name when this module was
+    imported: the same `scan` in the computation, whose body's calls are
+    sites per iteration."""
     return jax.lax.scan if counted else uncounted_scan
 
 
@@ -1424,9 +1422,8 @@ def _twice_cos(v):
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tap_in_the_model_scan_is_a_site_per_iteration(mode, build):
-    """The model's own `jax.lax.scan` counts its iterations while a probe
-    runs, and JAX's scan bound at import is the same `scan` in the
-    computation: a tap its body runs is a site per iteration, `(steps,
+    """The model's own `jax.lax.scan`, looked up as it runs or bound at
+    import, is the same `scan` in the computation: a tap its body runs is a site per iteration, `(steps,
     batch, ...)`, whose gradients are those of offsets added by hand at each
     step, and which takes a stacked patch value (a row per step) or a patch
     function (applied at every step)."""

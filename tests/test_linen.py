@@ -11,18 +11,15 @@ import numpy as np
 import pytest
 from cases.linen import DropoutNet, SharedMLP, perturbed_apply
 from helpers import (
-    NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
-    jaxpr_traces_record_their_parent,
     random_like,
     tree_vdot,
     unrolled_linen_steps,
     value_and_grad_in,
 )
 
-# JAX's own scan, bound before any probe runs: a probe counts the iterations
-# of the `jax.lax.scan` the model looks up as it runs (a tap in its body is a
-# site per iteration), never of this one, whose taps stay refused.
+# JAX's own scan, bound before any probe runs (`from jax.lax import scan`, a
+# spelling of its own): the same `scan` in the computation as `jax.lax.scan`.
 from jax.lax import scan as uncounted_scan
 
 import bridge
@@ -327,7 +324,6 @@ def added(offsets, per_step=True):
     )
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_scan_that_broadcasts_params_is_a_site_per_step_as_in_the_unrolled_cell():
     xs = jax.random.normal(jax.random.key(3), (2, 3, 4))
     model = nn.RNN(nn.LSTMCell(5))
@@ -403,24 +399,6 @@ def test_a_scan_that_broadcasts_params_is_a_site_per_step_as_in_the_unrolled_cel
             assert_tree_allclose(res.outputs, outputs)
             assert_tree_allclose(res.activations["cell"], values[""])
             assert_tree_allclose(res.activations["cell/hi"], values["hi"])
-
-
-@pytest.mark.skipif(
-    jaxpr_traces_record_their_parent(),
-    reason="jax >= 0.6.2 probes a call in nn.RNN's scan per step (the test above)",
-)
-def test_a_scan_that_broadcasts_params_is_listed_and_refused_without_jaxpr_parents():
-    x = jnp.ones((2, 3, 4))
-    model = nn.RNN(nn.LSTMCell(5))
-    probe = bridge.probe(model, model.init(jax.random.key(0), x))
-    # Every iteration's call, stacked: (iterations, batch, features).
-    assert probe.sites(x)["cell"][1].shape == (3, 2, 5)
-    with pytest.raises(
-        bridge.BridgeError, match="cannot see through nn.scan .*: it broadcasts"
-    ):
-        probe.value_and_grad(mse, x, at="cell")
-    with pytest.raises(bridge.BridgeError, match="nn.scan .*: it broadcasts"):
-        probe.apply(x, patch={"cell": lambda v: v})
 
 
 def test_layer_inputs_inside_remat_leave_through_the_collection():
@@ -821,8 +799,8 @@ class InJaxTransforms(nn.Module):
     sown in `intermediates`."""
 
     offsets: Any = None
-    #: Whether the scan is `jax.lax.scan` looked up as the model runs (a
-    #: probe counts its iterations) or `uncounted_scan` (never counted).
+    #: Whether the scan is `jax.lax.scan` looked up as the model runs or
+    #: `uncounted_scan`, bound at import (the same scan to the computation).
     counted: bool = True
 
     def setup(self):
@@ -878,13 +856,11 @@ def test_a_module_in_the_models_own_vmap_holds_the_mapped_value():
         np.testing.assert_allclose(res.loss, loss_along(0.0), rtol=1e-6)
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("counted", [True, False], ids=["lax.scan", "bound_at_import"])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration(mode, counted):
-    """While a probe runs, the model's own `jax.lax.scan` counts its
-    iterations, and JAX's scan bound at import is the same `scan` in the
-    computation: its body's tap (traced twice) is one site of every
+    """The model's own `jax.lax.scan`, looked up as it runs or bound at
+    import, is the same `scan` in the computation: its body's tap (traced twice) is one site of every
     iteration, `(iterations, batch, width)`. Its values are the scan's own
     `ys`; its gradients, those of offsets the model adds by hand (plain
     `jax.grad`), row `i` at the iteration over `i`, and summed over the

@@ -275,8 +275,8 @@ def _stacked_model(library, kind):
 
 
 #: What bridge probes inside a library's stack: a `jax.jit` is traced
-#: through; the library's scan counts its iterations, so a branch or a loop
-#: of known bounds inside it is one inside loops of known bounds.
+#: through, and a branch or a loop of known bounds inside it is one inside
+#: loops of known bounds.
 #: Every adapter reports every call plainly: the computation reads the
 #: model's own transform in the stack's body, whichever library's stack.
 PROBED_IN_A_STACK = {"jit", "cond", "fori_loop", "scan", "checkpoint", "vmap"}

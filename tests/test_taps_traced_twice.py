@@ -7,8 +7,8 @@ is one site (DESIGN.md: a trace is not a call).
 - a `lax.scan` body whose carry starts as a Python `0` that the body turns
   into a float is traced twice, and JAX keeps the second trace: a tap there
   is one site, in each library, and so is a module the body closes over in
-  Equinox. The model's own `jax.lax.scan` counts its iterations while a
-  probe runs, so the site holds every iteration, `(iterations, batch,
+  Equinox. The computation reads the model's own `jax.lax.scan`, so the
+  site holds every iteration, `(iterations, batch,
   width)`: each iteration's value and gradient its own, as in a scan traced
   once;
 - a scan bound by name before the probe ran (`from jax.lax import scan` at

@@ -1,9 +1,8 @@
 """A site bridge cannot express never blocks the others, in every library.
 
-Each case is an unexpressible call (inside a `while_loop`, a scan or vmap
-that broadcasts its parameters; a `jax.lax.scan` of the model's own code
-only where bridge cannot count its iterations, bound by name at import;
-branches and loops of static bounds are sites, `tests/test_control_flow.py`)
+Each case is an unexpressible call (inside a `while_loop`; branches and
+loops of static bounds are sites, `tests/test_control_flow.py`, and so are
+scans and vmaps that broadcast their parameters, tested here too)
 between ordinary layers, a head after it. `sites()` lists it with its whole
 shape (the model's own mapped axes in front, a scan's iterations first);
 selecting or patching it raises a `bridge.BridgeError` naming the innermost
