@@ -1422,10 +1422,10 @@ def _twice_cos(v):
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tap_in_the_model_scan_is_a_site_per_iteration(mode, build):
-    """The model's own `jax.lax.scan`, looked up as it runs or bound at
-    import, is the same `scan` in the computation: a tap its body runs is a site per iteration, `(steps,
-    batch, ...)`, whose gradients are those of offsets added by hand at each
-    step, and which takes a stacked patch value (a row per step) or a patch
+    """The model's own `jax.lax.scan`, looked up as it runs or bound at import, is the
+    same `scan` in the computation: a tap its body runs is a site per iteration,
+    `(steps, batch, ...)`, whose gradients are those of offsets added by hand at
+    each step, and which takes a stacked patch value (a row per step) or a patch
     function (applied at every step)."""
     model, site, values = build()
     x = jax.random.normal(jax.random.key(1), (TAP_BATCH, 3))

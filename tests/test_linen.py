@@ -859,14 +859,13 @@ def test_a_module_in_the_models_own_vmap_holds_the_mapped_value():
 @pytest.mark.parametrize("counted", [True, False], ids=["lax.scan", "bound_at_import"])
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration(mode, counted):
-    """The model's own `jax.lax.scan`, looked up as it runs or bound at
-    import, is the same `scan` in the computation: its body's tap (traced twice) is one site of every
-    iteration, `(iterations, batch, width)`. Its values are the scan's own
-    `ys`; its gradients, those of offsets the model adds by hand (plain
-    `jax.grad`), row `i` at the iteration over `i`, and summed over the
-    iterations, that of one offset shared by all; the tap inside
-    `jax.checkpoint`, the sites around it and the parameters' gradients are
-    plain Linen's."""
+    """The model's own `jax.lax.scan`, looked up as it runs or bound at import, is the
+    same `scan` in the computation: its body's tap (traced twice) is one site of
+    every iteration, `(iterations, batch, width)`. Its values are the scan's own
+    `ys`; its gradients, those of offsets the model adds by hand (plain `jax.grad`),
+    row `i` at the iteration over `i`, and summed over the iterations, that of one
+    offset shared by all; the tap inside `jax.checkpoint`, the sites around it and
+    the parameters' gradients are plain Linen's."""
     x = jax.random.normal(jax.random.key(0), (4, 5))
     variables = InJaxTransforms().init(jax.random.key(1), x)
     probe = bridge.probe(InJaxTransforms(counted=counted), variables)
