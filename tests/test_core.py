@@ -7,7 +7,6 @@ Equinox.
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -564,53 +563,6 @@ def test_carrier_names_are_told_from_any_name_a_user_gives(kind, method):
         0,
     ):
         assert not bridge.adapter_api.is_carrier_name(user_name)
-
-
-def test_to_carry_in_gives_each_value_a_library_must_carry_under_its_name():
-    from bridge.adapter_api import Request, Session, Site, SiteOrigin
-
-    @dataclasses.dataclass(frozen=True)
-    class Scanned(SiteOrigin):
-        scan: tuple = (7, False)
-        value: object = jax.ShapeDtypeStruct((2, 3), jnp.float32)
-        inputs: object = (jax.ShapeDtypeStruct((2, 5), jnp.bfloat16),)
-
-    @dataclasses.dataclass(frozen=True)
-    class Plain(SiteOrigin):
-        pass
-
-    def site(name, origin, method=None):
-        struct = jax.ShapeDtypeStruct((7, 2, 3), jnp.float32)
-        return Site(name, name, method, 1, None, struct, origin, stacked=1)
-
-    in_scan, plain = site("cell", Scanned(), "step"), site("head", Plain())
-    patched_only = site("norm", Scanned())
-    session = Session(
-        Request(
-            selected={"cell": in_scan, "head": plain},
-            epsilons={"cell": jnp.ones((7, 2, 3)), "head": jnp.ones((7, 2, 3))},
-            patches={"norm": jnp.full((7, 2, 3), 2.0), "head": lambda v: v},
-            with_inputs=True,
-            patched={"norm": patched_only, "head": plain},
-        )
-    )
-    carried = session.carrier.to_carry_in(
-        lambda site: site.name != "head", lambda site: True
-    )
-    placed = {entry.name: entry.value for entry in carried}
-    assert sorted(placed) == [
-        "bridge_epsilon:step#1",
-        "bridge_patch:__call__#1",
-        "bridge_recording:step#1",
-        "bridge_step:__call__#1",
-        "bridge_step:step#1",
-    ]
-    values, inputs = placed["bridge_recording:step#1"]
-    assert (values.shape, values.dtype) == ((7, 2, 3), jnp.float32)
-    assert (inputs[0].shape, inputs[0].dtype) == ((7, 2, 5), jnp.bfloat16)
-    assert placed["bridge_step:step#1"].dtype == jnp.int32
-    # A patch function is applied where the call is; nothing is carried.
-    assert not any(entry.site is plain for entry in carried)
 
 
 def test_a_taps_carrier_name_is_told_from_its_modules_own():

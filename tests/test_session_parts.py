@@ -1,12 +1,12 @@
 """Each part of a session (`bridge._session`) on its own, with JAX alone.
 
 The parts a `Session` is a facade over (`Request`, `Naming`, the two
-recorders, `Carrier`, `Taps`) are each made from what they need and tested
-here without a model library and, where they do not need one, without a
-session: what each part answers, names, records and carries is asserted
-value by value. Then what the session adds over its parts
-(`run_with_fallback`, `active`, `tap`, `BodyTraces`), and that no part holds
-the session, so a session is freed by reference counting alone.
+recorders, `Taps`) are each made from what they need and tested here
+without a model library and, where they do not need one, without a
+session: what each part answers, names and records is asserted value by
+value. Then what the session adds over its parts (`active`, `tap`,
+`BodyTraces`), and that no part holds the session, so a session is freed
+by reference counting alone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import pytest
 import bridge
 from bridge._errors import BridgeRuntimeError, BridgeTypeError, BridgeValueError
 from bridge._session import context
-from bridge._session.carrier import CarriedIn, Carrier
 from bridge._session.naming import DISCARDED, Naming, renames_of, renumbered
 from bridge._session.recorders import DiscoveryRecorder, RunRecorder
 from bridge._session.taps import Taps
@@ -75,10 +74,6 @@ def through(recorder, call, value, args=(), perturb=None, record=True, patch=Non
 
 def close(actual, expected):
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected))
-
-
-class Fallback(Exception):
-    """The exception an adapter's first route raises to start again."""
 
 
 # -- Request -----------------------------------------------------------------
@@ -307,48 +302,6 @@ def test_discovery_answers_for_every_site():
     assert recorder.kept_part(value) is value
     recorder.check_reached()  # discovery learns which sites there are
     assert recorder.discovered() == []
-
-
-def test_fall_back_raises_only_inside_falling_back_with():
-    recorder = DiscoveryRecorder()
-    recorder.fall_back()
-
-    class Other(Exception):
-        pass
-
-    with recorder.falling_back_with(Fallback):
-        with pytest.raises(Fallback):
-            recorder.fall_back()
-        with recorder.falling_back_with(Other):
-            with pytest.raises(Other):
-                recorder.fall_back()
-        with pytest.raises(Fallback):
-            recorder.fall_back()
-    recorder.fall_back()
-    with pytest.raises(KeyError), recorder.falling_back_with(Fallback):
-        raise KeyError("left early")
-    recorder.fall_back()
-
-
-def test_holds_iterations_stacks_a_site_over_its_scan():
-    recorder = DiscoveryRecorder()
-    call = a_call("cell")
-    step = (jnp.ones((2, 3)), jnp.zeros((2,), jnp.int32), None)
-    through(recorder, call, step)
-    through(recorder, a_call("head"), jnp.ones((2, 3)))
-    recorder.holds_iterations("cell", step, 5)
-    cell, head = recorder.discovered()
-    assert cell.struct == (
-        jax.ShapeDtypeStruct((5, 2, 3), F32),
-        jax.ShapeDtypeStruct((5, 2), jnp.int32),
-        None,
-    )
-    assert cell.stacked == 1
-    assert (head.struct, head.stacked) == (jax.ShapeDtypeStruct((2, 3), F32), 0)
-    # A scan around that one: one more leading axis.
-    recorder.holds_iterations("cell", jnp.ones((5, 2, 3)), 7)
-    assert recorder.discovered()[0].struct == jax.ShapeDtypeStruct((7, 5, 2, 3), F32)
-    assert recorder.discovered()[0].stacked == 2
 
 
 def test_discovery_restore_forgets_the_sites_since_its_checkpoint():
@@ -586,185 +539,6 @@ def test_a_run_needs_and_keeps_only_its_selected_and_patched_sites():
     assert kept[0] is value[0] and kept[1] is None
 
 
-# -- Carrier -------------------------------------------------------------------
-
-
-def test_to_carry_in_outside_a_scan_carries_no_step_nor_recording():
-    plain = a_site("plain", origin=Lifted(), index=2)
-    no_epsilon = a_site("quiet", origin=Lifted(), method="f")
-    no_origin = a_site("nowhere")
-    patched = a_site("patched", origin=Lifted(), method="g", index=1)
-    request = Request(
-        selected={"plain": plain, "quiet": no_epsilon, "nowhere": no_origin},
-        epsilons={
-            "plain": jnp.ones((2, 3)),
-            "nowhere": jnp.ones((2, 3)),
-        },
-        patches={"patched": jnp.full((2, 3), 3.0)},
-        patched={"patched": patched},
-        with_inputs=True,
-    )
-    carrier = Carrier(request, RunRecorder(request))
-    placed = carrier.to_carry_in(lambda site: True, lambda site: True)
-    assert [(e.name, e.kind, e.site) for e in placed] == [
-        ("bridge_epsilon:__call__#2", "epsilon", plain),
-        ("bridge_patch:g#1", "patch", patched),
-    ]
-    close(placed[1].value, np.full((2, 3), 3.0))
-    # What the adapter does not carry there is not placed.
-    assert carrier.to_carry_in(lambda site: False) == []
-
-
-def test_to_carry_in_places_a_scanned_sites_step_and_recording_rows():
-    cell = a_site("cell", origin=Scanned(), method="step", shape=(4, 2, 3))
-    other = a_site("other", origin=Scanned(), shape=(4, 2, 3))
-    unselected = a_site("unselected", origin=Scanned())
-    request = Request(
-        selected={"cell": cell, "other": other},
-        epsilons={"other": jnp.ones((4, 2, 3))},
-        patched={"unselected": unselected},
-        patches={"unselected": lambda v: v},  # a function: applied in place
-    )
-    carrier = Carrier(request, RunRecorder(request))
-    placed = carrier.to_carry_in(lambda site: site.name == "cell", lambda site: True)
-    assert [(e.name, e.kind, e.site) for e in placed] == [
-        ("bridge_step:step#0", "step", cell),
-        ("bridge_recording:step#0", "recording", cell),
-    ]
-    step, (values, inputs) = placed[0].value, placed[1].value
-    assert (step.shape, step.dtype, int(step)) == ((), jnp.int32, 0)
-    assert (values.shape, values.dtype) == ((4, 2, 3), F32)
-    close(values, np.zeros((4, 2, 3)))
-    assert inputs is None  # not asked for
-
-
-def test_a_discovery_carries_nothing_in():
-    request = Request(
-        selected=None,
-        epsilons={"a": 1.0},
-        patches={"a": 2.0},
-        patched={"a": a_site("a")},
-    )
-    carrier = Carrier(request, DiscoveryRecorder())
-    assert carrier.to_carry_in(lambda site: True, lambda site: True) == []
-    assert dict(carrier.patched_with_values()) == {}
-
-
-def test_patched_with_values_are_the_patched_sites_given_a_value():
-    sites = {name: a_site(name) for name in ("v", "f", "unknown")}
-    request = Request(
-        selected={},
-        patches={"v": 1.0, "f": lambda v: v, "missing": 2.0},
-        patched={"v": sites["v"], "f": sites["f"], "unknown": sites["unknown"]},
-    )
-    carrier = Carrier(request, RunRecorder(request))
-    patched = carrier.patched_with_values()
-    assert dict(patched) == {"v": sites["v"]}
-    with pytest.raises(TypeError):
-        patched["f"] = sites["f"]
-
-
-def test_to_carry_out_is_the_whole_value_at_discovery_and_its_floats_in_a_run():
-    value = (jnp.ones((2,)), jnp.arange(2))
-    args = (jnp.ones(3), "mode")
-    discovery = Request(selected=None)
-    out, inputs = Carrier(discovery, DiscoveryRecorder()).to_carry_out(value, args)
-    assert out is value and inputs is None
-    # A discovery for a run that records inputs carries them out too.
-    marking = Request(selected=None, with_inputs=True)
-    out, inputs = Carrier(marking, DiscoveryRecorder()).to_carry_out(value, args)
-    assert out is value and inputs[0] is args[0] and inputs[1] is None
-    run = Request(selected={"s": a_site("s")}, with_inputs=True)
-    out, inputs = Carrier(run, RunRecorder(run)).to_carry_out(value, args)
-    assert out[0] is value[0] and out[1] is None
-    assert inputs[0] is args[0] and inputs[1] is None
-    quiet = Request(selected={"s": a_site("s")})
-    out, inputs = Carrier(quiet, RunRecorder(quiet)).to_carry_out(value, args)
-    assert inputs is None
-
-
-def test_a_deferred_site_restructures_its_site_at_discovery():
-    recorder = DiscoveryRecorder()
-    carrier = Carrier(Request(), recorder)
-    through(recorder, a_call("cell"), jnp.ones((2, 3)))
-    through(recorder, a_call("head"), jnp.ones((2, 3)))
-    assert carrier.carries_out("cell")
-    assert carrier.carries_out_any(lambda site: False)
-    carrier.defer("cell", ("state", "cell"))
-    state = {("state", "cell"): (jnp.ones((6, 2, 3)), None)}
-    reads = []
-
-    def read(where):
-        reads.append(where)
-        return state[where]
-
-    carrier.hand_over(read)
-    assert reads == [("state", "cell")]
-    cell, head = recorder.discovered()
-    assert (cell.struct, cell.stacked) == (jax.ShapeDtypeStruct((6, 2, 3), F32), 1)
-    assert (head.struct, head.stacked) == (jax.ShapeDtypeStruct((2, 3), F32), 0)
-
-
-def test_a_deferred_site_is_recorded_in_a_run():
-    request = Request(selected={"cell": a_site("cell")}, with_inputs=True)
-    recorder = RunRecorder(request)
-    carrier = Carrier(request, recorder)
-    assert carrier.carries_out("cell") and not carrier.carries_out("head")
-    assert carrier.carries_out_any(lambda site: site.name == "cell")
-    assert not carrier.carries_out_any(lambda site: site.name == "head")
-    carrier.defer("cell", "where")
-    rows, row_inputs = jnp.full((6, 2, 3), 2.0), (jnp.ones((6, 5)), None)
-    carrier.hand_over(lambda where: {"where": (rows, row_inputs)}[where])
-    close(recorder.activations["cell"], np.full((6, 2, 3), 2.0))
-    assert recorder.inputs["cell"][0] is row_inputs[0]
-    assert recorder.inputs["cell"][1] is None
-    recorder.check_reached()
-
-
-def test_carrier_restore_forgets_the_sites_deferred_since_its_checkpoint():
-    request = Request(selected={"a": a_site("a"), "b": a_site("b")})
-    carrier = Carrier(request, RunRecorder(request))
-    carrier.defer("a", "where-a")
-    start = carrier.checkpoint()
-    carrier.defer("b", "where-b")
-    carrier.restore(start)
-    reads = []
-    carrier.hand_over(lambda where: (reads.append(where), (jnp.ones(2), None))[1])
-    assert reads == ["where-a"]
-
-
-def test_recordings_leave_a_transform_and_are_adopted_outside():
-    request = Request(selected={"s": a_site("s")}, with_inputs=True)
-    inner_recorder = RunRecorder(request)
-    inner = Carrier(request, inner_recorder)
-    through(inner_recorder, a_call("s"), jnp.full((2, 3), 3.0), args=(jnp.ones(2),))
-    inner.carried_out("b", jnp.zeros(2), None, ran=jnp.array(True))
-    recordings = inner.recordings()
-    activations, inputs, ran = recordings
-    assert set(activations) == {"s", "b"} and set(inputs) == {"s"}
-    assert set(ran) == {"b"}
-    activations["junk"] = 0  # a copy, not the recorder's own
-    assert set(inner_recorder.activations) == {"s", "b"}
-    del activations["junk"]
-    outer_recorder = RunRecorder(request)
-    outer = Carrier(request, outer_recorder)
-    outer.adopt(recordings)
-    close(outer_recorder.activations["s"], np.full((2, 3), 3.0))
-    close(outer_recorder.inputs["s"][0], np.ones(2))
-    assert bool(outer_recorder.ran["b"])
-    assert jax.tree.structure(outer.recordings()) == jax.tree.structure(recordings)
-
-
-def test_a_carried_in_entry_is_named_for_its_kind_and_call():
-    tap = a_site("m/h", origin=Lifted(tap="h"), index=3)
-    own = a_site("m", origin=Lifted(), method="f", index=3)
-    assert CarriedIn(tap, "recording", None).name == "bridge_recording:tap/h#3"
-    assert CarriedIn(own, "epsilon", None).name == "bridge_epsilon:f#3"
-
-
-# -- Taps ------------------------------------------------------------------------
-
-
 def test_tapping_installs_a_route_only_within_its_block():
     taps = Taps()
     assert taps.route is None
@@ -862,89 +636,10 @@ def test_a_session_is_a_facade_over_its_request():
     assert (session.with_inputs, session.batch_axis) == (True, "batch")
     assert session.arrays is request.arrays
     assert isinstance(session.recorder, RunRecorder)
-    assert session.carrier.carries_out("a")
     discovery = Session()
     assert isinstance(discovery.recorder, DiscoveryRecorder)
     assert dict(discovery.selected) == {}
     assert discovery.request.discovering
-
-
-def test_run_with_fallback_at_discovery_starts_again_on_the_fallback_route():
-    session = Session()
-    attempts, seen_origins = [], []
-    session.tap_here("before", jnp.ones(1))
-
-    def run(fallback):
-        attempts.append(fallback)
-        outer = session.enter("stack", None, None)
-        session.carrier.defer("stack", f"where-{fallback}")
-        inner = session.enter("stack/cell", None, None)
-        session.recorder.fall_back()  # raises in the first attempt only
-        session.exit(inner, jnp.ones((2,)))
-        return session.exit(outer, jnp.ones((3,))) * 2
-
-    def needs_fallback(origin):
-        seen_origins.append(origin)
-        return True
-
-    out = session.run_with_fallback(run, Fallback, needs_fallback)
-    close(out, np.full((3,), 2.0))
-    assert attempts == [False, True]
-    assert seen_origins == []  # discovery learns the route; it is not chosen
-    # The first attempt's calls are forgotten: no `#1`, no half-listed site.
-    assert [s.name for s in session.discovered()] == ["before", "stack", "stack/cell"]
-    assert session.enclosing == ()
-    reads = []
-    session.carrier.hand_over(lambda where: (reads.append(where), (None, None))[1])
-    assert reads == ["where-True"]
-
-
-def test_run_with_fallback_at_discovery_runs_once_where_nothing_falls_back():
-    session = Session()
-    attempts = []
-
-    def run(fallback):
-        attempts.append(fallback)
-        return session.exit(session.enter("a", None, None), jnp.ones(1))
-
-    session.run_with_fallback(run, Fallback, lambda origin: True)
-    assert attempts == [False]
-    assert [s.name for s in session.discovered()] == ["a"]
-
-    def broken(fallback):
-        attempts.append(fallback)
-        raise KeyError("the model's own error")
-
-    with pytest.raises(KeyError):
-        session.run_with_fallback(broken, Fallback, lambda origin: True)
-    assert attempts == [False, False]  # not retried
-    session.recorder.fall_back()  # and no longer armed
-
-
-@pytest.mark.parametrize("patched_hidden, expected", [(True, [True]), (False, [False])])
-def test_run_with_fallback_in_a_run_chooses_the_route_from_the_sites(
-    patched_hidden, expected
-):
-    selected = {"a": a_site("a", origin=Lifted()), "b": a_site("b")}
-    patched = {"p": a_site("p", origin=Lifted(hidden=patched_hidden))}
-    session = Session(
-        Request(selected=selected, patched=patched, patches={"p": jnp.ones((2, 3))})
-    )
-    attempts, seen = [], []
-
-    def run(fallback):
-        attempts.append(fallback)
-        session.recorder.fall_back()  # a run goes on
-        return "done"
-
-    def needs_fallback(origin):
-        seen.append(origin)
-        return origin.hidden
-
-    assert session.run_with_fallback(run, Fallback, needs_fallback) == "done"
-    assert attempts == expected
-    assert None not in seen  # a site without origin is never asked about
-    assert seen[0] == Lifted()
 
 
 def test_active_makes_the_session_current_only_inside():
@@ -976,7 +671,6 @@ def test_body_traces_reuse_the_names_of_a_repeated_trace():
         bodies.begin_or_again("body")
         call = session.enter("scan/cell", None, None)
         assert call.name == "scan/cell"
-        session.carrier.defer(call.name, "first-trace-only")
         session.exit(call, jnp.ones(2))
     session.exit(scan, jnp.ones(2))
     assert list(bodies) == ["body"]
@@ -1034,20 +728,13 @@ def _use(session):
     def route(name, value):
         return session.tap_here(name, value)
 
-    def run(fallback):
-        with session.active():
-            outer = session.enter("block", "f", object(), (jnp.ones(2), 3), Lifted())
-            bodies.begin_or_again("body")
-            bodies.begin_or_again("body")
-            session.recorder.fall_back()
-            with session.taps.tapping(route):
-                bridge.tap("h", jnp.ones(2))
-            session.carrier.defer("block.f", "where")
-            return session.exit(outer, jnp.ones((2, 3)))
-
-    session.run_with_fallback(run, Fallback, lambda origin: True)
-    session.carrier.hand_over(lambda where: (jnp.ones((4, 2, 3)), (jnp.ones(2),)))
-    session.carrier.adopt(session.carrier.recordings())
+    with session.active():
+        outer = session.enter("block", "f", object(), (jnp.ones(2), 3), Lifted())
+        bodies.begin_or_again("body")
+        bodies.begin_or_again("body")
+        with session.taps.tapping(route):
+            bridge.tap("h", jnp.ones(2))
+        session.exit(outer, jnp.ones((2, 3)))
     session.check_reached()
 
 
@@ -1074,7 +761,6 @@ def test_no_part_refers_to_the_session(kind):
         "request": session.request,
         "naming": session.naming,
         "recorder": session.recorder,
-        "carrier": session.carrier,
         "taps": session.taps,
     }
     for name, part in parts.items():
@@ -1093,7 +779,7 @@ def test_a_session_is_freed_without_the_garbage_collector(kind):
     try:
         session = Session(_requests()[kind])
         _use(session)
-        parts = [session.naming, session.recorder, session.carrier, session.taps]
+        parts = [session.naming, session.recorder, session.taps]
         ref = weakref.ref(session)
         del session
         assert ref() is None

@@ -232,7 +232,7 @@ def call_in_control_flow(
         )
         value = session.exit(call, run(), perturb=lambda v: v, record=False)
         if flow.lengths:  # the site holds every iteration, loops first
-            session.carrier.carried_out(
+            session.recorder.carried_out(
                 call.name,
                 jax.tree.map(
                     lambda v: (
@@ -242,6 +242,7 @@ def call_in_control_flow(
                     ),
                     value,
                 ),
+                None,
             )
         return value
     call = session.enter(path, method, module, args, origin, record=False)

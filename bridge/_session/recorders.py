@@ -5,7 +5,7 @@ discovery and a run, chosen once when the session is made.
 its value and changes nothing; `RunRecorder` patches the selected and patched
 sites, adds their epsilons and records their values. An adapter never asks
 which one it has: it asks the question it needs answered (`learns_sites`,
-`needs_value`, and the carrier's `carries_out`), and each recorder answers
+`needs_value`), and each recorder answers
 for its pass. `Recorder` is the typed interface both implement (a
 `typing.Protocol`, exported by `bridge.adapter_api`); each is made from what
 it needs (`arrays`, or the run's `Request`), never from the session.
@@ -13,13 +13,11 @@ it needs (`arrays`, or the run's `Request`), never from the session.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
-import jax.numpy as jnp
 
 from . import backward, computation
 from .naming import Call
@@ -94,22 +92,6 @@ class Recorder(Protocol):
         in a run it is recorded. `ran`: for a site inside a branch or a while
         loop, the boolean array of where its call ran (zeros elsewhere)."""
 
-    def holds_iterations(self, name: str, value: Any, length: int) -> None:
-        """Site `name`, inside a scan, holds every iteration of `value`: at
-        discovery its shape becomes `(length, ...)`; a run knows it."""
-
-    def falling_back_with(
-        self, fallback: type[Exception]
-    ) -> contextlib.AbstractContextManager[None]:
-        """Within it, `fall_back` raises `fallback` (at discovery: see
-        `Session.run_with_fallback`)."""
-
-    def fall_back(self) -> None:
-        """The call reached now is a site only the fallback route of
-        `Session.run_with_fallback` reaches: discovery raises its `fallback`
-        to start again on that route; a run, whose route was chosen from the
-        sites' origins, goes on."""
-
     def discovered(self) -> list[Site]:
         """The sites found, in call-entry order (none in a run)."""
 
@@ -133,9 +115,6 @@ class DiscoveryRecorder(Recorder):
         # for a discovery that asks it (`discovery_cache.marking_inputs`): a
         # run that records inputs reads them there (`Replay.inputs`).
         self.input_structures: dict[str, computation.Structure] = {}
-        # The exception that starts discovery again on the fallback route,
-        # while the first attempt of `run_with_fallback` runs.
-        self._fallback: type[Exception] | None = None
         # The trace the model's call starts in, and `{name: JAX's name of
         # the trace}` of each call reported without an origin whose value
         # belongs to another (`computation.located` reads where).
@@ -191,34 +170,6 @@ class DiscoveryRecorder(Recorder):
         self, name: str, value: Any, inputs: tuple | None, ran: Any = None
     ) -> None:
         self._restructure(name, value)
-
-    def holds_iterations(self, name: str, value: Any, length: int) -> None:
-        # Broadcast, not zeros: a value varying across shard_map's devices
-        # stays varying, and so do its epsilon and recorder.
-        is_array = self._arrays.is_array
-        self._restructure(
-            name,
-            jax.tree.map(
-                lambda v: (
-                    jnp.broadcast_to(v, (length, *jnp.shape(v)))
-                    if is_array(v)
-                    else None
-                ),
-                value,
-            ),
-        )
-
-    @contextlib.contextmanager
-    def falling_back_with(self, fallback: type[Exception]) -> Iterator[None]:
-        previous, self._fallback = self._fallback, fallback
-        try:
-            yield
-        finally:
-            self._fallback = previous
-
-    def fall_back(self) -> None:
-        if self._fallback is not None:
-            raise self._fallback
 
     def discovered(self) -> list[Site]:
         return [site for site in self._sites if site is not None]
@@ -361,16 +312,6 @@ class RunRecorder(Recorder):
         self.record(name, value, inputs)
         if ran is not None:
             self.ran[name] = ran
-
-    def holds_iterations(self, name: str, value: Any, length: int) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def falling_back_with(self, fallback: type[Exception]) -> Iterator[None]:
-        yield  # a run's route was chosen from the sites' origins
-
-    def fall_back(self) -> None:
-        pass
 
     def discovered(self) -> list[Site]:
         return []

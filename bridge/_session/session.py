@@ -15,13 +15,11 @@ back to the session:
   list every call as a `Site`) and a run (`RunRecorder`: patch, perturb,
   record the selected sites), chosen once here; it answers the questions an
   adapter has (`learns_sites`, `needs_value`), so no adapter asks which;
-- `session.carrier` (`Carrier`, `bridge._session.carrier`): bridge's values
-  through a library's lifted transforms;
 - `session.taps` (`Taps`, `bridge._session.taps`): the adapter's route for
   `bridge.tap`.
 
 What needs more than one part is the session's own: `enter`/`exit`,
-`tap_here`, `run_with_fallback`, `checkpoint`/`restore`.
+`tap_here`, `checkpoint`/`restore`.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import BridgeTypeError
 from . import backward, context
-from .carrier import Carrier
 from .naming import BodyTraces as BodyTraces
 from .naming import Call as Call
 from .naming import Naming
@@ -169,7 +166,6 @@ class Session:
             else RunRecorder(request)
         )
         self._seen = request.as_adapters_see_it()
-        self.carrier = Carrier(self._seen, self.recorder)
         self.taps = Taps()
         # `enter` and `exit` run at every call of the model: bound once.
         self._name_call = self.naming.enter
@@ -242,9 +238,9 @@ class Session:
     ) -> Call:
         """Name a call as it starts: sites are ordered by call entry.
 
-        With `record=False` the adapter records the inputs itself (see the
-        carrier): values seen inside a lifted transform are tracers of its
-        inner trace and must leave it through the library's own outputs.
+        With `record=False` the session records neither the inputs nor the
+        value: the call's site is recorded otherwise (the backward pass of
+        `call_in_control_flow`), or not at all.
         """
         call = self._name_call(path, method, module, origin)
         self._entered(call, args, record)
@@ -287,11 +283,9 @@ class Session:
           perturb: the adapter's native way to add this site's epsilon
             (`value -> value + epsilon`); by default the session adds the
             epsilon it holds.
-          record: whether the session records the value; `False` where the
-            adapter hands it over later through the carrier (see `enter`).
-          patch: this call's patch value where the adapter holds it rather
-            than the session: one iteration's row of a stacked patch value
-            inside a scan, carried in by the library's own mechanism.
+          record: whether the session records the value (see `enter`).
+          patch: this call's patch value where the caller holds it rather
+            than the session (a loop's row, in `call_in_control_flow`).
         """
         self._close_call()
         return self._exited(call, value, perturb, record, patch)
@@ -307,36 +301,6 @@ class Session:
         is seen in the trace the session runs in."""
         path = self.naming.under_enclosing(name)
         return self.exit(self.enter(path, None, None), value)
-
-    def run_with_fallback(
-        self,
-        run: Callable[[bool], Any],
-        fallback: type[Exception],
-        needs_fallback: Callable[[SiteOrigin], bool],
-    ) -> Any:
-        """Run the model the cheap way, or the way its lifted transforms need.
-
-        An adapter whose library hides some sites from its usual route (Linen
-        scans carry only `params`, Haiku's plain transforms refuse state)
-        calls `run(False)`. A discovery that meets such a site (the
-        recorder's `fall_back`) is done again with `run(True)`, forgetting
-        the calls of the first attempt. A run takes the fallback route only
-        where a selected or patched site's origin `needs_fallback`.
-        """
-        if not self.recorder.learns_sites():
-            return run(
-                any(
-                    site.origin is not None and needs_fallback(site.origin)
-                    for site in [*self.selected.values(), *self.patched.values()]
-                )
-            )
-        start = self.checkpoint()
-        try:
-            with self.recorder.falling_back_with(fallback):
-                return run(False)
-        except fallback:
-            self.restore(start)
-            return run(True)
 
     def check_reached(self) -> None:
         """After the model's call: raise where a selected or patched site was
@@ -369,23 +333,17 @@ class Session:
         """The sites a discovery found, in call-entry order."""
         return self.recorder.discovered()
 
-    def checkpoint(self) -> tuple[Any, Any, Any]:
+    def checkpoint(self) -> tuple[Any, Any]:
         """The naming state now, to `restore` when a library traces a body
-        again (see `BodyTraces`): the names given, the sites listed, the
-        values deferred."""
-        return (
-            self.naming.checkpoint(),
-            self.recorder.checkpoint(),
-            self.carrier.checkpoint(),
-        )
+        again (see `BodyTraces`): the names given, the sites listed."""
+        return self.naming.checkpoint(), self.recorder.checkpoint()
 
-    def restore(self, checkpoint: tuple[Any, Any, Any]) -> None:
-        """Forget the calls since `checkpoint`: they were an earlier trace of the
-        same code (Flax traces a lifted body more than once), not new calls."""
-        naming, recorder, carrier = checkpoint
+    def restore(self, checkpoint: tuple[Any, Any]) -> None:
+        """Forget the calls since `checkpoint`: they were an earlier trace of
+        the same code, not new calls."""
+        naming, recorder = checkpoint
         self.naming.restore(naming)
         self.recorder.restore(recorder)
-        self.carrier.restore(carrier)
 
 
 def current() -> Session | None:

@@ -69,12 +69,6 @@ class SiteOrigin:
     are frozen dataclasses of plain data: a discovery is reused across traces
     only where every origin is (`bridge._probe.discovery_cache`).
 
-    A call inside a scan whose carry holds what the adapter places there
-    (`Session.to_carry_in`) has `scan = (length, reverse)`, and `value` and
-    `inputs` the abstract floating value and positional arguments of one
-    step; elsewhere these are `None`. A `bridge.tap` whose values ride in the
-    variables of the module calling it has its name as `tap`.
-
     A call bridge cannot express (inside a `while_loop`, a `cond`, a scan
     that broadcasts its parameters) has as `blocked` the error to raise
     where it is selected or patched, naming the transform that holds it: it
