@@ -24,7 +24,7 @@ import flax.linen as nn
 from bridge.adapter_api import current_session
 
 from ..shared import guests
-from .run import linen_transform_name, runs_lifted_function
+from .run import is_no_site, linen_transform_name
 
 
 class _LinenGuest(guests.Guest):
@@ -47,12 +47,7 @@ class _LinenGuest(guests.Guest):
         run = functools.partial(
             guests.call_module, "linen", module, next_fun, call_args, call_kwargs
         )
-        if (
-            module.path == ()
-            or method == "setup"
-            or (method.startswith("_") and method != "__call__")
-            or runs_lifted_function(context)  # `nn.RNN`'s `scan_fn`
-        ):
+        if is_no_site(module.path, context):
             return self._pass(frame, run)
         lifted = root is not frame.apply_root
         frame.inner_depth = guests.depth(session) + 1

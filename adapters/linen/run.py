@@ -93,6 +93,20 @@ def runs_lifted_function(context: Any) -> bool:
     return True
 
 
+def is_no_site(path: tuple[str, ...], context: Any) -> bool:
+    """Whether an intercepted call at `path` is no site: the model's root,
+    a `setup`, a private method, or a lifted transform's own function
+    (`nn.RNN`'s `scan_fn`, an `nn.cond` branch: `runs_lifted_function`),
+    whose calls still are."""
+    method = context.method_name
+    return (
+        path == ()
+        or method == "setup"
+        or (method.startswith("_") and method != "__call__")
+        or runs_lifted_function(context)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Origin(SiteOrigin):
     """Where a Linen call's weights live, for `bridge.compare` and
@@ -166,15 +180,7 @@ class Interceptor:
 
     def _call(self, next_fun, call_args, call_kwargs, context, frame):
         module, method = context.module, context.method_name
-        if (
-            frame.path == ()
-            or method == "setup"
-            or (method.startswith("_") and method != "__call__")
-            # `nn.RNN`'s `scan_fn`, an `nn.cond` branch: the transform's
-            # function, not the module's call (its frame still names the
-            # `bridge.tap`s made in it).
-            or runs_lifted_function(context)
-        ):
+        if is_no_site(frame.path, context):
             # A root `nnx.bridge.ToLinen`'s NNX submodules are sites.
             return guests.call_module("linen", module, next_fun, call_args, call_kwargs)
         session = self.session
