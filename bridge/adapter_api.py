@@ -114,14 +114,13 @@ breaks it breaks a tested API, not an adapter's private import:
   `check_loss`;
 - the session: `Session`, `Request` (what one trace is asked to do, from
   which a backend of its own makes its sessions), `Recorder` (what
-  `session.recorder` answers), `Call` (what `enter` returns), `BodyTraces`
-  (a body a library traces more than once re-uses its first trace's names),
+  `session.recorder` answers), `Call` (what `enter` returns),
   `current_session()` (the session tracing the model now, or `None`),
   `positional_arrays(args)` (a call's inputs as a recording keeps them);
 - sites and values: `Site`, `SiteOrigin`, `Arrays` (a framework's values as
   the core sees them), `register_norms` (how `ProbeResult.norms()` takes the
   norms of a framework's values that are not JAX arrays), `key_name`,
-  `strip_call_index`, `carrier_name`, `is_carrier_name`, `add_epsilon`,
+  `strip_call_index`, `add_epsilon`,
   `abstract`, `is_array`, `differentiable_part`, `merge_differentiable`,
   `zeros_like_struct`, `without_axis`;
 - porting (`transfer`/`compare`): `PortingSide` and `PortableProbe` (what
@@ -193,7 +192,6 @@ from ._session.backward import CHECKPOINTED_WHILE as CHECKPOINTED_WHILE
 from ._session.backward import FORI_LOOP as FORI_LOOP
 from ._session.backward import ControlFlow as ControlFlow
 from ._session.backward import record as record
-from ._session.naming import BodyTraces as BodyTraces
 from ._session.naming import Call as Call
 from ._session.recorders import Recorder as Recorder
 from ._session.routing import BRANCH as BRANCH
@@ -221,10 +219,8 @@ from ._session.sites import Site as Site
 from ._session.sites import SiteOrigin as SiteOrigin
 from ._session.sites import abstract as abstract
 from ._session.sites import add_epsilon as add_epsilon
-from ._session.sites import carrier_name as carrier_name
 from ._session.sites import differentiable_part as differentiable_part
 from ._session.sites import is_array as is_array
-from ._session.sites import is_carrier_name as is_carrier_name
 from ._session.sites import key_name as key_name
 from ._session.sites import merge_differentiable as merge_differentiable
 from ._session.sites import strip_call_index as strip_call_index
@@ -250,7 +246,6 @@ __all__ = [
     "AsGiven",
     "BATCH_AXIS",
     "BRANCH",
-    "BodyTraces",
     "BridgeAssertionError",
     "BridgeError",
     "BridgeImportError",
@@ -287,7 +282,6 @@ __all__ = [
     "abstract",
     "add_epsilon",
     "as_float",
-    "carrier_name",
     "channel_first_kernel_axes",
     "check_loss",
     "conv_hyperparameters",
@@ -298,7 +292,6 @@ __all__ = [
     "flatten_trailing",
     "flattened",
     "is_array",
-    "is_carrier_name",
     "key_name",
     "merge_differentiable",
     "norm_hyperparameters",

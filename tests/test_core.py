@@ -472,106 +472,17 @@ def test_the_top_level_is_the_user_api_and_adapter_authors_have_their_module():
     assert bridge.BridgeError is bridge.adapter_api.BridgeError
     # What adapter authors had; more is documented in `bridge.adapter_api`.
     assert set(bridge.adapter_api.__all__) >= {
-        "BodyTraces",
         "Layer",
         "ProbeBase",
         "Session",
         "Site",
         "SiteOrigin",
-        "carrier_name",
-        "is_carrier_name",
         "key_name",
         "register_adapter",
     }
     # Adapter authors' names are not the user's: 0.1.0 is the first release.
     with pytest.raises(AttributeError, match="no attribute 'Site'"):
         bridge.Site  # noqa: B018
-
-
-# -- the adapter author's helpers -------------------------------------------------
-
-
-class RetracedChain(Chain):
-    """A model of a library that traces its body twice (as Flax's `nn.scan`
-    does, shapes first), reporting the calls of both traces."""
-
-
-@jax.tree_util.register_pytree_node_class
-class RetracedChainProbe(ChainProbe):
-    forget_first_trace = True
-
-    def _run(self, params, args, kwargs, session):
-        (x,) = args
-        bodies = bridge.adapter_api.BodyTraces(session)
-        for _ in range(2):
-            if self.forget_first_trace:
-                bodies.begin_or_again("body")
-            y = x
-            for layer in self.model.layers:
-                call = session.enter(layer.name, None, layer, (y,))
-                y = session.exit(call, _affine(y, params[layer.name]))
-        return y, None
-
-
-bridge.register_adapter(
-    RetracedChain,
-    lambda model, params, vmap=False: RetracedChainProbe(model, params, vmap),
-    name="retraced chain",
-)
-
-
-def test_body_traces_give_a_repeated_trace_the_names_of_the_first():
-    _, params, x = make_chain()
-    model = RetracedChain([Affine(name, None, None) for name in sorted(params)])
-    probe = bridge.probe(model, params)
-    assert list(probe.sites(x)) == ["affine_0", "affine_1", "affine_2"]
-    res = jax.jit(lambda p, x: p.value_and_grad(loss, x))(probe, x)
-
-    def plain(params):
-        y = x
-        for name in sorted(params):
-            y = _affine(y, params[name])
-        return loss(y)
-
-    expected_loss, expected_grads = jax.value_and_grad(plain)(params)
-    np.testing.assert_allclose(res.loss, expected_loss, rtol=1e-5)
-    for name in sorted(params):
-        np.testing.assert_allclose(
-            res.activation_grads[name].sum(0), expected_grads[name]["b"], rtol=1e-5
-        )
-    # Without them, the second trace's calls are new calls.
-    RetracedChainProbe.forget_first_trace = False
-    try:
-        assert "affine_0#1" in bridge.probe(model, params).sites(x)
-    finally:
-        RetracedChainProbe.forget_first_trace = True
-
-
-@pytest.mark.parametrize("kind", ["epsilon", "recording", "patch", "step"])
-@pytest.mark.parametrize("method", [None, "__call__", "encode", "_private"])
-def test_carrier_names_are_told_from_any_name_a_user_gives(kind, method):
-    name = bridge.adapter_api.carrier_name(kind, method, 3)
-    assert name == f"bridge_{kind}:{method or '__call__'}#3"
-    assert bridge.adapter_api.is_carrier_name(name)
-    for user_name in (
-        f"bridge_{kind}",
-        f"bridge_{kind}.mine",
-        f"bridge_{kind}_{method}_3",
-        "_bridge_path",
-        "Dense_0#1",
-        "kernel",
-        0,
-    ):
-        assert not bridge.adapter_api.is_carrier_name(user_name)
-
-
-def test_a_taps_carrier_name_is_told_from_its_modules_own():
-    from bridge.adapter_api import carrier_name, is_carrier_name
-
-    tap = carrier_name("epsilon", "__call__", 0, tap="hidden")
-    assert tap == "bridge_epsilon:tap/hidden#0"
-    assert is_carrier_name(tap)
-    assert tap != carrier_name("epsilon", "__call__", 0)
 
 
 def test_a_traceback_names_the_public_error_class():

@@ -4,8 +4,8 @@ The parts a `Session` is a facade over (`Request`, `Naming`, the two
 recorders, `Taps`) are each made from what they need and tested here
 without a model library and, where they do not need one, without a
 session: what each part answers, names and records is asserted value by
-value. Then what the session adds over its parts (`active`, `tap`,
-`BodyTraces`), and that no part holds the session, so a session is freed
+value. Then what the session adds over its parts (`active`, `tap`), and
+that no part holds the session, so a session is freed
 by reference counting alone.
 """
 
@@ -28,7 +28,6 @@ from bridge._session.naming import DISCARDED, Naming, renames_of, renumbered
 from bridge._session.recorders import DiscoveryRecorder, RunRecorder
 from bridge._session.taps import Taps
 from bridge.adapter_api import (
-    BodyTraces,
     Call,
     Request,
     Session,
@@ -217,24 +216,6 @@ def test_naming_knows_the_calls_running_now():
     assert naming.enclosing == ()
 
 
-def test_naming_restore_forgets_the_calls_since_its_checkpoint():
-    naming = Naming()
-    naming.enter("a", None, None, None)
-    naming.exit()
-    naming.enter("outer", None, None, None)
-    start = naming.checkpoint()
-    assert naming.enter("a", None, None, None).name == "a#1"
-    assert naming.enter("b", None, None, None).name == "b"
-    assert naming.enclosing == ("outer", "a", "b")
-    naming.restore(start)
-    assert naming.enclosing == ("outer",)
-    assert naming.enter("a", None, None, None).name == "a#1"
-    assert naming.enter("b", None, None, None).name == "b"
-    # A checkpoint is a copy: restoring it twice gives the same names.
-    naming.restore(start)
-    assert naming.enter("b", None, None, None).name == "b"
-
-
 def test_renames_map_the_names_counted_while_tracing_to_public_ones():
     # Discovery saw `cell` twice, and JAX kept only the second trace.
     found = [a_site("cell"), a_site("cell#1", index=1), a_site("head")]
@@ -302,23 +283,6 @@ def test_discovery_answers_for_every_site():
     assert recorder.kept_part(value) is value
     recorder.check_reached()  # discovery learns which sites there are
     assert recorder.discovered() == []
-
-
-def test_discovery_restore_forgets_the_sites_since_its_checkpoint():
-    recorder = DiscoveryRecorder()
-    through(recorder, a_call("a"), jnp.ones(2))
-    start = recorder.checkpoint()
-    assert start == 1
-    through(recorder, a_call("b"), jnp.ones(2))
-    open_call = a_call("c")
-    recorder.entered(open_call, (), True)
-    recorder.restore(start)
-    assert [s.name for s in recorder.discovered()] == ["a"]
-    through(recorder, a_call("d"), jnp.ones(3))
-    assert [s.name for s in recorder.discovered()] == ["a", "d"]
-
-
-# -- RunRecorder ---------------------------------------------------------------
 
 
 def test_a_run_adds_the_epsilon_of_a_selected_site_and_records_it():
@@ -663,35 +627,6 @@ def test_active_makes_the_session_current_only_inside():
     assert current_session() is None
 
 
-def test_body_traces_reuse_the_names_of_a_repeated_trace():
-    session = Session()
-    bodies = BodyTraces(session)
-    scan = session.enter("scan", None, None)
-    for _ in range(2):  # the library traces its body twice
-        bodies.begin_or_again("body")
-        call = session.enter("scan/cell", None, None)
-        assert call.name == "scan/cell"
-        session.exit(call, jnp.ones(2))
-    session.exit(scan, jnp.ones(2))
-    assert list(bodies) == ["body"]
-    assert [s.name for s in session.discovered()] == ["scan", "scan/cell"]
-    # A new call of the transform: its body's trace is a new call.
-    bodies.clear()
-    assert list(bodies) == []
-    bodies.begin_or_again("body")
-    assert session.enter("scan/cell", None, None).name == "scan/cell#1"
-
-
-def test_body_traces_hold_the_session_weakly():
-    session = Session()
-    bodies = BodyTraces(session)
-    bodies.begin("body")
-    ref = weakref.ref(session)
-    del session
-    assert ref() is None
-    assert list(bodies) == ["body"]
-
-
 # -- No part holds the session ---------------------------------------------------
 
 
@@ -723,15 +658,12 @@ def _reaches(roots, target, limit=200_000):
 
 def _use(session):
     """A session at work on everything that might keep a reference to it."""
-    bodies = BodyTraces(session)
 
     def route(name, value):
         return session.tap_here(name, value)
 
     with session.active():
         outer = session.enter("block", "f", object(), (jnp.ones(2), 3), Lifted())
-        bodies.begin_or_again("body")
-        bodies.begin_or_again("body")
         with session.taps.tapping(route):
             bridge.tap("h", jnp.ones(2))
         session.exit(outer, jnp.ones((2, 3)))

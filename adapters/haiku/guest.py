@@ -27,9 +27,6 @@ class _HaikuGuest(guests.Guest):
     """Haiku modules called inside another library's model (an `hk.transform`ed
     function's `apply`): sites named by `module_name`, as in the Haiku adapter."""
 
-    library = "haiku"
-    starts_at_apply = False
-
     def __init__(self, host: guests.Host):
         super().__init__(host)
         # `{depth: name}` of the `LiftingModule` (`hk.experimental.layer_stack`,
@@ -61,7 +58,6 @@ class _HaikuGuest(guests.Guest):
         name = context.module.module_name
         if frame.lift is not None:
             name = guests.joined(frame.lift, name)
-        lift = "hk.experimental.layer_stack (or hk.lift)" if frame.lift else None
         frame.inner_depth = depth + 1
         method = context.method_name
         return self._observe(
@@ -71,7 +67,6 @@ class _HaikuGuest(guests.Guest):
             context.module,
             call_args,
             lambda: next_fun(*call_args, **call_kwargs),
-            lift,
         )
 
 

@@ -6,11 +6,9 @@ library's adapter runs its model, `bridge.adapters.shared.guests` (which
 finds this module by name, once `flax.linen` is imported) enters
 `intercepting`: `nn.intercept_methods` catches every Linen module call made
 inside it, and each is reported as a site named by its scope path under the
-path of the site around it, as in the Linen adapter.
-
-Lifted transforms (`nn.scan`, `nn.vmap`, ...) run their body in a new scope
-root, whose first call is the transform's own module (`ScanBlock`), which
-names the transform (`run.linen_transform_name`).
+path of the site around it, as in the Linen adapter. Inside a lifted
+transform (`nn.scan`, `nn.vmap`, ...) the core reads where a call runs from
+the computation.
 """
 
 from __future__ import annotations
@@ -24,14 +22,12 @@ import flax.linen as nn
 from bridge.adapter_api import current_session
 
 from ..shared import guests
-from .run import is_no_site, linen_transform_name
+from .run import is_no_site
 
 
 class _LinenGuest(guests.Guest):
     """Linen modules called inside another library's model (`nnx.bridge.ToNNX`
     calls `module.apply`): sites named by scope path, as in the Linen adapter."""
-
-    library = "linen"
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         session = current_session()
@@ -40,16 +36,12 @@ class _LinenGuest(guests.Guest):
         module, method = context.module, context.method_name
         if module.is_initializing():  # the model's code building a Linen model
             return next_fun(*call_args, **call_kwargs)
-        root = module.scope.root
-        frame, starts = self._frame(session, root)
-        if not starts and root is not self.frames[-1].root and module.path == ():
-            frame.transform = linen_transform_name(module)
+        frame, _ = self._frame(session)
         run = functools.partial(
             guests.call_module, "linen", module, next_fun, call_args, call_kwargs
         )
         if is_no_site(module.path, context):
             return self._pass(frame, run)
-        lifted = root is not frame.apply_root
         frame.inner_depth = guests.depth(session) + 1
         return self._observe(
             frame,
@@ -58,7 +50,6 @@ class _LinenGuest(guests.Guest):
             module,
             call_args,
             run,
-            (frame.transform or "a Flax lifted transform") if lifted else None,
         )
 
 

@@ -107,7 +107,7 @@ class LinenProbe(ProbeBase):
         variables = {**self.variables, "params": trainable}
         interceptor = Interceptor(session)
         with (
-            guests.hosting("linen", interceptor.lifted_transform),
+            guests.hosting("linen"),
             session.taps.tapping(interceptor.tap),
             nn.intercept_methods(interceptor),
         ):

@@ -32,24 +32,6 @@ from bridge.adapter_api import Session, SiteOrigin
 
 from ..shared import guests
 
-_LINEN_TRANSFORMS = {
-    "Scan": "nn.scan",
-    "Vmap": "nn.vmap",
-    "Checkpoint": "nn.remat",
-    "Jit": "nn.jit",
-    "While_loop": "nn.while_loop",
-    "Map_variables": "nn.map_variables",
-}
-
-
-def linen_transform_name(module: Any) -> str:
-    """`ScanBlock` (the class `nn.scan(Block)` makes) -> `nn.scan`."""
-    name = type(module).__name__
-    for prefix, transform in _LINEN_TRANSFORMS.items():
-        if name.startswith(prefix):
-            return transform
-    return "a Flax lifted transform"
-
 
 def body_of(context: Any) -> Any:
     """The function an intercepted Linen call runs (`context.orig_method`),
@@ -156,19 +138,18 @@ class Interceptor:
         # (kept alive, so that its id is not reused) and the path its module
         # has in the model.
         self.nested: dict[int, tuple[Any, tuple[str, ...]]] = {}
-        #: The name of the lifted transform entered last, for the error about
-        #: a guest library's call inside it.
-        self.transform = "a Flax lifted transform"
 
     def __call__(self, next_fun, call_args, call_kwargs, context):
         module = context.module
         parent = self.stack[-1] if self.stack else None
         root = module.scope.root
-        if parent is not None and root is not parent.root:
-            if not self._lifted(parent) and _is_nested_apply(module):
-                self.nested[id(root)] = (root, (*parent.path, module.name))
-            elif id(root) not in self.nested and module.path == ():
-                self.transform = linen_transform_name(module)
+        if (
+            parent is not None
+            and root is not parent.root
+            and not self._lifted(parent)
+            and _is_nested_apply(module)
+        ):
+            self.nested[id(root)] = (root, (*parent.path, module.name))
         _, prefix = self.nested.get(id(root), (None, ()))
         frame = Frame(root, (*prefix, *module.path))
         self.stack.append(frame)
@@ -204,10 +185,3 @@ class Interceptor:
         return frame.root is not self.stack[0].root and id(frame.root) not in (
             self.nested
         )
-
-    def lifted_transform(self) -> str | None:
-        """The lifted transform the call running now is inside, if any: where a
-        module of another library called there cannot be a site."""
-        if self.stack and self._lifted(self.stack[-1]):
-            return self.transform
-        return None

@@ -19,10 +19,8 @@ from typing import Any
 
 from flax import nnx
 
-from bridge.adapter_api import is_carrier_name
-
-from ..shared import guests, jax_internals
-from . import internals, surgery
+from ..shared import guests
+from . import surgery
 from .variables import PATH_ATTRIBUTE
 
 
@@ -45,13 +43,7 @@ def call_to_linen(
     original = module.__dict__["nnx_class"]
 
     def build(*args: Any, **kwargs: Any) -> Any:
-        built = original(*args, **kwargs)
-        # `ToLinen` loads every variable of its scope into the module it built,
-        # and warns about (and adds) those the module lacks: bridge's own, in
-        # `params` inside a Linen lifted transform. Give the module them.
-        for name, value in _bridge_variables(module).items():
-            setattr(built, name, nnx.Param(value))
-        return run.instrument(built)
+        return run.instrument(original(*args, **kwargs))
 
     object.__setattr__(module, "nnx_class", build)
     try:
@@ -61,32 +53,19 @@ def call_to_linen(
         object.__setattr__(module, "nnx_class", original)
 
 
-def _bridge_variables(module: Any) -> dict[str, Any]:
-    """The Linen adapter's variables in a Linen module's scope, by name."""
-    return {
-        name: value
-        for collection in module.variables.values()
-        for name, value in collection.items()
-        if is_carrier_name(name)
-    }
-
-
 class GuestRun:
     """The NNX modules an `nnx.bridge.ToLinen` builds during one of its calls,
     inside a Linen model (see `call_to_linen`).
 
-    Their submodules get reporting classes, named under the `ToLinen`'s path;
-    each call's epsilon is the session's own. That is right where the calls
-    run in the host's trace: a call inside a transform of the host's code, or
-    of the NNX module's own (`nnx.scan`, whose body runs on new module
-    objects), is listed but refused where selected.
+    Their submodules get reporting classes, named under the `ToLinen`'s path,
+    and report plainly: inside a transform of the host's code or of the NNX
+    module's own (`nnx.scan`, whose body runs on new module objects, named by
+    the path they carry), the core reads where a call runs.
     """
 
     def __init__(self, host: guests.Host, prefix: str):
         self.host = host
         self.prefix = prefix
-        self.trace = jax_internals.current_trace()
-        self.outer = internals.active_transforms()
         self.ids: dict[int, str] = {}
 
     def instrument(self, module: nnx.Module) -> nnx.Module:
@@ -98,21 +77,14 @@ class GuestRun:
     def report(self, module, method_name, method, args, kwargs, session):
         """A call of a module `instrument` gave a reporting class
         (`surgery.Reporter`)."""
-        path = self.ids.get(id(module))
-        blocked = self.host.transform_around(self.trace)
-        if blocked is None and path is None:
-            inner = [t for t in internals.active_transforms() if t not in self.outer]
-            named = internals.transform_name(inner[-1]) if inner else "an NNX transform"
-            blocked = f"{named} in the Flax NNX module's own code"
-        elif blocked is None and jax_internals.current_trace() is not self.trace:
-            blocked = "a JAX transform in the Flax NNX module's own code"
+        path = self.ids.get(id(module)) or vars(module).get(
+            PATH_ATTRIBUTE, type(module).__name__
+        )
         return guests.observe(
             session,
-            "nnx",
-            path or vars(module).get(PATH_ATTRIBUTE, type(module).__name__),
+            path,
             None if method_name == "__call__" else method_name,
             module,
             args,
             lambda: method(module, *args, **kwargs),
-            blocked,
         )

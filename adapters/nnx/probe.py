@@ -141,7 +141,7 @@ class NnxProbe(ProbeBase):
         with (
             surgery.running(run),
             session.taps.tapping(functools.partial(run.tap, session)),
-            guests.hosting("nnx", run.innermost_transform),
+            guests.hosting("nnx"),
         ):
             outputs = model(*args, **kwargs)
         state = nnx.state(model, nnx.Not(nnx.Param))

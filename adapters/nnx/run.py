@@ -35,8 +35,8 @@ class Run:
 
     def innermost_transform(self) -> str | None:
         """The name of the innermost NNX transform of the model's code running
-        now (`nnx.scan`), for errors about a guest library's calls inside it;
-        `nnx.jit` is traced through."""
+        now (`nnx.scan`), for the error about a module that is not the
+        model's; `nnx.jit` is traced through."""
         names = [
             internals.transform_name(tag)
             for tag in internals.active_transforms()

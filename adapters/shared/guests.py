@@ -14,14 +14,12 @@ session with its own library's name joined under the path of the site around
 it: `encoder` + `Dense_0` -> `encoder/Dense_0`. Its epsilon is the session's
 own, added to the call's value, and the session records the value.
 
-That is right only where the guest call runs in the trace the host runs the
-model in. Inside a transform between the two — a lifted transform of the
-host's code (`nnx.scan`, `nn.scan`, a `jax.vmap` in an Equinox model) or of
-the guest's own (`nn.scan` inside the Linen module, `hk.scan`,
-`hk.experimental.layer_stack`) — the value is one iteration's, a tracer of
-the transform's trace, and a session epsilon would serve every iteration and
-sum their gradients. Such a call is still listed as a site (with the shape of
-one iteration), but selecting or patching it raises, naming the transform.
+Where the guest call runs — in the trace the host runs the model in, or
+inside a transform between the two: a lifted transform of the host's code
+(`nnx.scan`, `nn.scan`, a `jax.vmap` in an Equinox model) or of the guest's
+own (`nn.scan` inside the Linen module, `hk.scan`,
+`hk.experimental.layer_stack`) — the core reads from the computation, as it
+does for the host's own calls: a site inside a scan holds every iteration.
 
 NNX modules cannot be intercepted: their calls are plain Python calls. Under
 `nnx.bridge.ToLinen`, a *wrapper* (a Linen module that builds an NNX module
@@ -35,8 +33,8 @@ one that an NNX module holds raises saying so (`check_not_inside`).
 This module is the host's side of the framework and knows libraries only by
 name: the host (`hosting`, `hosted`), the wrappers (`call_module`), the
 Equinox modules another library's model holds (`check_not_inside`). The
-report of a guest call (`observe`, `Guest`, `Frame`, `Host`) and the checks
-of the trace it runs in are `guest_calls`; the table of libraries is
+report of a guest call (`observe`, `Guest`, `Frame`, `Host`) is
+`guest_calls`; the table of libraries is
 `guest_libraries`. Each library's guest side lives in its own package,
 registered in `guest_libraries` by `"module:attribute"` strings that this
 module imports on first use, once the library is in `sys.modules`, as
@@ -99,22 +97,14 @@ _HOST: contextvars.ContextVar[Host | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def hosting(
-    library: str, describe: Callable[[], str | None] | None = None
-) -> Iterator[Host | None]:
+def hosting(library: str) -> Iterator[Host | None]:
     """Run the host's model with guest interceptors for the other libraries.
-
-    `describe()` names the host's own transform running now (`nnx.scan`), if
-    the host can tell; otherwise the error names JAX's transform. Outside a
-    probe's session this does nothing.
-    """
+    Outside a probe's session this does nothing."""
     session = current_session()
     if session is None or not jax_internals.supported():
         yield None
         return
-    host = Host(
-        session, library, jax_internals.current_trace(), describe or (lambda: None)
-    )
+    host = Host(session, library, jax_internals.current_trace())
     token = _HOST.set(host)
     try:
         with contextlib.ExitStack() as stack:

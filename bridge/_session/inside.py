@@ -111,7 +111,7 @@ def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
     inside = None if session is None else session.inside
     if inside is None or key not in inside.keys or not _floating(session, value):
         return value
-    before = session.naming.checkpoint()[0]
+    before = session.naming.counts()
     try:
         with local_tap():
             tapped = session.tap(name, value)
@@ -130,7 +130,7 @@ def tap(key: int, name: str, value: Any, where: int = -1) -> Any:
 def _entered(session: Any, before: dict[str, int]) -> list[str]:
     """The names of the calls the session named since its counts were
     `before`."""
-    after = session.naming.checkpoint()[0]
+    after = session.naming.counts()
     return [
         site_name(base, None, index)
         for base, count in after.items()

@@ -3,26 +3,19 @@
 The same code always gives the same names: a call is named by its module's
 path, its method and how many calls of the same `path[.method]` came before
 it. A library that traces a lifted body more than once (Flax's `nn.scan`
-traces it twice) would count the second trace's calls as new ones;
-`BodyTraces` makes a repeated trace re-use the first one's names.
+traces it twice, the first time in a partial evaluation it discards) counts
+the second trace's calls again, but only the kept trace's markers are in
+the computation, and the sites are numbered again from them (`renumbered`,
+`renames_of`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .sites import Site, SiteOrigin, site_name
-
-
-class Restorable(Protocol):
-    """What `BodyTraces` needs of a session: its naming state, to go back to."""
-
-    def checkpoint(self) -> Any: ...
-
-    def restore(self, checkpoint: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -120,55 +113,6 @@ class Naming:
         """The path of `name` inside the call running now (a `bridge.tap`)."""
         return f"{self._enclosing[-1]}/{name}" if self._enclosing else name
 
-    def checkpoint(self) -> tuple[dict[str, int], int]:
-        return dict(self._counts), len(self._enclosing)
-
-    def restore(self, checkpoint: tuple[dict[str, int], int]) -> None:
-        counts, depth = checkpoint
-        self._counts = dict(counts)
-        del self._enclosing[depth:]
-
-
-class BodyTraces:
-    """Where the traces of lifted bodies began, for a library that traces a
-    body more than once (Flax's `nn.scan` traces its body twice, Haiku's
-    `layer_stack` once per `init` and `apply` pass). A repeated trace is the
-    same code, not new calls: it re-uses the names of the first, so a site
-    inside it is one site, never `#1`.
-
-    An adapter's helper, not a part of the session: it holds the session
-    weakly, as an adapter may keep it where the session's own records reach
-    it, and a cycle would keep everything the session holds (a PyTorch
-    run's recorded tensors, a training step's memory) alive until the
-    garbage collector runs."""
-
-    def __init__(self, session: Restorable):
-        self._session_ref = weakref.ref(session)
-        self._starts: dict[Hashable, Any] = {}
-
-    @property
-    def _session(self) -> Restorable:
-        return self._session_ref()
-
-    def begin(self, key: Hashable) -> None:
-        """A trace of body `key` begins now; a later one begins here again."""
-        self._starts[key] = self._session.checkpoint()
-
-    def again(self, key: Hashable) -> None:
-        """Body `key` is traced again: forget the calls since its first began."""
-        self._session.restore(self._starts[key])
-
-    def begin_or_again(self, key: Hashable) -> None:
-        """A call that starts body `key`'s trace: its first, or a repeat."""
-        if key in self._starts:
-            self.again(key)
-        else:
-            self.begin(key)
-
-    def clear(self) -> None:
-        """A new call of the transform: its body's traces are new calls."""
-        self._starts.clear()
-
-    def __iter__(self) -> Iterator[Hashable]:
-        """The keys of the bodies whose traces have begun."""
-        return iter(list(self._starts))
+    def counts(self) -> dict[str, int]:
+        """How many calls of each `path[.method]` were named so far."""
+        return dict(self._counts)

@@ -95,10 +95,6 @@ class Recorder(Protocol):
     def discovered(self) -> list[Site]:
         """The sites found, in call-entry order (none in a run)."""
 
-    def checkpoint(self) -> Any: ...
-
-    def restore(self, checkpoint: Any) -> None: ...
-
 
 class DiscoveryRecorder(Recorder):
     """Discovery: every call becomes a `Site` with the abstract shape of its
@@ -173,12 +169,6 @@ class DiscoveryRecorder(Recorder):
 
     def discovered(self) -> list[Site]:
         return [site for site in self._sites if site is not None]
-
-    def checkpoint(self) -> int:
-        return len(self._sites)
-
-    def restore(self, checkpoint: int) -> None:
-        del self._sites[checkpoint:]
 
     def _restructure(self, name: str, value: Any) -> None:
         """The site's value is `value`, as it leaves a lifted transform
@@ -315,12 +305,6 @@ class RunRecorder(Recorder):
 
     def discovered(self) -> list[Site]:
         return []
-
-    def checkpoint(self) -> None:
-        return None
-
-    def restore(self, checkpoint: None) -> None:
-        pass
 
     def _apply_patch(self, name: str, patch: Any, value: Any) -> Any:
         if not callable(patch):

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import BridgeTypeError
 from . import backward, context
-from .naming import BodyTraces as BodyTraces
 from .naming import Call as Call
 from .naming import Naming
 from .recorders import DiscoveryRecorder, Recorder, RunRecorder
@@ -332,18 +331,6 @@ class Session:
     def discovered(self) -> list[Site]:
         """The sites a discovery found, in call-entry order."""
         return self.recorder.discovered()
-
-    def checkpoint(self) -> tuple[Any, Any]:
-        """The naming state now, to `restore` when a library traces a body
-        again (see `BodyTraces`): the names given, the sites listed."""
-        return self.naming.checkpoint(), self.recorder.checkpoint()
-
-    def restore(self, checkpoint: tuple[Any, Any]) -> None:
-        """Forget the calls since `checkpoint`: they were an earlier trace of
-        the same code, not new calls."""
-        naming, recorder = checkpoint
-        self.naming.restore(naming)
-        self.recorder.restore(recorder)
 
 
 def current() -> Session | None:

@@ -25,35 +25,6 @@ def strip_call_index(name: str) -> str:
     return base if sep and index.isdigit() else name
 
 
-#: What every `carrier_name` begins with.
-CARRIER_PREFIX = "bridge_"
-
-
-def carrier_name(
-    kind: str, method: str | None, index: int, tap: str | None = None
-) -> str:
-    """The name of what an adapter stores for one call of a site in its
-    library's own variables (Linen collections, Haiku state, NNX module
-    attributes) to carry it into or out of a lifted transform: its `kind`
-    (`epsilon`, `recording`, `patch`, `step`), then the call's method and
-    index. `bridge_epsilon:__call__#0`: `:` and `#` occur in no identifier,
-    so it never shadows a user's variable, submodule or attribute. Each call
-    has its own name, so the gradients of a shared module's calls are never
-    summed. A `bridge.tap` kept in the variables of the module calling it is
-    told from the module's own calls by its name: `bridge_epsilon:tap/h#0`."""
-    called = (method or "__call__") if tap is None else f"tap/{tap}"
-    return f"{CARRIER_PREFIX}{kind}:{called}#{index}"
-
-
-def is_carrier_name(name: Any) -> bool:
-    """Whether a variable's name is one `carrier_name` gives."""
-    if not (isinstance(name, str) and name.startswith(CARRIER_PREFIX)):
-        return False
-    kind, colon, call = name[len(CARRIER_PREFIX) :].partition(":")
-    method, hash_sign, index = call.rpartition("#")
-    return bool(kind and colon and method and hash_sign and index.isdigit())
-
-
 def key_name(key: Any) -> str:
     """One entry of a JAX key path as a path component: a field (`layers`), a
     dict key or an index (`0`), as sites and parameters are named."""
