@@ -419,12 +419,6 @@ CORE_INTERNALS = {
 INTERNALS = {
     *ADAPTERS.glob("*/internals.py"),
     ADAPTERS / "shared" / "jax_internals.py",
-    # Equinox's while loops and closure conversion found by the frames of
-    # their private files, by every library's adapter (a model of any library
-    # may run them): outside `adapters/equinox/`, whose package imports
-    # Equinox. It goes when the core reads these loops from the computation
-    # (docs/architecture.md, "Sites read from the computation").
-    ADAPTERS / "shared" / "equinox_loops.py",
     *CORE_INTERNALS,
 }
 

@@ -39,7 +39,8 @@ from bridge.adapter_api import (
     route,
 )
 
-from ..shared import equinox_loops, jax_internals, unexpressible
+from ..shared import jax_internals
+from . import internals, loops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,26 +122,26 @@ def _in_equinox_loops(
     context: Context, path: str
 ) -> ThroughControlFlow | Refused | None:
     """For a call inside Equinox's while loops or the solves built on them
-    (read by `bridge.adapters.shared.equinox_loops`): the control-flow route
+    (read by `internals`): the control-flow route
     inside the checkpointed or bounded kind with `max_steps` (the core's one
     fallback: a `custom_vjp` whose backward pass calls the body again), or
     the router's refusal naming the loop or the solve. `None` elsewhere: the
     call is reported plainly."""
-    traces = list(unexpressible.traces(context.base_trace))
+    traces = list(loops.traces(context.base_trace))
     if not traces:
         return None
-    names = [unexpressible.name(trace) for trace in traces]
-    named = equinox_loops.blocking(traces, names)
-    flow = unexpressible.control_flow(context.base_trace)
+    names = [loops.name(trace) for trace in traces]
+    named = internals.blocking(traces, names)
+    flow = loops.control_flow(context.base_trace)
     in_loops = flow is not None and {CHECKPOINTED_WHILE, BOUNDED_WHILE} & set(
         flow.transforms
     )
     if in_loops:
         return ThroughControlFlow(flow)
-    if not named and not equinox_loops.running():
+    if not named and not internals.running():
         return None
     # JAX's transforms, each Equinox loop's traces named as one.
-    transforms = unexpressible.enclosing(context.base_trace, {})
+    transforms = loops.enclosing(context.base_trace)
     blocking = [_blocking(named.get(id(trace), "")) for trace in traces]
     if len(transforms) == len(traces):
         transforms = tuple(
@@ -157,8 +158,8 @@ def _in_equinox_loops(
 
 
 def _blocking(name: str) -> Transform | None:
-    """An Equinox loop or solve `equinox_loops` refuses, as a transform."""
-    refused = equinox_loops.refusal(name)
+    """An Equinox loop or solve `internals.refusal` refuses, as a transform."""
+    refused = internals.refusal(name)
     return None if refused is None else Transform(name, Rule.BLOCKS, *refused)
 
 
@@ -166,7 +167,7 @@ def _mapped_origin(context: Context, args: tuple) -> Mapped | None:
     """For a call inside the model's own vmaps (those directly around it),
     how they mapped its first array argument; `None` elsewhere, or where
     that cannot be read."""
-    names = unexpressible.transform_names(context.base_trace) or ()
+    names = loops.transform_names(context.base_trace) or ()
     depth = next((i for i, name in enumerate(names) if name != "vmap"), len(names))
     arrays = [leaf for leaf in jax.tree.leaves(args) if eqx.is_array(leaf)]
     if not depth or not arrays:

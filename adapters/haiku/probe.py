@@ -33,7 +33,7 @@ from bridge.adapter_api import (
     Session,
 )
 
-from ..shared import guests, unexpressible
+from ..shared import guests
 from .run import Interceptor
 
 _PLAIN_USAGE = (
@@ -147,7 +147,6 @@ class HaikuProbe(ProbeBase):
     def _run(
         self, trainable: Any, args: tuple, kwargs: dict, session: Session
     ) -> tuple[Any, Any]:
-        unexpressible.refuse_patched(session)
         model_kwargs = {k: v for k, v in kwargs.items() if k != "rng"}
         leading = (kwargs.get("rng"),) if self.takes_rng else ()
         state = (self.state,) if self.with_state else ()

@@ -173,7 +173,7 @@ class Transform:
     takes_mapped: bool = False
 
 
-#: JAX's transforms (a trace's name, as `bridge.adapters.shared.unexpressible`
+#: JAX's transforms (a trace's name, as `bridge.adapters.equinox.loops`
 #: reads it) and their rules; an adapter adds its library's and gives its
 #: own way out where JAX's is not its users'.
 JAX_RULES: Mapping[str, Transform] = {

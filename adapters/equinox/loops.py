@@ -1,30 +1,26 @@
-"""What encloses a call, read off JAX's trace stack for the core's router;
-and the sites the router refuses: listed, run as they are, refused only
-where selected or patched.
+"""Where a call runs inside Equinox's while loops: the adapter's side of the
+core's one fallback.
 
-`enclosing` names the transforms between a call and the probe's call of the
-model, innermost first, each with its rule (the adapter's over JAX's,
-`bridge.adapter_api.JAX_RULES`); `route` asks the router
-(`bridge.adapter_api.route`) and, inside branches and loops of known bounds
-only, reads where the call runs (`control_flow`, a `ControlFlow`), which the
-adapter hands to `Session.call_in_control_flow`.
+Inside Equinox's checkpointed or bounded while loop (a `custom_vjp`, whose
+backward pass calls the body again where the computation JAX builds does
+not show it) a call cannot be read from the computation. There it takes
+the session's control-flow route (`Session.call_in_control_flow`), for
+which this module reads the loops around the call: `enclosing` names the
+transforms between a call and the probe's call of the model, innermost
+first, each with its rule (JAX's, `bridge.adapter_api.JAX_RULES`, and the
+loops', `internals.RULES`), each Equinox loop's traces named as one;
+`control_flow` reads where the call runs (a `ControlFlow`: each loop's row
+and bound, from the loop's counter). A call there that no route reaches is
+refused with the router's sentence (`bridge.adapter_api.route`), naming the
+loop or the solve that holds it.
 
-A call the router refuses (a `while_loop`, whose iterations are not known; a
-branch inside a scanned stack; a scan or vmap that broadcasts the
-parameters, so one epsilon would serve every iteration) must not cost the
-other sites anything. Discovery lists it with the shape its value has for
-the model (the axes of the model's own `vmap`s around it in front, a scan's
-iterations first, as the contract lays sites out: `listed`), with its
-origin's `blocked` the router's sentence; `at=None` leaves it out
-(`bridge._probe.selection.select`), and selecting or patching it raises
-that sentence (`refuse_patched`).
-
-The trace stack is read through `bridge.adapters.shared.jax_internals`.
+The trace stack is read through `bridge.adapters.shared.jax_internals`,
+Equinox's frames through `internals`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from bridge.adapter_api import (
@@ -32,14 +28,13 @@ from bridge.adapter_api import (
     CHECKPOINTED_WHILE,
     FORI_LOOP,
     JAX_RULES,
-    BridgeValueError,
     ControlFlow,
     Rule,
-    Session,
     Transform,
 )
 
-from . import equinox_loops, jax_internals
+from ..shared import jax_internals
+from . import internals
 
 #: A scan's name, and the loop JAX makes a `fori_loop` of static bounds.
 SCANS = frozenset({"scan", "fori_loop"})
@@ -82,7 +77,7 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     Equinox loop named as one (the checkpointed kind's `jit`:
     `CHECKPOINTED_WHILE`; the bounded kind's nest of `cond`, `scan` and
     `checkpoint`: `BOUNDED_WHILE`), a `jit` that is a closure conversion
-    named so (`equinox_loops.closure_converted`); the traces;
+    named so (`internals.closure_converted`); the traces;
     and `{id of a loop's counter's trace: (step, max_steps, runs)}`. `None`
     where the trace stack cannot be read to `base`."""
     transforms = transform_names(base)
@@ -92,16 +87,14 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     index = {id(trace): i for i, trace in enumerate(stack)}
     loops = {}
     within = {}  # positions of the loops' traces: the loop's name
-    for step, max_steps, runs, depth in equinox_loops.running():
+    for step, max_steps, runs, depth in internals.running():
         start = index.get(id(jax_internals.trace_of(step)))
         if start is None or not depth:  # outside `base`, or no trace of its own
             continue
         if start + depth > len(stack):
             return None
         nest = range(start, start + depth)
-        if depth > 1 and not all(
-            transforms[i] in equinox_loops.BOUNDED_NEST for i in nest
-        ):
+        if depth > 1 and not all(transforms[i] in internals.BOUNDED_NEST for i in nest):
             return None
         loops[id(stack[start])] = (step, max_steps, runs)
         within.update(
@@ -111,7 +104,7 @@ def _read(base: Any) -> tuple[tuple[str, ...], list, dict] | None:
     if any(t in _JITS for t in transforms):
         # A `jit` trace is the model's `jax.jit`, traced through, or a
         # closure conversion, which blocks.
-        converted = equinox_loops.closure_converted(stack, transforms)
+        converted = internals.closure_converted(stack, transforms)
         transforms = tuple(
             converted.get(id(trace), t) if t in _JITS else t
             for trace, t in zip(stack, transforms, strict=True)
@@ -158,14 +151,14 @@ def control_flow(base: Any) -> ControlFlow | None:
     return ControlFlow(transforms, tuple(lengths), tuple(rows), runs)
 
 
-def enclosing(base: Any, rules: Mapping[str, Transform]) -> tuple[Transform, ...]:
+def enclosing(base: Any) -> tuple[Transform, ...]:
     """The transforms between here and `base` (the trace of the adapter's
-    call of the model), innermost first, each with its rule: the adapter's
-    `rules` over JAX's (`JAX_RULES`), by JAX's name (`_read`). One that
+    call of the model), innermost first, each with its rule: Equinox's loops'
+    (`internals.RULES`) and JAX's (`JAX_RULES`), by JAX's name (`_read`). One that
     neither knows blocks. Where the trace stack cannot be read to `base`
     (jax < 0.6.2 records no parent of a jaxpr trace), those it reads, then
     one that blocks standing for the rest (`UNKNOWN_TRANSFORM`)."""
-    known = {**JAX_RULES, **equinox_loops.RULES, **rules}
+    known = {**JAX_RULES, **internals.RULES}
 
     def rule(traced: str) -> Transform:
         return known.get(traced) or Transform(f"jax's {traced}", Rule.BLOCKS)
@@ -184,15 +177,3 @@ _UNRECORDED = Transform(
     "bridge cannot tell which transforms hold the call",
     "upgrade jax: bridge reads the transforms around a call from jax 0.6.2",
 )
-
-
-def refuse_patched(session: Session) -> None:
-    """Before a run: a patched (or selected) site that bridge cannot express
-    raises its reason, before any work."""
-    for argument, sites in (("patch", session.patched), ("at", session.selected)):
-        for site in sites.values():
-            if site.refused:
-                raise BridgeValueError(
-                    f"`{argument}` names {site.name!r}, a site bridge lists but "
-                    f"cannot probe: {site.refused}"
-                )
