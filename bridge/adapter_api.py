@@ -199,17 +199,12 @@ from ._session.routing import CONVERTED as CONVERTED
 from ._session.routing import CONVERTED_FIX as CONVERTED_FIX
 from ._session.routing import JAX_RULES as JAX_RULES
 from ._session.routing import LOOP_AMONG as LOOP_AMONG
-from ._session.routing import PLAIN as PLAIN
 from ._session.routing import UNBOUNDED_LOOP as UNBOUNDED_LOOP
-from ._session.routing import Carried as Carried
-from ._session.routing import Mapped as Mapped
 from ._session.routing import Refused as Refused
-from ._session.routing import Route as Route
 from ._session.routing import Rule as Rule
-from ._session.routing import ThroughControlFlow as ThroughControlFlow
 from ._session.routing import Transform as Transform
+from ._session.routing import blocked as blocked
 from ._session.routing import refusal as refusal
-from ._session.routing import route as route
 from ._session.session import Request as Request
 from ._session.session import Session as Session
 from ._session.session import current as current_session
@@ -230,15 +225,10 @@ from ._versions import unsupported as unsupported
 
 __all__ = [
     "BOUNDED_WHILE",
-    "route",
+    "blocked",
     "Transform",
-    "ThroughControlFlow",
     "Rule",
-    "Route",
     "Refused",
-    "Mapped",
-    "Carried",
-    "PLAIN",
     "LOOP_AMONG",
     "JAX_RULES",
     "Arrays",

@@ -131,14 +131,12 @@ RULES = {
         Rule.FLOWS,
         LOOP_AMONG,
         "move the other transform out of the loop",
-        nests=False,
     ),
     BOUNDED_WHILE: Transform(
         BOUNDED,
         Rule.FLOWS,
         LOOP_AMONG,
         "move the other transform out of the loop",
-        nests=False,
     ),
     CLOSURE_CONVERTED: Transform(
         CLOSURE_CONVERTED, Rule.BLOCKS, CONVERTED, CONVERTED_FIX

@@ -29,14 +29,14 @@ import jax.numpy as jnp
 from bridge.adapter_api import (
     BOUNDED_WHILE,
     CHECKPOINTED_WHILE,
+    ControlFlow,
     Refused,
     Rule,
     Session,
     SiteOrigin,
-    ThroughControlFlow,
     Transform,
+    blocked,
     current_session,
-    route,
 )
 
 from ..shared import jax_internals
@@ -95,9 +95,9 @@ def observed_call(
     if context is None or session is not context.session:
         return function(*args, **kwargs)
     found = _in_equinox_loops(context, path)
-    if isinstance(found, ThroughControlFlow):
+    if isinstance(found, ControlFlow):
         return session.call_in_control_flow(
-            path, method, module, args, found.flow, lambda: function(*args, **kwargs)
+            path, method, module, args, found, lambda: function(*args, **kwargs)
         )
     origin = _mapped_origin(context, args) if found is None else EquinoxLoop(found)
     call = session.enter(path, method, module, args, origin)
@@ -118,9 +118,7 @@ class EquinoxLoop(SiteOrigin):
         return self.refused.at(name)
 
 
-def _in_equinox_loops(
-    context: Context, path: str
-) -> ThroughControlFlow | Refused | None:
+def _in_equinox_loops(context: Context, path: str) -> ControlFlow | Refused | None:
     """For a call inside Equinox's while loops or the solves built on them
     (read by `internals`): the control-flow route
     inside the checkpointed or bounded kind with `max_steps` (the core's one
@@ -137,7 +135,7 @@ def _in_equinox_loops(
         flow.transforms
     )
     if in_loops:
-        return ThroughControlFlow(flow)
+        return flow
     if not named and not internals.running():
         return None
     # JAX's transforms, each Equinox loop's traces named as one.
@@ -153,8 +151,7 @@ def _in_equinox_loops(
         # function records no parent): the loops and solves named block,
         # then what stands for the rest.
         transforms = (*filter(None, blocking), transforms[-1])
-    found = route(path, transforms)
-    return found if isinstance(found, Refused) else None
+    return blocked(path, transforms)
 
 
 def _blocking(name: str) -> Transform | None:
@@ -221,10 +218,8 @@ def tap(context: Context, name: str, value: Any) -> Any:
     session = context.session
     path = session.naming.under_enclosing(name)
     found = _in_equinox_loops(context, path)
-    if isinstance(found, ThroughControlFlow):
-        return session.call_in_control_flow(
-            path, None, None, (), found.flow, lambda: value
-        )
+    if isinstance(found, ControlFlow):
+        return session.call_in_control_flow(path, None, None, (), found, lambda: value)
     if found is None:
         return session.tap_here(name, value)
     return session.exit(session.enter(path, None, None, (), EquinoxLoop(found)), value)

@@ -1,37 +1,28 @@
-"""How a call inside transforms reaches its site, decided once for every
-library.
+"""The one fallback's router: whether a call inside Equinox's while loops,
+or a solve built on them, has a way to its site, or the sentence refusing it.
 
-Between a module call (or a `bridge.tap`) and the probe's own call of the
-model stand the transforms of the model's code, JAX's and the library's. Each
-has one rule (`Rule`), as JAX's own interpreters keep one rule per primitive:
+Every other call is reported plainly and read from the computation JAX
+builds (`bridge._session.computation`). Inside Equinox's checkpointed or
+bounded while loop (a `custom_vjp`, whose backward pass calls the body again
+where the computation does not show it) the Equinox adapter reads the
+transforms around a call off JAX's trace stack (`Transform`s, innermost
+first, each with one `Rule`, as JAX's own interpreters keep one rule per
+primitive):
 
-- `THROUGH`: bridge traces through it (a `jax.jit` inside the model).
-- `MAPS`: the model's own `jax.vmap`, whose value bridge hands out whole, its
-  mapped axis first.
+- `THROUGH`: traced through (a `jax.jit` inside the model).
+- `MAPS`: the model's own `jax.vmap`.
 - `FLOWS`: a branch (`cond`, `switch`) or a loop of known bounds (a
-  `fori_loop` of static bounds, Equinox's checkpointed while loop), whose
-  value and whether it ran leave through the step's own backward pass.
-- `CARRIES`: a library's transform that carries bridge's variables in and
-  out (Flax's lifted `nn.scan`, `nnx.vmap`, Haiku's layer stack, Equinox's
-  scan over stacked layers, where the epsilons are leaves of the tree).
+  `fori_loop` of static bounds, Equinox's loops with `max_steps`), whose
+  value and whether it ran leave through the step's own backward pass
+  (`Session.call_in_control_flow`) where they alone enclose the call.
 - `BLOCKS`: none of these: a `while_loop`, whose iterations are known only
-  when it runs; a transform that carries none of bridge's state.
+  when it runs; a closure conversion; an optimistix solve.
 
-`route` reads the enclosing transforms (`Transform`s, innermost first) and
-gives the call's one `Route`: `PLAIN` (the probe's own trace), `Mapped`
-(inside the model's vmaps only), `ThroughControlFlow` (inside branches and
-loops of known bounds only), `Carried` (inside transforms the library carries
-through, with the model's vmaps inside the innermost), or `Refused` with the
-one sentence a user reads: the transform that blocks, the site, why, and the
-way out. The adapter says which rule each of its transforms has and how its
-library is left (the way out names the library's own construct); how each
-route is then taken (an epsilon on the probe's trace, handed out of a vmap,
-closed over by a branch, carried as a variable) is the adapter's and the
-session's.
-
-The reasons are properties of the construct, the same in every library (a
-branch may not run; a while loop's length is unknown; a loop or a map that
-broadcasts the layer gives one epsilon to every iteration).
+`blocked` gives the call's `Refused`, with the one sentence a user reads
+(the transform that blocks, the site, why, and the way out), or `None`
+where the call has a way. The reasons are properties of the construct, the
+same in every library (a branch may not run; a while loop's length is
+unknown).
 """
 
 from __future__ import annotations
@@ -39,29 +30,22 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 __all__ = [
     "BRANCH",
-    "CLOSED_OVER_LOOP",
     "CONVERTED",
     "CONVERTED_FIX",
     "JAX_RULES",
     "LOOP_AMONG",
-    "PLAIN",
     "TRACED_BOUNDS",
     "TRACED_BOUNDS_FIX",
     "UNBOUNDED_LOOP",
     "UNCARRIED",
-    "Carried",
-    "Mapped",
     "Refused",
-    "Route",
     "Rule",
-    "ThroughControlFlow",
     "Transform",
+    "blocked",
     "refusal",
-    "route",
 ]
 
 
@@ -99,13 +83,6 @@ UNBOUNDED_LOOP = (
     "epsilon or recording can be shaped for them"
 )
 
-#: A call in a loop that closes over the layer (not a scan over stacked
-#: layers): one epsilon would serve every iteration.
-CLOSED_OVER_LOOP = (
-    "the loop closes over the layer, so one epsilon would serve every "
-    "iteration and their gradients would be summed"
-)
-
 #: A call inside a function closure-converted (`jax.closure_convert`,
 #: `equinox.filter_closure_convert`, as solver libraries convert the function
 #: they solve): the conversion traces the function once, and every call of
@@ -135,7 +112,6 @@ class Rule(enum.Enum):
     THROUGH = "traced through"
     MAPS = "maps"
     FLOWS = "flows"
-    CARRIES = "carries"
     BLOCKS = "blocks"
 
 
@@ -144,33 +120,18 @@ class Transform:
     """One transform around a call.
 
     Attributes:
-      name: as the model's code writes it (`jax.lax.scan`, `nn.scan`), as a
-        refusal names it.
+      name: as the model's code writes it (`jax.lax.scan`,
+        `equinox.internal.while_loop`), as a refusal names it.
       rule: how bridge reaches a call inside it.
-      why: where it is what blocks the call, why (for `MAPS`: where another
-        transform stands between it and the call; for `FLOWS`: where other
-        transforms enclose it too; for `CARRIES`: where another that does
-        not nest is among the carriers too).
+      why: where it is what blocks the call, why (for `MAPS` and `FLOWS`:
+        where other transforms enclose the call too).
       fix: the way out, in the library's own terms.
-      nests: for `CARRIES`, false where bridge's state rides through it
-        only as the one such carrier around the call (Equinox's scan over
-        stacked layers: one stack at a time), true where any number nest;
-        for `FLOWS`, whether the library carries a call in it as it does in
-        its carriers, where other transforms enclose the call (Equinox's
-        tree route carries a branch, inside a scan over stacked layers or
-        around the model's own vmap).
-      takes_mapped: for `CARRIES` (and `FLOWS` where `nests`), whether the
-        library's route through it takes a call inside the model's own vmaps
-        directly around the call (Equinox's tree route hands the value out
-        to the body's trace); where not, the innermost vmap blocks.
     """
 
     name: str
     rule: Rule
     why: str = UNCARRIED
     fix: str = "move the call out of it"
-    nests: bool = True
-    takes_mapped: bool = False
 
 
 #: JAX's transforms (a trace's name, as `bridge.adapters.equinox.loops`
@@ -193,21 +154,18 @@ JAX_RULES: Mapping[str, Transform] = {
         Rule.FLOWS,
         BRANCH,
         "compute both branches and pick with jnp.where",
-        nests=False,
     ),
     "switch": Transform(
         "jax.lax.switch",
         Rule.FLOWS,
         BRANCH,
         "compute every branch and pick with jnp.where",
-        nests=False,
     ),
     "fori_loop": Transform(
         "jax.lax.fori_loop",
         Rule.FLOWS,
         LOOP_AMONG,
         "move the other transform out of the loop, or unroll the loop",
-        nests=False,
     ),
     "fori_loop (traced bounds)": Transform(
         "jax.lax.fori_loop with traced bounds",
@@ -231,52 +189,8 @@ JAX_RULES: Mapping[str, Transform] = {
 JAX_RULES = {**JAX_RULES, "while_cond": JAX_RULES["while_body"]}
 
 
-class Route:
-    """How a call reaches its site (`route`)."""
-
-
 @dataclasses.dataclass(frozen=True)
-class _Named(Route):
-    name: str
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-#: In the probe's own trace, or inside transforms bridge traces through.
-PLAIN: Route = _Named("PLAIN")
-
-
-@dataclasses.dataclass(frozen=True)
-class ThroughControlFlow(Route):
-    """Inside branches and loops of known bounds only (and what is traced
-    through): the session's control-flow route, where the call runs in
-    `flow` (a `ControlFlow`, which the adapter reads off JAX's traces;
-    `None` from `route`)."""
-
-    flow: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Mapped(Route):
-    """Inside `depth` of the model's own vmaps only: the value is handed out
-    whole, mapped axes first."""
-
-    depth: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Carried(Route):
-    """Inside transforms the library carries bridge's state through
-    (`transforms`, innermost first), and `depth` of the model's own vmaps
-    inside the innermost of them."""
-
-    transforms: tuple[Transform, ...]
-    depth: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Refused(Route):
+class Refused:
     """No route: the site is listed, and refused where selected or patched
     with `sentence`, naming `transform`: why it blocks there (`why`, with
     what else encloses the call) and the way out (`fix`). `at` writes the
@@ -297,40 +211,21 @@ class Refused(Route):
         return refusal(site, self.transform.name, self.why, self.fix)
 
 
-def route(site: str, enclosing: Iterable[Transform]) -> Route:
-    """The route of a call at `site` inside `enclosing` (innermost first)."""
+def blocked(site: str, enclosing: Iterable[Transform]) -> Refused | None:
+    """The refusal of a call at `site` inside `enclosing` (innermost first),
+    or `None` where it has a way: in the probe's own trace or inside
+    transforms traced through, inside the model's own vmaps only (read from
+    the computation), or inside branches and loops of known bounds only (the
+    control-flow route). A transform that blocks blocks first; then a branch
+    or loop among other transforms."""
     enclosing = tuple(enclosing)
     seen = [t for t in enclosing if t.rule is not Rule.THROUGH]
     rules = {t.rule for t in seen}
-    if not seen:
-        return PLAIN
-    if rules == {Rule.MAPS}:
-        return Mapped(len(seen))
-    if rules == {Rule.FLOWS}:
-        return ThroughControlFlow()
-    carriers = [t for t in seen if t.rule is Rule.CARRIES]
-    # A branch or a loop among other transforms blocks, unless the library
-    # carries it as it does its carriers.
-    carried_flows = [t for t in seen if t.rule is Rule.FLOWS and t.nests]
+    if rules <= {Rule.MAPS} or rules == {Rule.FLOWS}:
+        return None
     blocker = next((t for t in seen if t.rule is Rule.BLOCKS), None)
     if blocker is None:
-        blocker = next((t for t in seen if t.rule is Rule.FLOWS and not t.nests), None)
-    # The model's own vmaps directly around the call are handed out (to the
-    # innermost carrier's trace); one further out is not.
-    depth = next(i for i, t in enumerate(seen) if t.rule is not Rule.MAPS)
-    outer_vmap = next((t for t in seen[depth:] if t.rule is Rule.MAPS), None)
-    if blocker is None and outer_vmap is not None:
-        # Without a carrier, a branch the library would carry among them is
-        # what the vmap around it cannot be seen through.
-        blocker = outer_vmap if carriers else carried_flows[0]
-    if blocker is None:
-        sole = [t for t in carriers if not t.nests]
-        blocker = sole[1] if len(sole) > 1 else None
-    carried = tuple(carriers or carried_flows)
-    if blocker is None and depth and not carried[0].takes_mapped:
-        blocker = seen[0]  # the model's vmap the library's route cannot hand out
-    if blocker is None:
-        return Carried(carried, depth)
+        blocker = next(t for t in seen if t.rule is Rule.FLOWS)
     why = blocker.why
     if len(seen) > 1:
         why += f" (it runs inside {describe(enclosing)})"
