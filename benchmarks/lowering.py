@@ -19,9 +19,9 @@ reported, and its ratio to `plain`'s (the cold ones to `plain_cold`'s).
 
 Writes `DIR/lowering.jsonl` (one row per model and variant) and prints a
 table. `--profile` also writes `DIR/profile_MODEL_VARIANT.txt`: a cProfile of
-one more lowering of each variant (discovery warm), its top entries by
-cumulative and by own time. Tracing time depends on the host: run it where
-users run (NOTES: 2 CPU cores and a 13-core host disagree).
+one more lowering of each variant (discovery warm; the cold ones cold), its
+top entries by cumulative and by own time. Tracing time depends on the host:
+run it where users run (NOTES: 2 CPU cores and a 13-core host disagree).
 """
 
 from __future__ import annotations
@@ -61,13 +61,16 @@ def lower_once(step, first, x, clock=time.perf_counter, cold=False) -> float:
     return clock() - start
 
 
-def profile_once(step, first, x, path: str, top: int = 40) -> None:
+def profile_once(step, first, x, path: str, top: int = 40, cold=False) -> None:
     """cProfile of one lowering of a fresh function, as `lower_once` times it."""
     import cProfile
     import io
     import pstats
 
     fresh = lambda *a: step(*a)  # noqa: E731
+    if cold:
+        jax.clear_caches()
+        discovery_cache.CACHE.clear()
     gc.collect()
     profiler = cProfile.Profile()
     profiler.enable()
@@ -121,9 +124,10 @@ def main() -> None:
                 )
         best = {v: min(t) for v, t in times.items()}
         if options.profile:
-            for variant in VARIANTS:
+            for variant in (*VARIANTS, *COLD):
                 path = os.path.join(options.out, f"profile_{name}_{variant}.txt")
-                profile_once(steps[variant], first[variant], x, path)
+                step = COLD.get(variant, variant)
+                profile_once(steps[step], first[step], x, path, cold=variant in COLD)
         row = {
             "model": name,
             "size": options.size,

@@ -78,8 +78,12 @@ def pytest_collection_modifyitems(items):
     is in the slow tier: the jitted run traces the same Python, and CI keeps
     within its budget. The conformance suite's eager runs stay (where a slow
     mark does not say otherwise): every adapter is still run eagerly there.
+
+    A test of `COVERED_BY_ITS_VARIANTS` keeps in the default tier a covering
+    set of its variants (`_covered_variants`), the rest in the slow tier.
     """
     ids = {item.nodeid for item in items}
+    _covered_variants(items)
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None:
@@ -94,6 +98,57 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group("-".join(parts[:2])))
         if parts[0] == "torch":
             item.own_markers = [m for m in item.own_markers if m.name != "slow"]
+
+
+#: Tests over a product of two things (a library and a spelling of a loop, a
+#: model and a port's direction, an outer and an inner transform), each
+#: variant costly, whose default tier runs each value of each factor once.
+COVERED_BY_ITS_VARIANTS = frozenset(
+    {
+        "test_closed_over_scans.py::test_a_cell_a_scan_closes_over_is_a_site_per_step",
+        "test_control_flow.py::test_a_branch_site_holds_the_branch_that_ran_and_zeros_elsewhere",
+        "test_control_flow.py::test_one_call_in_a_branch_without_vmap_has_a_scalar_ran",
+        "test_control_flow.py::test_a_branch_site_the_loss_does_not_reach_says_where_it_ran",
+        "test_control_flow.py::test_a_site_in_a_fori_loop_holds_every_iteration",
+        "test_control_flow.py::test_jvp_along_a_branch_site_equals_its_gradient",
+        "test_control_flow.py::test_inputs_of_a_branch_site_are_recorded_where_it_ran",
+        "test_control_flow.py::test_every_branch_site_is_a_site_holding_every_example",
+        "test_control_flow.py::test_a_patch_in_a_branch_applies_where_it_runs",
+        "test_control_flow.py::test_jvp_along_every_iteration_of_a_loop_site",
+        "test_taps_traced_twice.py::test_a_tap_in_a_scan_traced_twice_is_one_site_of_every_iteration",
+        "test_taps_traced_twice.py::test_a_tap_in_a_scan_bound_at_import_is_one_site_of_every_iteration",
+        "test_cross_framework.py::test_ported_model_agrees_at_every_site",
+        "test_cross_framework.py::test_the_models_disagreed_before_the_transfer",
+        "test_cross_framework.py::test_transfer_equals_a_port_written_by_hand",
+        "test_cross_framework.py::test_compare_finds_no_divergence",
+        "test_cross_library.py::test_ported_model_agrees_at_every_site",
+        "test_routing.py::test_a_layer_in_two_transforms_is_probed_or_refused_naming_one",
+        "test_routing.py::test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router",
+        "test_llama_ports.py::test_compare_names_each_bug_at_its_layer",
+    }
+)
+
+
+def _covered_variants(items) -> None:
+    """For each test of `COVERED_BY_ITS_VARIANTS` (ids `FIRST-REST`: its
+    first factor, then the others), a variant whose first factor and whose
+    rest both ran in an earlier variant of the default tier is in the slow
+    tier: every library, every spelling, every direction still runs in CI,
+    not every pairing of them."""
+    seen: dict[str, tuple[set[str], set[str]]] = {}
+    for item in items:
+        test, _, rest = item.nodeid.partition("[")
+        module_test = test.rsplit("/", 1)[-1]
+        if module_test not in COVERED_BY_ITS_VARIANTS or not rest:
+            continue
+        if item.get_closest_marker("slow") is not None:
+            continue
+        first, _, others = rest.removesuffix("]").partition("-")
+        firsts, rests = seen.setdefault(module_test, (set(), set()))
+        if first in firsts and others in rests:
+            item.add_marker(pytest.mark.slow)
+        firsts.add(first)
+        rests.add(others)
 
 
 def _jitted_twin(nodeid: str) -> set[str]:

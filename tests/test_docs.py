@@ -103,7 +103,22 @@ def test_fences_are_parsed(tmp_path):
     assert python_blocks(page) == [(2, "x = 1\n"), (10, "y = x\n")]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+#: Pages whose blocks the default tier runs otherwise: the README's, each on
+#: its own (`test_every_readme_block_runs_on_its_own`), and Keras's page,
+#: whose calls tests/test_keras.py and the Grad-CAM recipe's blocks make.
+SLOW_PAGES = ("README.md", "docs/libraries/keras.md")
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(page, marks=pytest.mark.slow)
+        if _page_id(page) in SLOW_PAGES
+        else page
+        for page in PAGES
+    ],
+    ids=_page_id,
+)
 def test_python_blocks_run(page, tmp_path):
     blocks = python_blocks(page)
     code = "\n".join(source for _, source in blocks)

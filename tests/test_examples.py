@@ -97,9 +97,24 @@ def _skip_unless_installed(name):
             pytest.skip(f"{name} needs {package}")
 
 
-#: The costliest smoke runs, whose porting is tested on its own
-#: (tests/test_llama_ports.py, tests/test_hf_ports.py): local runs.
-SLOW_EXAMPLES = ("port_llama_equinox_nnx.py", "port_transformer.py")
+#: Smoke runs whose work the default tier runs elsewhere: the ports (tested
+#: on their own: tests/test_llama_ports.py, tests/test_hf_ports.py,
+#: tests/test_cross_framework.py, and docs/porting.md's blocks), the examples
+#: a recipe page of docs/recipes/ walks through (its blocks run in
+#: tests/test_docs.py), and Penzai's adapter (tests/test_penzai.py): local
+#: runs.
+SLOW_EXAMPLES = (
+    "port_llama_equinox_nnx.py",
+    "port_transformer.py",
+    "port_from_pytorch.py",
+    "porting.py",
+    "attention_attribution.py",
+    "gradient_flow.py",
+    "kfac.py",
+    "saliency.py",
+    "keras_grad_cam.py",
+    "penzai_adapter.py",
+)
 
 
 @pytest.mark.parametrize(
