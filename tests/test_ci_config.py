@@ -76,6 +76,43 @@ def test_ci_leaves_the_slow_tier_to_local_runs():
     assert "python -m pytest -q -n auto --dist loadgroup -m slow" in CONTRIBUTING
 
 
+class _Item:
+    """What `_covered_variants` reads of a collected test."""
+
+    def __init__(self, nodeid: str, slow: bool = False):
+        self.nodeid, self.slow = nodeid, slow
+
+    def get_closest_marker(self, name: str):
+        return name if name == "slow" and self.slow else None
+
+    def add_marker(self, marker) -> None:
+        self.slow = self.slow or marker.name == "slow"
+
+
+def test_a_covered_test_keeps_every_value_of_each_factor_in_the_default_tier():
+    import conftest
+
+    test = (
+        "tests/test_closed_over_scans.py::"
+        "test_a_cell_a_scan_closes_over_is_a_site_per_step"
+    )
+    ids = ["a-x", "a-y", "b-x", "b-y", "c-z", "c-x"]
+    items = [_Item(f"{test}[{variant}]") for variant in ids]
+    other = _Item("tests/test_core.py::test_other[a-x]")
+    already = _Item(f"{test}[d-w]", slow=True)
+    conftest._covered_variants([*items, other, already])
+    default = [v for v, item in zip(ids, items, strict=True) if not item.slow]
+    assert default == ["a-x", "a-y", "b-x", "c-z"]
+    assert not other.slow  # a test not listed keeps every variant
+    # Every value of each factor still runs in the default tier.
+    assert {v.split("-")[0] for v in default} == {"a", "b", "c"}
+    assert {v.split("-")[1] for v in default} == {"x", "y", "z"}
+    # A listed test's entry names a test that exists.
+    for entry in conftest.COVERED_BY_ITS_VARIANTS:
+        module, name = entry.split("::")
+        assert f"def {name}(" in (ROOT / "tests" / module).read_text(encoding="utf-8")
+
+
 def _exported_required() -> list[str]:
     (value,) = re.findall(
         r"^export BRIDGE_TEST_REQUIRED_IMPORTS=(.*)$", CI, re.MULTILINE
