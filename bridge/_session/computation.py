@@ -510,10 +510,16 @@ class Records:
 
 
 def evaluate(
-    jaxpr: Any, consts: Iterable[Any], args: Iterable[Any], planted: Planted
+    jaxpr: Any,
+    consts: Iterable[Any],
+    args: Iterable[Any],
+    planted: Planted,
+    layers: Mapping[int, Layer] = {},
 ) -> tuple[list[Any], Records]:
     """Run `jaxpr` on `args` with `planted` acted out at its markers:
-    `(outputs, Records)`."""
+    `(outputs, Records)`. Each of `layers` (`stacked_layers`, by its first
+    equation) runs as one function that every layer computing the same
+    shares (`_run_layer`)."""
     env: dict[Any, Any] = {}
 
     def read(atom: Any) -> Any:
@@ -524,7 +530,21 @@ def evaluate(
     for var, value in zip(jaxpr.invars, args, strict=True):
         env[var] = value
     records = Records()
-    for eqn in jaxpr.eqns:
+    shared: dict[tuple, Callable] = {}
+    eqns = jaxpr.eqns
+    index = 0
+    while index < len(eqns):
+        layer = layers.get(index)
+        if layer is not None and layer.shareable(planted):
+            invals = [read(v) for v in layer.inputs]
+            outvals, inner = _run_layer(layer, invals, planted, shared)
+            records.update(inner)
+            for var, value in zip(layer.outputs, outvals, strict=True):
+                env[var] = value
+            index = layer.stop
+            continue
+        eqn = eqns[index]
+        index += 1
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive is site_marker:
             outvals = _at_marker(eqn.params, invals, planted, records)
@@ -546,6 +566,171 @@ def evaluate(
         for var, value in zip(eqn.outvars, outvals, strict=True):
             env[var] = value
     return [read(v) for v in jaxpr.outvars], records
+
+
+# -- a stack of layers: one shared function ----------------------------------------
+
+#: What stands for a layer's own name in the jaxpr its stack shares.
+_LAYER = "@"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """Equations `start:stop` of a jaxpr: one call of a stack of layers that
+    compute the same (its value's marker last), as a jaxpr of its own whose
+    markers are named relative to the call (`name` becomes `_LAYER`).
+
+    JAX linearizes an inner `jax.jit` once per jaxpr and serves every later
+    call of it from its cache, but `jax.numpy`'s functions are inlined into
+    the jaxpr discovery traces: evaluated equation by equation, a stack of
+    twelve layers is linearized twelve times (`benchmarks/RESULTS_tpu.md`,
+    "Where a cold lowering goes"). Run as one shared function, once."""
+
+    start: int
+    stop: int
+    name: str
+    inputs: tuple
+    outputs: tuple
+    shared: Any
+    key: str
+    names: frozenset[str]
+
+    def relative(self, name: str) -> str:
+        return _LAYER + name[len(self.name) :]
+
+    def holds(self, name: str) -> bool:
+        return name == self.name or name.startswith(self.name + "/")
+
+    def shareable(self, planted: Planted) -> bool:
+        """Whether this run acts on the layer's sites by epsilons and
+        recordings alone: a patch is applied, and checked, under the site's
+        own name."""
+        patched = set(planted.patch_values) | set(planted.patch_functions)
+        return not (patched & self.names)
+
+
+def stacked_layers(jaxpr: Any) -> dict[int, Layer]:
+    """`{first equation: Layer}` of the calls of `jaxpr` that compute the same
+    as another: the calls at the shallowest depth of names (`a/b` is
+    deeper than `a`) where two do; `{}` where none does, or where this JAX's
+    jaxprs cannot be cut (the run then evaluates equation by equation)."""
+    eqns = jaxpr.eqns
+    markers = [
+        (i, eqn.params["name"])
+        for i, eqn in enumerate(eqns)
+        if eqn.primitive is site_marker and eqn.params.get("part", VALUE) == VALUE
+    ]
+    last_use: dict[Any, int] = {}
+    for i, eqn in enumerate(eqns):
+        for var in eqn.invars:
+            if not isinstance(var, Literal):
+                last_use[var] = i
+    for var in jaxpr.outvars:
+        if not isinstance(var, Literal):
+            last_use[var] = len(eqns)
+    for depth in sorted({name.count("/") for _, name in markers})[:3]:
+        ends = [(i, name) for i, name in markers if name.count("/") == depth]
+        starts = [0, *(i + 1 for i, _ in ends[:-1])]
+        # Only calls whose primitives match another's are compared in full.
+        outline = {
+            start: (
+                stop - start,
+                tuple(e.primitive.name for e in eqns[start : stop + 1]),
+            )
+            for start, (stop, _) in zip(starts, ends, strict=True)
+        }
+        repeated = {o for o in outline.values() if list(outline.values()).count(o) > 1}
+        try:
+            layers = [
+                _layer(jaxpr, start, stop + 1, name, last_use)
+                for start, (stop, name) in zip(starts, ends, strict=True)
+                if outline[start] in repeated
+            ]
+        except (AttributeError, TypeError):  # pragma: no cover - another JAX
+            return {}
+        keys = [layer.key for layer in layers]
+        found = {layer.start: layer for layer in layers if keys.count(layer.key) > 1}
+        if found:
+            return found
+    return {}
+
+
+def _layer(
+    jaxpr: Any, start: int, stop: int, name: str, last_use: Mapping[Any, int]
+) -> Layer:
+    eqns = jaxpr.eqns[start:stop]
+    defined: set[Any] = set()
+    inputs: list[Any] = []
+    for eqn in eqns:
+        for var in eqn.invars:
+            if not isinstance(var, Literal) and var not in defined:
+                if var not in inputs:
+                    inputs.append(var)
+        defined.update(eqn.outvars)
+    outputs = [
+        var for eqn in eqns for var in eqn.outvars if last_use.get(var, -1) >= stop
+    ]
+    # JAX's debug info, its argument names dropped (JAX before 0.5: none).
+    debug = getattr(jaxpr, "debug_info", None)
+    debug = debug.with_unknown_names() if hasattr(debug, "with_unknown_names") else None
+    own = jaxpr.replace(
+        constvars=[], invars=inputs, outvars=outputs, eqns=eqns, debug_info=debug
+    )
+    names = _names_in(own, {})
+    prefix = Layer(start, stop, name, (), (), None, "", frozenset())
+    renames = {n: prefix.relative(n) for n in names if prefix.holds(n)}
+    shared = _stripped(own, {}, renames)
+    # A marker of another call inside it (named absolutely): no other layer
+    # computes the same.
+    key = str(shared) if len(renames) == len(names) else f"{start}"
+    return Layer(start, stop, name, tuple(inputs), tuple(outputs), shared, key, names)
+
+
+def _run_layer(
+    layer: Layer, invals: list[Any], planted: Planted, shared: dict[tuple, Callable]
+) -> tuple[list[Any], Records]:
+    """`layer` run by the function its stack shares in this evaluation (one
+    per request of the layer's sites), and what it brings out, named again
+    under the layer's own name."""
+    names = layer.names
+    recorded = frozenset(layer.relative(n) for n in planted.recorded & names)
+    epsilons = {layer.relative(n): e for n, e in planted.epsilons.items() if n in names}
+    key = (layer.key, recorded, frozenset(epsilons))
+    run = shared.get(key)
+    if run is None:
+        inner = Planted(
+            structures={
+                layer.relative(n): s
+                for n, s in planted.structures.items()
+                if layer.holds(n)
+            },
+            epsilons={},
+            patch_values={},
+            patch_functions={},
+            recorded=recorded,
+            act=planted.act,
+            stacked={
+                layer.relative(n): k for n, k in planted.stacked.items() if n in names
+            },
+            dead=frozenset(layer.relative(n) for n in planted.dead & names),
+            patched=planted.patched,
+        )
+
+        def shared_layer(invals, epsilons):
+            outvals, records = evaluate(
+                layer.shared, [], invals, inner.inner(epsilons, {})
+            )
+            return outvals, records.as_tree()
+
+        run = shared[key] = jax.jit(shared_layer)
+    outvals, tree = run(invals, epsilons)
+    named = layer.name + "{}"
+    return list(outvals), Records.of_tree(
+        tuple(
+            {named.format(n[len(_LAYER) :]): v for n, v in part.items()}
+            for part in tree
+        )
+    )
 
 
 def _bind(eqn: Any, invals: list[Any]) -> Any:
@@ -849,6 +1034,7 @@ class Replay:
     inputs: Mapping[str, Structure] = dataclasses.field(default_factory=dict)
     vmapped: ProbeVmap | None = None
     _evaluations: dict = dataclasses.field(default_factory=dict, repr=False)
+    _layers: list = dataclasses.field(default_factory=list, repr=False)
 
     def evaluation(self, planted: Planted) -> Callable:
         """The jaxpr evaluated with what `planted` asks, as one `jax.jit` of
@@ -868,6 +1054,9 @@ class Replay:
         found = self._evaluations.get(key)
         if found is None:
             closed = self.closed_jaxpr
+            if not self._layers:
+                self._layers.append(stacked_layers(closed.jaxpr))
+            layers = self._layers[0]
 
             def evaluated(inputs, epsilons, patch_values):
                 flat, records = evaluate(
@@ -875,6 +1064,7 @@ class Replay:
                     closed.consts,
                     inputs,
                     planted.inner(epsilons, patch_values),
+                    layers,
                 )
                 activations: dict[str, Any] = {}
                 recorded_inputs: dict[str, Any] = {}
