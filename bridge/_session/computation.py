@@ -33,6 +33,7 @@ are known before any work.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -596,10 +597,13 @@ class Layer:
     names: frozenset[str]
 
     def relative(self, name: str) -> str:
-        return _LAYER + name[len(self.name) :]
+        return _relative(self.name, name)
+
+    def absolute(self, relative: str) -> str:
+        return self.name + relative[len(_LAYER) :]
 
     def holds(self, name: str) -> bool:
-        return name == self.name or name.startswith(self.name + "/")
+        return _holds(self.name, name)
 
     def shareable(self, planted: Planted) -> bool:
         """Whether this run acts on the layer's sites by epsilons and
@@ -607,6 +611,14 @@ class Layer:
         own name."""
         patched = set(planted.patch_values) | set(planted.patch_functions)
         return not (patched & self.names)
+
+
+def _relative(call: str, name: str) -> str:
+    return _LAYER + name[len(call) :]
+
+
+def _holds(call: str, name: str) -> bool:
+    return name == call or name.startswith(call + "/")
 
 
 def stacked_layers(jaxpr: Any) -> dict[int, Layer]:
@@ -639,7 +651,8 @@ def stacked_layers(jaxpr: Any) -> dict[int, Layer]:
             )
             for start, (stop, _) in zip(starts, ends, strict=True)
         }
-        repeated = {o for o in outline.values() if list(outline.values()).count(o) > 1}
+        counts = collections.Counter(outline.values())
+        repeated = {o for o, count in counts.items() if count > 1}
         try:
             layers = [
                 _layer(jaxpr, start, stop + 1, name, last_use)
@@ -648,8 +661,8 @@ def stacked_layers(jaxpr: Any) -> dict[int, Layer]:
             ]
         except (AttributeError, TypeError):  # pragma: no cover - another JAX
             return {}
-        keys = [layer.key for layer in layers]
-        found = {layer.start: layer for layer in layers if keys.count(layer.key) > 1}
+        keys = collections.Counter(layer.key for layer in layers)
+        found = {layer.start: layer for layer in layers if keys[layer.key] > 1}
         if found:
             return found
     return {}
@@ -660,12 +673,11 @@ def _layer(
 ) -> Layer:
     eqns = jaxpr.eqns[start:stop]
     defined: set[Any] = set()
-    inputs: list[Any] = []
+    inputs: dict[Any, None] = {}  # in order of first use
     for eqn in eqns:
         for var in eqn.invars:
             if not isinstance(var, Literal) and var not in defined:
-                if var not in inputs:
-                    inputs.append(var)
+                inputs.setdefault(var)
         defined.update(eqn.outvars)
     outputs = [
         var for eqn in eqns for var in eqn.outvars if last_use.get(var, -1) >= stop
@@ -674,11 +686,10 @@ def _layer(
     debug = getattr(jaxpr, "debug_info", None)
     debug = debug.with_unknown_names() if hasattr(debug, "with_unknown_names") else None
     own = jaxpr.replace(
-        constvars=[], invars=inputs, outvars=outputs, eqns=eqns, debug_info=debug
+        constvars=[], invars=list(inputs), outvars=outputs, eqns=eqns, debug_info=debug
     )
     names = _names_in(own, {})
-    prefix = Layer(start, stop, name, (), (), None, "", frozenset())
-    renames = {n: prefix.relative(n) for n in names if prefix.holds(n)}
+    renames = {n: _relative(name, n) for n in names if _holds(name, n)}
     shared = _stripped(own, {}, renames)
     # A marker of another call inside it (named absolutely): no other layer
     # computes the same.
@@ -724,12 +735,8 @@ def _run_layer(
 
         run = shared[key] = jax.jit(shared_layer)
     outvals, tree = run(invals, epsilons)
-    named = layer.name + "{}"
     return list(outvals), Records.of_tree(
-        tuple(
-            {named.format(n[len(_LAYER) :]): v for n, v in part.items()}
-            for part in tree
-        )
+        tuple({layer.absolute(n): v for n, v in part.items()} for part in tree)
     )
 
 
