@@ -154,7 +154,7 @@ def _minimum_runs() -> list[list[str]]:
 def test_each_minimum_run_requires_its_pins():
     runs = _minimum_runs()
     assert len(runs) == 2, runs
-    for name, _, pins, _, required in runs:
+    for name, _, pins, _, required, *_keyword in runs:
         expected = {_import_name(Requirement(pin).name) for pin in pins.split()}
         assert set(required.split()) == expected, name
 

@@ -41,7 +41,7 @@ from bridge.adapter_api import (
 )
 
 from .probe import clone_state
-from .run import Mapped
+from .run import VmappedInput
 from .surgery import is_function
 
 #: The step count written with a moved `mode="batch"` statistic (see above).
@@ -101,7 +101,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     found = []
     for call in filter(KINDS.keeps, _calls(probe, sites)):
         layer = KINDS.layer(call)
-        if isinstance(call.site.origin, Mapped):
+        if isinstance(call.site.origin, VmappedInput):
             outer = call.site.stacked + int(bool(probe.vmap))
             to_common = _around_the_layer(call.site.origin, outer, call.spatial, layer)
             layer = dataclasses.replace(layer, to_common=to_common)
@@ -109,7 +109,7 @@ def layers(probe: Any, sites: list[Site]) -> list[Layer]:
     return found
 
 
-def _around_the_layer(origin: Mapped, outer: int, spatial: int, layer: Layer):
+def _around_the_layer(origin: VmappedInput, outer: int, spatial: int, layer: Layer):
     """The common layout of a site inside the model's own vmaps: its mapped
     axes, held first (after `outer` iteration and batch axes), go back where
     the vmaps took them from in the layer's input, and the value then converts

@@ -57,7 +57,7 @@ CONTEXT: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 
 
 @dataclasses.dataclass(frozen=True)
-class Mapped(SiteOrigin):
+class VmappedInput(SiteOrigin):
     """Where the model's own vmaps took a call's input from.
 
     The site's value holds the mapped axes first, outermost first (the
@@ -99,7 +99,7 @@ def observed_call(
         return session.call_in_control_flow(
             path, method, module, args, found, lambda: function(*args, **kwargs)
         )
-    origin = _mapped_origin(context, args) if found is None else EquinoxLoop(found)
+    origin = _vmapped_input(context, args) if found is None else EquinoxLoop(found)
     call = session.enter(path, method, module, args, origin)
     return _report(session, call, function(*args, **kwargs))
 
@@ -160,7 +160,7 @@ def _blocking(name: str) -> Transform | None:
     return None if refused is None else Transform(name, Rule.BLOCKS, *refused)
 
 
-def _mapped_origin(context: Context, args: tuple) -> Mapped | None:
+def _vmapped_input(context: Context, args: tuple) -> VmappedInput | None:
     """For a call inside the model's own vmaps (those directly around it),
     how they mapped its first array argument; `None` elsewhere, or where
     that cannot be read."""
@@ -170,7 +170,7 @@ def _mapped_origin(context: Context, args: tuple) -> Mapped | None:
     if not depth or not arrays:
         return None
     axes = jax_internals.mapped_dims(arrays[0], jax_internals.current_trace(), depth)
-    return None if axes is None else Mapped(axes, jnp.ndim(arrays[0]))
+    return None if axes is None else VmappedInput(axes, jnp.ndim(arrays[0]))
 
 
 #: The wrappers `jax.jit` and `eqx.filter_jit` return, told by the public

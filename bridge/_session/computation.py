@@ -682,9 +682,13 @@ def _layer(
     outputs = [
         var for eqn in eqns for var in eqn.outvars if last_use.get(var, -1) >= stop
     ]
-    # JAX's debug info, its argument names dropped (JAX before 0.5: none).
+    # JAX's debug info, its argument and result names unknown ("", as JAX
+    # writes them): jax 0.5 to 0.9 warn of a jaxpr built without one.
     debug = getattr(jaxpr, "debug_info", None)
-    debug = debug.with_unknown_names() if hasattr(debug, "with_unknown_names") else None
+    if debug is not None:
+        debug = debug._replace(
+            arg_names=("",) * len(inputs), result_paths=("",) * len(outputs)
+        )
     own = jaxpr.replace(
         constvars=[], invars=list(inputs), outvars=outputs, eqns=eqns, debug_info=debug
     )
