@@ -187,28 +187,22 @@ def left_out_or_refused(run: Any, *sites: str) -> Any:
     return result
 
 
-def jaxpr_traces_record_their_parent() -> bool:
-    """Whether a jaxpr trace (of scan, checkpoint, cond, ...) records the
-    trace it runs in (jax >= 0.6.2): only then does bridge see sites inside
-    `lax.scan` and `jax.checkpoint` of the model's own code (Equinox), and
-    inside branches and loops of static bounds (every library); before, they
-    are listed and refused."""
+def jaxpr_traces_say_what_traced_them() -> bool:
+    """Whether a jaxpr trace's debug info names the transform that traced it
+    (`traced_for`: jax >= 0.6.2 keeps it on the trace): only then can a
+    refusal inside `jax.closure_convert` name the conversion; before, it
+    names a function the model's code traced apart."""
     from jax._src import core
 
     seen = []
 
     def f(x):
-        seen.append(hasattr(core.trace_ctx.trace, "parent_trace"))
+        frame = getattr(core.trace_ctx.trace, "frame", None)
+        seen.append(getattr(getattr(frame, "debug_info", None), "traced_for", None))
         return x
 
-    jax.make_jaxpr(f)(1.0)
-    return seen[0]
-
-
-NEEDS_JAXPR_PARENTS = pytest.mark.skipif(
-    not jaxpr_traces_record_their_parent(),
-    reason="sites inside jax.lax.scan / jax.checkpoint / control flow: jax >= 0.6.2",
-)
+    jax.closure_convert(f, 1.0)
+    return seen[0] == "closure_convert"
 
 
 def unrolled_linen_steps(step_fn, carry, xs, edits):

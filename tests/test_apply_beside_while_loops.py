@@ -26,11 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
+from helpers import nnx_supported
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 IN, WIDTH, OUT, BATCH, STEPS = 3, 4, 2, 6, 3
 X = jax.random.normal(jax.random.key(1), (BATCH, IN))

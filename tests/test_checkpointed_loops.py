@@ -20,11 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NEEDS_JAXPR_PARENTS
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 MAX_STEPS = 6
 WIDTH = 3

@@ -26,34 +26,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import NEEDS_JAXPR_PARENTS, leaves_out, nnx_supported
+from helpers import jaxpr_traces_say_what_traced_them, leaves_out, nnx_supported
 from jax.extend.core import jaxpr_as_fun
 
 import bridge
 
-pytestmark = NEEDS_JAXPR_PARENTS
-
 WIDTH, OUT, BATCH = 4, 2, 3
 X = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
-#: How each conversion is named where bridge refuses a call inside it: by
-#: its own name where the adapter's route reads the Python call stack; where
-#: the core reads the computation (an adapter reporting every call plainly,
-#: Haiku's), JAX's by its trace's name and Equinox's, traced as a `jax.jit`
-#: of its own, as a function traced apart.
+#: The conversions, by their names.
 NAMES = {"equinox": "equinox.filter_closure_convert", "jax": "jax.closure_convert"}
-READ_FROM_THE_COMPUTATION = {
-    "equinox": re.escape(
-        "a function the model's code traced apart and runs as a jaxpr (a closure "
-        "conversion such as equinox.filter_closure_convert, jax.make_jaxpr)"
-    ),
-    "jax": "jax.closure_convert",
-}
+#: How the core names a conversion where it refuses a call inside it: JAX's
+#: by its trace's name (where this jax keeps it), Equinox's, traced as a
+#: `jax.jit` of its own, as a function traced apart.
+TRACED_APART = re.escape(
+    "a function the model's code traced apart and runs as a jaxpr (a closure "
+    "conversion such as equinox.filter_closure_convert, jax.make_jaxpr)"
+)
 
 
-def named(library: str, conversion: str) -> str:
-    """The pattern of the conversion's name in `library`'s refusal."""
-    plainly = library in ("haiku", "equinox", "nnx")
-    return (READ_FROM_THE_COMPUTATION if plainly else NAMES)[conversion]
+def named(conversion: str) -> str:
+    """The pattern of the conversion's name in a refusal."""
+    if conversion == "jax" and jaxpr_traces_say_what_traced_them():
+        return "jax.closure_convert"
+    return TRACED_APART
 
 
 def converted(conversion, function, example):
@@ -202,7 +197,7 @@ def test_the_default_selection_leaves_the_conversion_out_and_probes_the_rest(
     def run(x):
         return probe.value_and_grad(loss_fn, x)
 
-    name = named(library, conversion)
+    name = named(conversion)
     said = rf"\('op'\).*bridge cannot see through {name} around site 'op'"
     with pytest.warns(bridge.BridgeWarning, match=said):
         res = run(x) if mode == "eager" else jax.jit(run)(x)
@@ -221,7 +216,7 @@ def test_selecting_or_patching_a_call_inside_a_conversion_names_it(
     trace for every call of the converted function) and the way out."""
     probe, _, x = BUILDERS[library](conversion, vmap)
     message = (
-        rf"'op'.*bridge cannot see through {named(library, conversion)} "
+        rf"'op'.*bridge cannot see through {named(conversion)} "
         r"around site 'op'.*"
         r"one epsilon would serve every call of the converted function.*"
         r"call the layer outside the converted function"

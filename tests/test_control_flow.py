@@ -27,11 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
+from helpers import nnx_supported
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 # -- offsets added by hand --------------------------------------------------------
 

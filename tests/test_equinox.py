@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from cases.equinox import batch_norm
 from helpers import (
-    NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
     value_and_grad_in,
 )
@@ -260,7 +259,6 @@ def _unrolled(scanned):
     return UnrolledStack(scanned.embed, layers, scanned.head)
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize(
     "mode, vmap, remat",
     [
@@ -343,7 +341,6 @@ class ScansItsLayers(eqx.Module):
         return jax.lax.scan(_step, x, self.layers)[0]
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_scan_body_jax_traced_before_still_gives_every_site():
     model = ScansItsLayers(_stacked_linears(jax.random.key(0)))
     probe = bridge.probe(model, vmap=True)
@@ -517,7 +514,6 @@ def test_mlp_scanning_its_hidden_layers_is_a_site_per_layer(mode):
     assert_tree_allclose(res.activation_grads, grads)
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_scanned_site_takes_patches_and_records_inputs_like_the_unrolled_model():
     # More in test_equinox_scan_interventions.py: references patched by hand,
     # jit, vmap=True, checkpointed bodies, and the errors.
@@ -1136,7 +1132,6 @@ def _batched_by_hand(model, x, offsets, patch=None):
     return outputs, values
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize(
     "mode, vmap, remat",
     [("eager", True, False), ("jit", True, True), ("jit", False, False)],
@@ -1236,7 +1231,6 @@ def _heads_by_hand(model, x, offset):
     return jax.lax.scan(step, x, (model.layers, offset))
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", MODES)
 def test_a_stack_of_heads_the_scanned_layer_maps_holds_every_head(mode):
     model = _stack_of_heads(jax.random.key(0))
@@ -1294,7 +1288,6 @@ class TapInTransform(eqx.Module):
         return self.last(_tapped_in(self.kind, self.first(x), self.hand))
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tap_inside_jax_checkpoint_is_a_site(mode):
     """A tap inside the model's own `jax.checkpoint` is read from the
@@ -1404,7 +1397,6 @@ def _twice_cos(v):
     return 2.0 * jnp.cos(v)
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize(
     "build",
     [
@@ -1479,7 +1471,6 @@ def test_a_tap_in_the_model_scan_is_a_site_per_iteration(mode, build):
     _near(forward.outputs, _by_hand(model, x, zeros, patch_fn=_twice_cos))
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", MODES)
 def test_a_forward_pass_records_a_tap_and_the_stacked_layers_of_one_scan(mode):
     """`apply` records a tap in the model's own scan over stacked layers (a
@@ -1560,7 +1551,6 @@ class CheckpointInScan(eqx.Module):
         return total
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", MODES)
 def test_a_checkpoint_inside_the_models_scan_is_read_from_the_computation(mode):
     """Once refused: the call in `jax.checkpoint` inside the scan's body is a

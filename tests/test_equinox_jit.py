@@ -20,11 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose
-from test_equinox import NEEDS_JAXPR_PARENTS
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 TOKENS, WIDTH, LAYERS, BATCH = 5, 4, 3, 2
 

@@ -29,7 +29,6 @@ import numpy as np
 import pytest
 from helpers import assert_tree_allclose
 from test_equinox import (
-    NEEDS_JAXPR_PARENTS,
     Checkpointed,
     ClosedOverCell,
     Dense,
@@ -39,8 +38,6 @@ from test_equinox import (
 )
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 ITERATIONS = 3
 X = jax.random.normal(jax.random.key(1), (5, 4))

@@ -20,11 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_equinox import NEEDS_JAXPR_PARENTS
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 TOKENS, WIDTH, LAYERS = 5, 4, 3
 X = jax.random.normal(jax.random.key(1), (TOKENS, 2))

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from cases.haiku import Model, _inputs, _random_params, batchnorm_net, call_name
 from helpers import (
-    NEEDS_JAXPR_PARENTS,
     add_at_float_leaves,
     assert_tree_allclose,
     numpy_snapshot,
@@ -661,7 +660,6 @@ def looped(x):
     return hk.fori_loop(0, 3, lambda i, h: jnp.tanh(cell(h)), h)
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_site_inside_hk_fori_loop_holds_every_iteration():
     """One Linear applied in every iteration: the site holds each
     iteration's value and gradient, and the Linear's bias gradient is their
@@ -761,7 +759,6 @@ def test_a_tap_inside_a_layer_stack_or_hk_scan_is_stacked_over_iterations(stack,
     )
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_tap_inside_hk_fori_loop_holds_every_iteration_not_a_sum():
     def looped(x):
         body = lambda i, x: x + bridge.tap("h", jnp.tanh(x))  # noqa: E731
@@ -991,7 +988,6 @@ def _tap_in_the_models_scan(x, offsets=None):
     return (y, {"first": first, "t": steps, "last": y}) if offsets else y
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_tap_in_the_models_own_lax_scan_is_a_site_of_every_iteration():
     """While a probe runs, the model's own `jax.lax.scan` counts its
     iterations: its body's tap (traced twice) is one site of every iteration,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases.haiku import Model, _inputs, call_name
-from helpers import NEEDS_JAXPR_PARENTS, assert_tree_allclose, random_like
+from helpers import assert_tree_allclose, random_like
 from test_haiku import (
     STACK,
     looped,
@@ -493,7 +493,6 @@ def test_a_patch_of_one_layers_shape_is_an_error_naming_the_stacked_shape(kind):
         probe.apply(*stack.args, patch={site: lambda v: v[..., :2]})
 
 
-@NEEDS_JAXPR_PARENTS
 def test_a_patch_inside_hk_fori_loop_applies_to_every_iteration():
     """The loop is `h = tanh(cell(h))` three times: a patch function zeroing
     `cell` gives zeros out; a patch value replaces each iteration's row, so

@@ -32,7 +32,6 @@ import numpy as np
 import pytest
 from helpers import (
     assert_tree_allclose,
-    jaxpr_traces_record_their_parent,
     nnx_supported,
 )
 
@@ -298,14 +297,11 @@ class Form:
         calls: dict[str, str],
         steps: bool = False,
         refused: str | None = None,
-        control_flow: bool = False,
     ):
         self.form, self.sites, self.user, self.calls = form, sites, user, calls
         self.steps = steps  # `x` has a steps axis
         # The transform named where selecting the user's calls is refused.
         self.refused = refused
-        # Its calls are per step or per branch (`NEEDS_JAXPR_PARENTS`).
-        self.control_flow = control_flow
 
     def __repr__(self):
         return self.form.__name__
@@ -329,7 +325,6 @@ FORMS = [
         nn.OptimizedLSTMCell,
         {"OptimizedLSTMCell_0": "scan_fn:"},
         steps=True,
-        control_flow=True,
     ),
     Form(
         scan_function,
@@ -337,7 +332,6 @@ FORMS = [
         Cell,
         {"Cell_0": "step:"},
         steps=True,
-        control_flow=True,
     ),
     Form(
         scan_class,
@@ -345,7 +339,6 @@ FORMS = [
         Cell,
         {"ScanCell_0": ":"},
         steps=True,
-        control_flow=True,
     ),
     Form(
         stack_function,
@@ -417,7 +410,6 @@ FORMS = [
         ["embed", *_block("Block_0"), *_block("Block_0", "#1"), "head"],
         Block,
         {"Block_0": "taken:", "Block_0#1": "other:"},
-        control_flow=True,
     ),
     Form(
         switch,
@@ -430,7 +422,6 @@ FORMS = [
         ],
         Block,
         {"Block_0": "first:", "Block_0#1": "second:", "Block_0#2": "third:"},
-        control_flow=True,
     ),
     Form(
         while_loop,
@@ -462,7 +453,6 @@ FORMS = [
             "Methods_0.left": ":left",
             "Methods_0.right": ":right",
         },
-        control_flow=True,
     ),
 ]
 
@@ -590,8 +580,6 @@ PROBED = [form for form in FORMS if form.refused is None]
 def test_the_users_calls_keep_their_values_and_gradients(form):
     """Selected by class, exactly the user's calls, each with Flax's value and
     gradient; eager and under `jax.jit`."""
-    if form.control_flow and not jaxpr_traces_record_their_parent():
-        pytest.skip("sites per step or per branch: jax >= 0.6.2")
     model, variables, x = _built(form)
     probe = bridge.probe(model, variables)
     values, grads, loss = reference(form)

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
-    NEEDS_JAXPR_PARENTS,
     assert_tree_allclose,
     assert_tree_equal,
     nnx_supported,
@@ -734,7 +733,6 @@ def _nested_by_hand(model, xs, offsets):
     return jnp.stack(ys), jnp.stack(values).reshape(offsets.shape)
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("mode", ["eager", "jit"])
 def test_a_tap_inside_an_nnx_scan_is_a_site_per_iteration(mode):
     """A tap in a scanned stack's body holds what the block's own site holds

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
+from helpers import nnx_supported
 
 import bridge
 from bridge.adapter_api import (
@@ -138,7 +138,6 @@ def _nested_model(library, inner, outer):
     return Nested()
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("library", ["equinox", "nnx"])
 @pytest.mark.parametrize("outer", NESTABLE)
 @pytest.mark.parametrize("inner", NESTABLE)
@@ -259,7 +258,6 @@ def _stacked_model(library, kind):
 PROBED_IN_A_STACK = {"jit", "cond", "fori_loop", "scan", "checkpoint", "vmap"}
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("library", ["linen", "nnx", "haiku"])
 @pytest.mark.parametrize("kind", INSIDE_A_STACK)
 def test_jax_transform_inside_a_librarys_stack_is_weighed_by_the_router(library, kind):

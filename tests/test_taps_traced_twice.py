@@ -31,12 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import NEEDS_JAXPR_PARENTS, nnx_supported
+from helpers import nnx_supported
 from jax.lax import scan as uncounted_scan
 
 import bridge
-
-pytestmark = NEEDS_JAXPR_PARENTS
 
 STEPS, IN, WIDTH, OUT, BATCH = 3, 3, 4, 2, 5
 X = jax.random.normal(jax.random.key(1), (BATCH, IN))

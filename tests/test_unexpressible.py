@@ -13,12 +13,12 @@ activations), eager and under `jax.jit`. Reverse-mode differentiation
 through a `while_loop` is JAX's own limit: a model with one is checked
 forward (`probe.apply`).
 
-Linen's `nn.scan` that broadcasts `params` (`nn.RNN`'s) is such a case only
-on jax without jaxpr parents (before 0.6.2). On newer jax it counts its steps
-while a probe runs, and a call in its body is a site per step, `(steps,
-batch, ...)`, checked against the steps unrolled in Python by hand: values,
-gradients of an offset per step and of one offset shared by every step,
-patches per step, beside the same checks of every other site.
+Linen's `nn.scan` that broadcasts `params` (`nn.RNN`'s) was such a case;
+now a call in its body is a site per step, `(steps, batch, ...)`, on every
+supported jax (read from the computation JAX builds), checked against the
+steps unrolled in Python by hand: values, gradients of an offset per step and
+of one offset shared by every step, patches per step, beside the same checks
+of every other site.
 """
 
 from __future__ import annotations
@@ -182,16 +182,6 @@ def _linen_plain(module, params, x):
     )(params)
 
 
-# With jaxpr parents (jax >= 0.6.2), Linen's `nn.scan` that broadcasts `params`
-# counts its steps while a probe runs: a call in its body is a site per step,
-# checked against the same step unrolled in Python by hand. Without them (the
-# floors), it stays refused.
-WITHOUT_JAXPR_PARENTS = pytest.mark.skipif(
-    helpers.jaxpr_traces_record_their_parent(),
-    reason="jax >= 0.6.2 probes a call in a broadcasting nn.scan per step",
-)
-
-
 def _keep(step, out):
     return out
 
@@ -286,7 +276,6 @@ def both_ways_whole(run, *args):
     return results
 
 
-@helpers.NEEDS_JAXPR_PARENTS
 def test_linen_rnn_cell_is_a_site_per_step_and_the_rest_probes():
     x = jax.random.normal(jax.random.key(1), (2, 3, 4))
     module = LinenRNN()
@@ -361,7 +350,6 @@ def test_linen_rnn_cell_is_a_site_per_step_and_the_rest_probes():
             assert_close(fwd.activations["cell/hi"], values["hi"])
 
 
-@helpers.NEEDS_JAXPR_PARENTS
 def test_linen_broadcast_scan_is_a_site_per_step_beside_a_sliced_scan():
     x = jax.random.normal(jax.random.key(1), (2, 3, 4))
     module = LinenScans()
@@ -412,61 +400,6 @@ def test_linen_broadcast_scan_is_a_site_per_step_beside_a_sliced_scan():
         assert_close(fwd.outputs, outputs)
         assert_close(fwd.activations["recurrent"], values[""])
         assert_close(fwd.activations["recurrent/mix"], mix_value)
-
-
-@WITHOUT_JAXPR_PARENTS
-def test_linen_rnn_cell_is_refused_without_jaxpr_parents_while_the_rest_probes():
-    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
-    module = LinenRNN()
-    probe, params = _linen(module, x)
-    sites = probe.sites(x)
-    # Every step's call, stacked: (steps, batch, features); carry, then output.
-    assert shapes(sites["cell"]) == (((3, 2, 5), (3, 2, 5)), (3, 2, 5))
-    assert shapes(sites["cell/hi"])[0] == (3, 5, 5)
-    assert_refused(probe, (x,), "cell", r"nn.scan around site 'cell': it broadcasts")
-    assert_refused(probe, (x,), "cell/hi", "nn.scan around site 'cell/hi'")
-    with pytest.raises(bridge.BridgeError, match="nn.scan"):
-        probe.value_and_grad(loss_fn, x, at=nn.OptimizedLSTMCell)
-    loss, grads = _linen_plain(module, params, x)
-    for res in both_ways(
-        lambda p, x: p.value_and_grad(loss_fn, x), probe, x, leaves_out=("cell",)
-    ):
-        assert set(res.activations) == {"embed", "rnn", "head"}
-        np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
-        assert_close(res.grads, grads)
-        grad = res.activation_grads
-        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
-        assert_close(bias_sum(grad["head"], 2), grads["head"]["bias"])
-
-        def after_rnn(h):
-            return loss_fn(nn.Dense(2).apply({"params": params["head"]}, h))
-
-        by_hand = jax.grad(after_rnn)(res.activations["rnn"])
-        assert_close(grad["rnn"], by_hand)
-
-
-@WITHOUT_JAXPR_PARENTS
-def test_linen_broadcast_scan_is_refused_without_jaxpr_parents_beside_a_sliced_scan():
-    x = jax.random.normal(jax.random.key(1), (2, 3, 4))
-    module = LinenScans()
-    probe, params = _linen(module, x)
-    sites = probe.sites(x)
-    assert shapes(sites["recurrent/mix"]) == (3, 2, 4)  # (steps, batch, features)
-    assert shapes(sites["stack/dense"]) == (2, 2, 3, 4)  # (layers, batch, ...)
-    assert_refused(probe, (x,), "recurrent/mix", "nn.scan around site")
-    loss, grads = _linen_plain(module, params, x)
-
-    def run(probe, x):
-        return probe.value_and_grad(loss_fn, x)
-
-    for res in both_ways(run, probe, x, leaves_out=("recurrent/mix",)):
-        assert "recurrent/mix" not in res.activations
-        assert_close(res.grads, grads)
-        grad = res.activation_grads
-        assert_close(bias_sum(grad["embed"], 2), grads["embed"]["bias"])
-        # One bias per layer of the sliced stack.
-        layers = grad["stack/dense"].sum(axis=(1, 2))
-        assert_close(layers, grads["stack"]["dense"]["bias"])
 
 
 def test_linen_vmap_broadcasting_params_is_a_site_per_step():
@@ -566,6 +499,7 @@ def _nnx_by_hand(model, kind, x, offsets):
     return model.head(jnp.tanh(h)), jnp.stack(values)
 
 
+@pytest.mark.skipif(not helpers.nnx_supported(), reason="NNX needs flax 0.12")
 @pytest.mark.parametrize("kind", ["scan", "vmap"])
 def test_nnx_module_broadcast_by_its_transform_is_a_site_per_step(kind):
     """One module for every step of an `nnx.scan` (an RNN's cell) or every
@@ -589,6 +523,7 @@ def test_nnx_module_broadcast_by_its_transform_is_a_site_per_step(kind):
         assert_close(res.grads, grads)
 
 
+@pytest.mark.skipif(not helpers.nnx_supported(), reason="NNX needs flax 0.12")
 def test_nnx_while_loop_is_refused_and_the_rest_is_recorded():
     x = jax.random.normal(jax.random.key(1), (5, 3))
     model = NnxModel("while", nnx.Rngs(0))
@@ -798,7 +733,6 @@ class EqxModel(eqx.Module):
         return self.head(jnp.tanh(h))
 
 
-@helpers.NEEDS_JAXPR_PARENTS
 @pytest.mark.parametrize("kind", ["counted_rnn", "rnn"])
 def test_equinox_the_same_rnn_in_the_model_s_own_scan_probes_every_site(kind):
     """With the model's own `jax.lax.scan` (counted while a probe runs), or

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
-    NEEDS_JAXPR_PARENTS,
     assert_equals_plain,
     assert_tree_allclose,
     tree_vdot,
@@ -734,7 +733,6 @@ def test_bert_sites_are_what_a_researcher_expects():
     assert sites["encoder"]["embeddings"].shape == (2, 6, 8)
 
 
-@NEEDS_JAXPR_PARENTS
 @pytest.mark.xdist_group("zoo-equinox-rnn-unrolled")
 def test_the_rnn_example_is_a_site_per_step_as_its_unrolled_twin():
     """Equinox's RNN example closes over its cell in `lax.scan`, which counts
