@@ -47,7 +47,6 @@ from jax.extend.core import Literal
 
 from .._errors import BridgeAssertionError, BridgeRuntimeError
 from . import liveness, sites
-from .backward import InControlFlow
 from .liveness import site_marker
 from .routing import CONVERTED, CONVERTED_FIX, UNBOUNDED_LOOP, refusal
 from .sites import Site, SiteOrigin, differentiable_part, origin_refusal, routes
@@ -249,9 +248,8 @@ def located(
     `jax.vmap`) given its true shape there, read from the jaxpr: the
     iterations of the scans around it first, then the model's mapped axes,
     then the value; and its refusal where a primitive around it has no
-    rule. A site an adapter's own route refused is the computation's where a
-    rule crosses every primitive around it. Other sites are returned as they
-    are.
+    rule. Other sites (a call on Equinox's loops' control-flow route among
+    them) are returned as they are.
 
     `traced_apart`: `{marker name: JAX's name of the trace}` of the calls
     reported without an origin whose value was a tracer of another trace
@@ -280,40 +278,13 @@ def located(
             sentence = _traced_apart(site.name, traced_apart[marker])
             placed.append(dataclasses.replace(site, origin=NoRule(sentence)))
             continue
-        if enclosure is None or not (enclosure.transforms or enclosure.mapped):
-            placed.append(site)
-            continue
         if (
-            isinstance(site.origin, InControlFlow)
-            and set(site.origin.transforms) <= _BRANCHES_AND_STATIC_LOOPS
-            and not enclosure.mapped
-            and enclosure.blocked(site.name) is None
-            and enclosure.iterations == site.origin.iterations
+            routed
+            or enclosure is None
+            or not (enclosure.transforms or enclosure.mapped)
         ):
-            # Branches and static `fori_loop`s: read from the computation,
-            # whose `scan` and `cond` rules bring the value (and where it
-            # ran) out with no backward pass, not through `backward`'s
-            # route, which differentiates the model even in `apply`. (A
-            # counted scan stays the adapters' for now: Flax's `nn.scan`
-            # runs its body once more outside the scan, and its marker
-            # there would be acted on too.)
-            placed.append(dataclasses.replace(site, computed=enclosure))
-            continue
-        if routed:
-            # An adapter's route refused it at one of JAX's transforms: the
-            # computation takes it where a rule crosses every primitive
-            # around it and no vmap of the model's maps it. (A refusal at a
-            # library's lifted transform, or under a vmap, stays: the
-            # adapter's route there carries state of its own until the
-            # adapter reports every call plainly.) The adapter listed it
-            # whole already.
-            if (
-                _refused_around_jax(site.refused)
-                and not enclosure.mapped
-                and enclosure.blocked(site.name) is None
-                and _stacked_as(site, enclosure.iterations)
-            ):
-                site = dataclasses.replace(site, computed=enclosure)
+            # Inside no transform; or a call on the control-flow route
+            # (inside Equinox's loops: the one fallback), listed by it.
             placed.append(site)
             continue
         leaves, treedef = jax.tree.flatten(site.struct)
@@ -341,26 +312,6 @@ def located(
         else:
             placed.append(dataclasses.replace(site, computed=enclosure))
     return placed
-
-
-#: The transforms (as `backward.ControlFlow` names them) around a call in
-#: branches and loops that the computation takes from the adapters' route.
-_BRANCHES_AND_STATIC_LOOPS = frozenset({"cond", "switch", "fori_loop"})
-
-
-def _stacked_as(site: Site, iterations: tuple[int, ...]) -> bool:
-    """Whether the adapter listed `site` stacked over exactly the scans the
-    computation finds around it (its epsilon's rows are then theirs)."""
-    leaves = [leaf for leaf in jax.tree.leaves(site.struct) if leaf is not None]
-    return site.stacked == len(iterations) and all(
-        tuple(leaf.shape[: len(iterations)]) == iterations for leaf in leaves
-    )
-
-
-def _refused_around_jax(sentence: str | None) -> bool:
-    """Whether an adapter's refusal (`routing.refusal`'s sentence) names one
-    of JAX's own transforms."""
-    return bool(sentence) and sentence.startswith("bridge cannot see through jax.")
 
 
 def _names_in(jaxpr: Any, cache: dict[int, frozenset[str]]) -> frozenset[str]:
