@@ -187,6 +187,23 @@ def left_out_or_refused(run: Any, *sites: str) -> Any:
     return result
 
 
+def jaxpr_traces_record_their_parent() -> bool:
+    """Whether a jaxpr trace records the trace it runs in (jax >= 0.6.2):
+    only then does the Equinox adapter read the transforms around a call
+    inside Equinox's while loops (the core's one fallback); before, it is
+    listed and refused, saying so."""
+    from jax._src import core
+
+    seen = []
+
+    def f(x):
+        seen.append(hasattr(core.trace_ctx.trace, "parent_trace"))
+        return x
+
+    jax.make_jaxpr(f)(1.0)
+    return seen[0]
+
+
 def jaxpr_traces_say_what_traced_them() -> bool:
     """Whether a jaxpr trace's debug info names the transform that traced it
     (`traced_for`: jax >= 0.6.2 keeps it on the trace): only then can a

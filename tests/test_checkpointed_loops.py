@@ -20,8 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jaxpr_traces_record_their_parent
 
 import bridge
+
+# The Equinox adapter reads the traces around a call in these loops (the
+# core's one fallback), which jax links from 0.6.2; before, the call is
+# listed and refused, naming that.
+pytestmark = pytest.mark.skipif(
+    not jaxpr_traces_record_their_parent(),
+    reason="sites inside Equinox's while loops: jax >= 0.6.2",
+)
 
 MAX_STEPS = 6
 WIDTH = 3
@@ -292,7 +301,13 @@ def test_a_site_in_an_optimistix_solve_is_refused_naming_the_solve(base):
 
 # -- diffrax: a neural ODE's vector field, one entry per solver step ------------------
 
-diffrax = pytest.importorskip("diffrax")
+try:
+    import diffrax
+except ImportError:  # the loops' own tests above still run (the floors)
+    diffrax = None
+
+#: A test of a diffrax solve (the floors install no diffrax).
+NEEDS_DIFFRAX = pytest.mark.skipif(diffrax is None, reason="diffrax is not installed")
 
 ODE_STEPS = 8
 DT = 0.125
@@ -341,6 +356,7 @@ class NeuralODE(eqx.Module):
         return y, jnp.stack(values)
 
 
+@NEEDS_DIFFRAX
 @pytest.mark.parametrize("adjoint", ["RecursiveCheckpointAdjoint", "DirectAdjoint"])
 def test_a_neural_odes_vector_field_site_holds_every_solver_step(adjoint):
     model = NeuralODE(jax.random.key(3), getattr(diffrax, adjoint)())
@@ -362,6 +378,7 @@ def test_a_neural_odes_vector_field_site_holds_every_solver_step(adjoint):
     assert_close(res.activation_grads[site], steps_first(grads))
 
 
+@NEEDS_DIFFRAX
 def test_a_diffrax_solve_with_an_implicit_adjoint_is_refused_naming_it():
     model = NeuralODE(jax.random.key(3), diffrax.ImplicitAdjoint())
     y0 = jax.random.normal(jax.random.key(4), (4, WIDTH))

@@ -21,6 +21,7 @@ import pytest
 from cases.equinox import batch_norm
 from helpers import (
     assert_tree_allclose,
+    jaxpr_traces_record_their_parent,
     value_and_grad_in,
 )
 from jax.lax import scan as uncounted_scan
@@ -1565,3 +1566,34 @@ def test_a_checkpoint_inside_the_models_scan_is_read_from_the_computation(mode):
     grad = jax.grad(lambda o: model.hand(xs, o) ** 2)(jnp.zeros((4, 3)))
     np.testing.assert_allclose(res.activation_grads["cell"], grad, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res.loss, model(xs) ** 2, rtol=1e-6)
+
+
+@pytest.mark.skipif(
+    jaxpr_traces_record_their_parent(),
+    reason="jax >= 0.6.2 probes it: tests/test_checkpointed_loops.py",
+)
+@pytest.mark.parametrize("kind", ["checkpointed", "bounded"])
+def test_a_site_in_an_equinox_while_loop_names_the_jax_it_needs(kind):
+    """Before jax 0.6.2 (the floor), a call inside Equinox's while loop is
+    listed and refused, saying which jax reads it; the rest of the model
+    probes, with plain JAX's numbers (the bounded kind's: plain JAX does not
+    differentiate Equinox 0.11's checkpointed kind on jax 0.4, bridge or
+    not)."""
+    from test_checkpointed_loops import LOOPS, Relax, inputs, loss_fn
+
+    model, x = Relax(jax.random.key(0), LOOPS[kind]), inputs()
+    probe = bridge.probe(model, vmap=True)
+    assert "cell" in probe.sites(x)
+    with pytest.raises(
+        bridge.BridgeValueError,
+        match=r"'cell'.*this jax does not record.*upgrade jax: bridge reads the "
+        r"transforms around a call from jax 0\.6\.2",
+    ):
+        probe.value_and_grad(loss_fn, x, at="cell")
+    if kind == "checkpointed":
+        return
+    res = jax.jit(lambda p, x: p.value_and_grad(loss_fn, x, at="head"))(probe, x)
+    loss, grads = eqx.filter_value_and_grad(lambda m: loss_fn(jax.vmap(m)(x)))(model)
+    np.testing.assert_allclose(res.loss, loss, rtol=1e-6)
+    # The head's bias gradient is its output's gradient summed over the batch.
+    assert_tree_allclose(res.activation_grads["head"].sum(0), grads.head.bias)
