@@ -303,10 +303,10 @@ def test_a_site_in_an_optimistix_solve_is_refused_naming_the_solve(base):
 
 try:
     import diffrax
-except ImportError:  # the loops' own tests above still run (the floors)
+except ImportError:  # the loops' own tests above run without it
     diffrax = None
 
-#: A test of a diffrax solve (the floors install no diffrax).
+#: A test of a diffrax solve.
 NEEDS_DIFFRAX = pytest.mark.skipif(diffrax is None, reason="diffrax is not installed")
 
 ODE_STEPS = 8
