@@ -1,11 +1,10 @@
-"""Equinox: tree surgery on a copy of the model, epsilon leaves in the tree.
+"""Equinox: tree surgery on a copy of the model, a wrapper around each layer.
 
-`probe`, `surgery` (the wrappers), `run` (a wrapper's call), `variables`
-(the leaves in the tree), `transforms` (`lax.scan` over stacked layers,
-`jax.checkpoint`), `jax_transforms` (the model's own `jax.vmap`, and the
-calls with no route), `internals`, `porting`, and `rules` (the call
-router's rules for Equinox, which decide each call's route): each name as
-`bridge.adapters` says.
+`probe`, `surgery` (the wrappers), `run` (a wrapper's call, reported
+plainly: where it runs the core reads from the computation), `loops` (where
+a call runs inside Equinox's while loops: the core's one fallback),
+`internals` (version-checked), `porting`: each name as `bridge.adapters`
+says.
 """
 
 from ..shared import jax_internals

@@ -11,7 +11,7 @@ first, each with its rule (JAX's, `bridge.adapter_api.JAX_RULES`, and the
 loops', `internals.RULES`), each Equinox loop's traces named as one;
 `control_flow` reads where the call runs (a `ControlFlow`: each loop's row
 and bound, from the loop's counter). A call there that no route reaches is
-refused with the router's sentence (`bridge.adapter_api.route`), naming the
+refused with the router's sentence (`bridge.adapter_api.blocked`), naming the
 loop or the solve that holds it.
 
 The trace stack is read through `bridge.adapters.shared.jax_internals`,

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -72,10 +72,6 @@ class VmappedInput(SiteOrigin):
       input_ndim: that argument's rank as the layer sees it.
     """
 
-    #: Where the call runs the core reads from the computation: this origin
-    #: only describes the inputs' layout.
-    routes: ClassVar[bool] = False
-
     input_axes: tuple[int | None, ...]
     input_ndim: int
 
@@ -109,8 +105,6 @@ class EquinoxLoop(SiteOrigin):
     """A call inside an Equinox loop or a solve built on one that no route
     reaches: the router's refusal, naming the loop or the solve and the way
     out, which the computation, seeing a `while` or a `custom_vjp`, cannot."""
-
-    routes: ClassVar[bool] = False
 
     refused: Refused
 

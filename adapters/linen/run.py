@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.linen as nn
 
@@ -95,10 +95,7 @@ class Origin(SiteOrigin):
     `bridge.transfer` (`bridge.adapters.linen.porting`): its module's scope
     path, and whether it runs inside an `apply` the model makes itself
     (`given`: a tied head's kernel, the embedding's transpose), whose
-    variables are the model's own arguments, not the probe's. The core
-    routes the call (`routes` is false)."""
-
-    routes: ClassVar[bool] = False
+    variables are the model's own arguments, not the probe's."""
 
     scope: tuple[str, ...]
     given: bool = False

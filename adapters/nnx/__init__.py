@@ -1,10 +1,9 @@
 """Flax NNX: graph surgery on a copy of the module, made inside the traced call.
 
 `probe`, `surgery` (the copy's reporting classes), `run` (the `Run` of the
-copy), `variables` (bridge's `nnx.Param` subclasses on the copy),
-`transforms` (NNX's lifted transforms), `carried` (a module `nnx.scan`
-carries), `jax_transforms`, `rules` (the call router's rules for NNX's
-transforms), `internals` (version-checked), `guest`,
+copy, which reports each call plainly: where it runs, NNX's lifted
+transforms included, the core reads from the computation), `variables`
+(the site path each module carries), `internals` (version-checked), `guest`,
 `porting`: each name as `bridge.adapters` says.
 """
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +152,7 @@ class InControlFlow(SiteOrigin):
     """The origin of a call inside branches and loops of static bounds
     (`ControlFlow`): its epsilon and patch value are closed over, its value
     and inputs leave through the backward pass (see the module docstring).
+    The core's one fallback: this route, not the computation, carries it.
 
     Attributes:
       transforms: as `ControlFlow.transforms`.
@@ -163,6 +164,8 @@ class InControlFlow(SiteOrigin):
         through.
       inner: the adapter's own origin of the call, where it has one.
     """
+
+    routes: ClassVar[bool] = True
 
     transforms: tuple[str, ...] = ()
     iterations: tuple[int, ...] = ()

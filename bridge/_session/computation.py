@@ -39,7 +39,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -235,7 +235,10 @@ def enclosures(closed_jaxpr: Any, part: str = VALUE) -> dict[str, Enclosure]:
 @dataclasses.dataclass(frozen=True)
 class NoRule(SiteOrigin):
     """The origin of a site the adapter reported without a route of its own,
-    inside a primitive no rule crosses: `blocked` is its refusal."""
+    inside a primitive no rule crosses: `blocked` is its refusal, which
+    the computation gave already."""
+
+    routes: ClassVar[bool] = True
 
     blocked: str | None = None
 

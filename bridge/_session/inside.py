@@ -66,7 +66,7 @@ import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -88,7 +88,10 @@ _lock = threading.Lock()
 
 @dataclasses.dataclass(frozen=True)
 class _Unreachable(SiteOrigin):
-    """The origin of a local the adapter cannot hand out: `Site.refused`."""
+    """The origin of a local the adapter cannot hand out: `Site.refused`,
+    refused before any computation."""
+
+    routes: ClassVar[bool] = True
 
     blocked: str
 

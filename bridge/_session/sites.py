@@ -45,19 +45,21 @@ class SiteOrigin:
     where it is selected or patched, naming the transform that holds it: it
     is listed by `sites()` and left out of `at=None`.
 
-    `routes`: whether the adapter's own route carries the call's epsilon and
-    value; an origin that only describes the call (the layout of its inputs,
-    for porting) leaves where it runs to the core, which reads it from the
-    computation as for a call reported without one. Such an origin may still
-    refuse the call, by a method `refusal_at(name)` giving the sentence for
-    the site's public name: the adapter names a construct of its library
+    `routes`: whether a route of the core's own carries the call's epsilon
+    and value (`bridge._session.backward.InControlFlow`, inside Equinox's
+    loops; a refusal made before any computation); false for an adapter's
+    origin, which only describes the call (the layout of its inputs, for
+    porting): where it runs the core reads from the computation, as for a
+    call reported without one. Such an origin may still refuse the call, by
+    a method `refusal_at(name)` giving the sentence for the site's public
+    name: the adapter names a construct of its library
     that the computation sees only as a `while` or a `custom_vjp` (an
     Equinox loop without `max_steps`, a solve), and the core lists the call
     whole and raises that sentence."""
 
     __slots__ = ()
 
-    routes: ClassVar[bool] = True
+    routes: ClassVar[bool] = False
     scan: tuple[int, bool] | None = None
     value: Any = None
     inputs: Any = None
@@ -83,10 +85,10 @@ class SiteOrigin:
 
 
 def routes(origin: Any) -> bool:
-    """Whether an adapter's `origin` of a call carries its route (any origin
-    an adapter gives but a `SiteOrigin` whose `routes` is false): where
-    not, the core reads where the call runs from the computation."""
-    return origin is not None and getattr(origin, "routes", True)
+    """Whether a route of the core's own carries the call of `origin`
+    (`SiteOrigin.routes`): where not (any origin an adapter gives), the core
+    reads where the call runs from the computation."""
+    return bool(getattr(origin, "routes", False))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
