@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -999,7 +1000,12 @@ class Replay:
     inputs: Mapping[str, Structure] = dataclasses.field(default_factory=dict)
     vmapped: ProbeVmap | None = None
     _evaluations: dict = dataclasses.field(default_factory=dict, repr=False)
-    _layers: list = dataclasses.field(default_factory=list, repr=False)
+
+    @functools.cached_property
+    def _layers(self) -> dict[int, Layer]:
+        """The jaxpr's stacks of layers (`stacked_layers`), found at its
+        first evaluation."""
+        return stacked_layers(self.closed_jaxpr.jaxpr)
 
     def evaluation(self, planted: Planted) -> Callable:
         """The jaxpr evaluated with what `planted` asks, as one `jax.jit` of
@@ -1019,9 +1025,7 @@ class Replay:
         found = self._evaluations.get(key)
         if found is None:
             closed = self.closed_jaxpr
-            if not self._layers:
-                self._layers.append(stacked_layers(closed.jaxpr))
-            layers = self._layers[0]
+            layers = self._layers
 
             def evaluated(inputs, epsilons, patch_values):
                 flat, records = evaluate(
