@@ -363,10 +363,13 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "Python again in every probed lowering; the TPU backend's rows "
             "of 2026-12-07 are the later run, where discovery of a "
             "`vmap=True` probe (Equinox's) traces one example. The rows shown "
-            "are the last run of 2026-12-07: every adapter reports every call "
-            "plainly and no function of JAX's is replaced while a probe runs.",
+            "are the run of 2026-12-08, where the run binds each layer of a "
+            "stack as one shared function (`docs/architecture.md`).",
             "",
         ] + lowering
+        notes = runs / "lowering" / "notes.md"
+        if notes.exists():
+            out += ["", notes.read_text().rstrip()]
     failed = failures(records)
     if failed:
         out += ["", "## Did not run", ""] + failed
