@@ -359,10 +359,7 @@ def report(records: list[dict], runs: pathlib.Path) -> str:
             "the same step or a restarted notebook cell costs); *cold*: "
             "JAX's caches and bridge's discovery cache cleared before each "
             "lowering (what the first lowering of a new shape costs), over "
-            "plain's cold lowering. Rows before 2026-12-07 ran the model's "
-            "Python again in every probed lowering; the TPU backend's rows "
-            "of 2026-12-07 are the later run, where discovery of a "
-            "`vmap=True` probe (Equinox's) traces one example. The rows shown "
+            "plain's cold lowering. The rows shown "
             "are the run of 2026-12-08, where the run binds each layer of a "
             "stack as one shared function (`docs/architecture.md`).",
             "",
